@@ -1,0 +1,1 @@
+"""Operator tools: audit SGLang deployments and logs, probe endpoints for leakage."""

@@ -1,0 +1,1 @@
+"""One module per `kvfence` subcommand; each exposes `register(subparsers)`."""

@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: router, workers and the handoff state machine."""

@@ -1,0 +1,1 @@
+"""Requests, scheduler, model runner, sampler and the engine loop."""

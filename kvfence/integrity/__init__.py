@@ -1,0 +1,1 @@
+"""Digests, canaries, manifests, verification and integrity records for KV handoffs."""

@@ -1,0 +1,1 @@
+"""KV layout, pool and page allocator."""

@@ -1,0 +1,97 @@
+"""The paged KV pool: the tensors that hold every layer's per-token buffers.
+
+What it knows: one tensor per (layer, buffer) of a `KVLayout`, shaped
+[num_pages, page_size, *token_shape], so one page of one buffer is a contiguous
+slice. It gives the attention code a flat per-slot view (slot = page * page_size +
+offset) and gives integrity/transfer code the raw bytes of a page in the layout's
+logical order, to read, write and poison.
+
+What it does not know: which request owns a page (that is the allocator), nor
+whether a page's content is valid. It never allocates; it only stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kvfence.kv.layout import KVLayout
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+        assert num_pages > 0, num_pages
+        self.layout = layout
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        # tensors[layer][buffer_name]: [num_pages, page_size, *token_shape]
+        self.tensors: list[dict[str, torch.Tensor]] = [
+            {
+                spec.name: torch.zeros(
+                    (num_pages, layout.page_size, *spec.token_shape), dtype=layout.dtype, device=self.device
+                )
+                for spec in layout.buffers
+            }
+            for _ in range(layout.num_layers)
+        ]
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.layout.bytes_per_page
+
+    def flat(self, layer: int, name: str) -> torch.Tensor:
+        """[num_slots, *token_shape] view of one layer's buffer, indexed by slot."""
+        t = self.tensors[layer][name]
+        return t.view(self.num_slots, *t.shape[2:])
+
+    def layer_buffers(self, layer: int) -> dict[str, torch.Tensor]:
+        """Flat views of every buffer of one layer, by name."""
+        return {spec.name: self.flat(layer, spec.name) for spec in self.layout.buffers}
+
+    def page_views(self, page: int) -> list[torch.Tensor]:
+        """Contiguous views of one page, in the layout's logical order (layer, buffer)."""
+        assert 0 <= page < self.num_pages, (page, self.num_pages)
+        return [
+            self.tensors[layer][spec.name][page]
+            for layer in range(self.layout.num_layers)
+            for spec in self.layout.buffers
+        ]
+
+    def page_memoryviews(self, page: int) -> list[memoryview]:
+        """Raw bytes of one page (CPU pools only), logical order, zero-copy."""
+        assert self.device.type == "cpu", "raw byte views need a CPU pool; copy pages to host first"
+        return [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in self.page_views(page)]
+
+    def read_page(self, page: int) -> bytes:
+        """A copy of one page's bytes in logical order."""
+        return b"".join(v.contiguous().view(torch.uint8).cpu().numpy().tobytes() for v in self.page_views(page))
+
+    def write_page(self, page: int, data: bytes | bytearray | memoryview) -> None:
+        """Overwrite one page with `bytes_per_page` bytes given in logical order."""
+        expected = self.layout.bytes_per_page
+        if len(data) != expected:
+            raise ValueError(f"page payload is {len(data)} bytes, layout needs {expected}")
+        src = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+        offset = 0
+        for view in self.page_views(page):
+            n = view.numel() * view.element_size()
+            view.view(torch.uint8).view(-1).copy_(src[offset : offset + n])
+            offset += n
+
+    def poison(self, pages: Iterable[int]) -> None:
+        """Fill pages with NaN (float dtypes) so any stale read shows up in the logits."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        if idx.numel() == 0:
+            return
+        for layer in self.tensors:
+            for t in layer.values():
+                t.index_fill_(0, idx, float("nan"))

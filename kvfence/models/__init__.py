@@ -1,0 +1,1 @@
+"""Model implementations that read and write a paged KV pool."""

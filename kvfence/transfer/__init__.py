@@ -1,0 +1,1 @@
+"""Transports that move KV pages between prefill and decode."""
