@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random Hugging Face model directories made by transformers' own classes.
+
+`tiny_llama_dir` is one session-wide Llama directory (read-only by convention); `make_model`
+builds a fresh directory per call in the test's tmp dir, with config overrides.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfence.models.default import make_tiny_model
+
+ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_hub() -> None:
+    """No test may reach the network: the Hugging Face hub is switched off for the session."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama (hidden 64, GQA 4/2 heads, vocab 2048) shared by the whole session; do not modify."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "LlamaForCausalLM", seed=0)
+
+
+@pytest.fixture
+def make_model(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: make_model(arch="LlamaForCausalLM", seed=0, **config_overrides) -> a new model directory."""
+    counter = iter(range(1_000_000))
+
+    def _make(architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any) -> Path:
+        return make_tiny_model(tmp_path / f"{architecture}-{next(counter)}", architecture, seed=seed, **overrides)
+
+    return _make
+
+
+@pytest.fixture
+def kvfence_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty, private KVFENCE_CACHE_DIR for tests that build the default model."""
+    d = tmp_path / "kvfence-cache"
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(d))
+    return d
