@@ -1,0 +1,384 @@
+"""Control-plane messages between the router and the prefill/decode workers.
+
+What it knows: every message the router and the workers exchange (registration, the
+per-request orders, progress, acks, aborts, streamed tokens), each a small frozen
+dataclass with a `kind` tag, and how to turn one into JSON bytes and back. Two
+channels carry them: `QueueChannel` (threads in one process, for fast tests) and
+`ZmqChannel` (a DEALER socket per worker talking to the router's ROUTER socket over
+TCP). Both have the same three verbs: `send`, `recv(timeout)`, `close`.
+
+What it does not know: KV bytes (those travel on the data plane, `kvfence.transfer`),
+what a worker does with an order, or how the router schedules.
+
+Message flow of one request (router = R, prefill = P, decode = D):
+    R -> D  DecodePrepare(prompt ids, expected_len, token_hash, params, deadline)
+    D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
+    R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
+    P -> R  PrefillSent(pages, manifest summary)                      (or RequestFailed)
+    D -> R  Tokens(...)*, the last one finished with the integrity record
+    D -> R  HandoffSettled(verified | rejected)  ->  R -> P  ReleaseSource
+    R -> P|D  Abort(reason)  on client disconnect, a failure on the other side, or a deadline
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# -- messages ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    """Worker -> router, once at start: who it is and what it can hold."""
+
+    kind: ClassVar[str] = "register"
+    role: str  # "prefill" | "decode"
+    worker_id: str
+    model_name: str
+    model_fingerprint: str
+    context_length: int
+    pool_tokens: int
+    page_size: int
+    dtype: str
+    layout_fingerprint: str
+    layout: dict[str, Any]  # KVLayout.describe()
+    handoff_address: str = ""  # decode: where its data plane listens ("tcp://host:port" or "local:<name>")
+    settings: dict[str, Any] = field(default_factory=dict)  # every resolved setting, for server_info
+
+
+@dataclass(frozen=True)
+class RegisterReply(Message):
+    kind: ClassVar[str] = "register_reply"
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DecodePrepare(Message):
+    """Router -> decode: reserve pages for `expected_len` tokens and wait for the handoff."""
+
+    kind: ClassVar[str] = "decode_prepare"
+    request_id: str
+    prompt_token_ids: list[int]
+    expected_len: int  # computed by the router from the prompt it admitted, never by prefill
+    token_hash: str  # likewise
+    params: dict[str, Any]  # SamplingParams fields
+    deadline_s: float  # seconds from receipt until the handoff must have verified
+
+
+@dataclass(frozen=True)
+class DecodeReserved(Message):
+    """Decode -> router: pages are reserved; prefill may send to `handoff_address`."""
+
+    kind: ClassVar[str] = "decode_reserved"
+    request_id: str
+    handoff_address: str
+    num_pages: int
+    transfer_info: dict[str, Any] = field(default_factory=dict)  # what prefill's sender needs (page ids, ...)
+
+
+@dataclass(frozen=True)
+class PrefillOrder(Message):
+    """Router -> prefill: run the prompt, send its KV to decode."""
+
+    kind: ClassVar[str] = "prefill_order"
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    handoff_address: str
+    transfer_info: dict[str, Any]
+    deadline_s: float  # seconds until prefill frees its source pages even without an ack
+
+
+@dataclass(frozen=True)
+class PrefillSent(Message):
+    """Prefill -> router: the KV and manifest are on their way (source pages still held)."""
+
+    kind: ClassVar[str] = "prefill_sent"
+    request_id: str
+    num_pages: int
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class HandoffSettled(Message):
+    """Decode -> router: the handoff ended; prefill may release its source pages."""
+
+    kind: ClassVar[str] = "handoff_settled"
+    request_id: str
+    verified: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ReleaseSource(Message):
+    """Router -> prefill: decode no longer needs the source pages of `request_id`."""
+
+    kind: ClassVar[str] = "release_source"
+    request_id: str
+    verified: bool
+
+
+@dataclass(frozen=True)
+class Tokens(Message):
+    """Decode -> router: new output tokens; the last one has finished=True and the integrity record."""
+
+    kind: ClassVar[str] = "tokens"
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    integrity: dict[str, Any] | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestFailed(Message):
+    """Worker -> router: this request cannot go on on this side (the router aborts the other side)."""
+
+    kind: ClassVar[str] = "request_failed"
+    request_id: str
+    role: str
+    reason: str
+    integrity: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Router -> worker: drop `request_id` and free (or quarantine) everything it holds."""
+
+    kind: ClassVar[str] = "abort"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerStats(Message):
+    """Worker -> router, every few hundred ms: live numbers for /metrics (pages, queues, handoffs)."""
+
+    kind: ClassVar[str] = "worker_stats"
+    role: str
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    kind: ClassVar[str] = "shutdown"
+
+
+_KINDS: dict[str, type[Message]] = {
+    cls.kind: cls
+    for cls in (
+        Register,
+        RegisterReply,
+        DecodePrepare,
+        DecodeReserved,
+        PrefillOrder,
+        PrefillSent,
+        HandoffSettled,
+        ReleaseSource,
+        Tokens,
+        RequestFailed,
+        Abort,
+        WorkerStats,
+        Shutdown,
+    )
+}
+
+
+def encode(msg: Message) -> bytes:
+    body = dataclasses.asdict(msg)
+    body["kind"] = msg.kind
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Message:
+    body = json.loads(data)
+    kind = body.pop("kind", None)
+    if kind not in _KINDS:
+        raise ValueError(f"unknown control message kind {kind!r}")
+    return _KINDS[kind](**body)
+
+
+# -- channels ---------------------------------------------------------------------------------------------
+# Worker end: `send(msg)`, `recv(timeout) -> msg | None`, `close()`; used by one thread (the worker loop).
+# Router end ("hub"): `send(worker_id, msg)` from any thread, `recv(timeout) -> (worker_id, msg) | None`
+# from one thread (the router's receiver), `close()`.
+
+
+class QueueChannel:
+    """Worker end of an in-process link; messages still go through encode/decode."""
+
+    def __init__(self, identity: str, inbox: queue.Queue[bytes], outbox: queue.Queue[tuple[str, bytes]]) -> None:
+        self.identity = identity
+        self._inbox = inbox
+        self._outbox = outbox
+        self.closed = False
+
+    def send(self, msg: Message) -> None:
+        self._outbox.put((self.identity, encode(msg)))
+
+    def recv(self, timeout: float | None = 0.0) -> Message | None:
+        """Next message, or None after `timeout` seconds (0 -> do not wait, None -> wait forever)."""
+        try:
+            if timeout is not None and timeout <= 0:
+                return decode(self._inbox.get_nowait())
+            return decode(self._inbox.get(timeout=timeout))
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class QueueHub:
+    """Router end of in-process links to workers running in threads of this process."""
+
+    def __init__(self) -> None:
+        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._workers: dict[str, queue.Queue[bytes]] = {}
+
+    def connect(self, identity: str) -> QueueChannel:
+        """A new worker end named `identity`."""
+        assert identity not in self._workers, identity
+        self._workers[identity] = queue.Queue()
+        return QueueChannel(identity, self._workers[identity], self._inbox)
+
+    def send(self, worker_id: str, msg: Message) -> None:
+        self._workers[worker_id].put(encode(msg))
+
+    def recv(self, timeout: float | None = 0.0) -> tuple[str, Message] | None:
+        try:
+            if timeout is not None and timeout <= 0:
+                wid, data = self._inbox.get_nowait()
+            else:
+                wid, data = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return wid, decode(data)
+
+    def close(self) -> None:
+        pass
+
+
+class ZmqChannel:
+    """Worker end over TCP: a DEALER socket (identity = worker id) connected to the router's ROUTER socket."""
+
+    def __init__(self, address: str, identity: str) -> None:
+        import zmq
+
+        self.identity = identity
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self.closed = False
+
+    def send(self, msg: Message) -> None:
+        self._sock.send(encode(msg))
+
+    def recv(self, timeout: float | None = 0.0) -> Message | None:
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        if self._sock.poll(ms, self._zmq.POLLIN) == 0:
+            return None
+        return decode(self._sock.recv())
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close(0)
+            self._ctx.term()
+
+
+class ZmqHub:
+    """Router end over TCP: a ROUTER socket bound on `host` (port 0 -> the OS picks one; see `address`).
+
+    The socket is touched only by the thread calling `recv`; `send` from other threads
+    queues the message and wakes that thread through a socket pair, so sends never wait
+    for a poll timeout.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        import socket
+
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker id raises instead of dropping
+        if port == 0:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+        self.address = f"tcp://{host}:{port}"
+        self._outgoing: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, worker_id: str, msg: Message) -> None:
+        self._outgoing.put((worker_id, encode(msg)))
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # the receiver is already awake (buffer full) or closing
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                wid, data = self._outgoing.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._sock.send_multipart([wid.encode(), data])
+            except self._zmq.ZMQError:
+                pass  # the worker is gone; its requests time out on the router
+
+    def recv(self, timeout: float | None = 0.0) -> tuple[str, Message] | None:
+        deadline_ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        with self._lock:
+            self._flush()
+            events = dict(self._poller.poll(deadline_ms))
+            if self._wake_r.fileno() in events:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            self._flush()
+            if self._sock in events or self._sock.poll(0, self._zmq.POLLIN):
+                wid, data = self._sock.recv_multipart()
+                return wid.decode(), decode(data)
+            return None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with self._lock:
+            self._flush()
+            self._sock.close(0)
+            self._ctx.term()
+            self._wake_r.close()
+            self._wake_w.close()
