@@ -1,0 +1,205 @@
+"""DeepSeek-V3 (MLA + MoE) and GLM-5 (MLA + MoE + DSA sparse attention) over the paged KV pool.
+
+What it knows: the decoder stack of `DeepseekV3ForCausalLM` and
+`GlmMoeDsaForCausalLM` (attention in `models.mla`, experts in `models.moe`, the
+sparse-attention indexer in `models.dsa`), their KV layouts, and how their Hugging
+Face checkpoints name each tensor: routed experts either one tensor per expert
+(`mlp.experts.{e}.gate_proj.weight`, what save_pretrained writes) or stacked
+(`mlp.experts.gate_up_proj`, the in-memory layout of transformers 5); multi-token
+prediction layers past `num_hidden_layers` are skipped.
+
+KV layout, per layer and token (what the verifier hashes and transfers):
+    DeepseekV3ForCausalLM: latent [kv_lora_rank], rope [qk_rope_head_dim]
+    GlmMoeDsaForCausalLM:  latent, rope, index_k [index_head_dim]
+Layers whose indexer is "shared" (they reuse the previous full layer's selection)
+have no index key of their own; they write zeros into their index_k slots so every
+byte of a page is defined and covered by the same digests as the rest.
+
+What it does not know: scheduling, sampling, or where the checkpoint files are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.errors import ModelLoadError
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.models.attention import store_kv
+from kvfence.models.dsa import Indexer
+from kvfence.models.mla import MLAttention, RMSNorm, Rotary
+from kvfence.models.moe import GatedMLP, MoE
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, rotary: Rotary, sparse_mlp: bool, indexer: bool) -> None:
+        super().__init__()
+        c = hf_config
+        self.self_attn = MLAttention(c, dtype, rotary)
+        if indexer:
+            self.self_attn.indexer = Indexer(c, dtype)  # checkpoint name: self_attn.indexer.*
+        self.mlp = MoE(c, dtype) if sparse_mlp else GatedMLP(c.hidden_size, c.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+
+class _MLAForCausalLM(nn.Module):
+    """Shared body; subclasses say whether the architecture has a DSA indexer."""
+
+    architecture: str = ""
+    config_class: str = ""
+    has_indexer: bool = False
+
+    # -- contract -----------------------------------------------------------------
+    @classmethod
+    def parse_config(cls, hf_config: Any) -> Any:
+        """Accept a transformers config object or a config.json dict."""
+        if isinstance(hf_config, dict):
+            import transformers
+
+            d = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+            return getattr(transformers, cls.config_class)(**d)
+        return hf_config
+
+    @classmethod
+    def kv_layout(cls, hf_config: Any, page_size: int, dtype: torch.dtype) -> KVLayout:
+        c = cls.parse_config(hf_config)
+        buffers = [KVBufferSpec("latent", (c.kv_lora_rank,)), KVBufferSpec("rope", (c.qk_rope_head_dim,))]
+        if cls.has_indexer:
+            buffers.append(KVBufferSpec("index_k", (c.index_head_dim,)))
+        return KVLayout(cls.architecture, c.num_hidden_layers, tuple(buffers), page_size, dtype)
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = self.parse_config(hf_config)
+        self.config = c
+        self.dtype = dtype
+        self.num_layers = c.num_hidden_layers
+        self.rotary = Rotary(c, c.qk_rope_head_dim)
+        self.indexer_types = list(getattr(c, "indexer_types", None) or []) if self.has_indexer else []
+        if self.has_indexer:
+            assert len(self.indexer_types) == self.num_layers, self.indexer_types
+            assert self.indexer_types[0] == "full", "the first layer must run its own indexer"
+        with torch.device("meta"):  # weights come from load_weights; skip random init
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+            self.model.layers = nn.ModuleList(
+                DecoderLayer(
+                    c,
+                    dtype,
+                    self.rotary,
+                    sparse_mlp=self._is_sparse_mlp(i),
+                    indexer=self.has_indexer and self.indexer_types[i] == "full",
+                )
+                for i in range(self.num_layers)
+            )
+            self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device="cpu")
+        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _is_sparse_mlp(self, layer: int) -> bool:
+        types = getattr(self.config, "mlp_layer_types", None)
+        if types is not None:
+            return types[layer] == "sparse"
+        return self.config.n_routed_experts is not None and layer >= self.config.first_k_dense_replace
+
+    # -- weights ------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; raises ModelLoadError on unknown, misshapen or missing tensors."""
+        params = dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers())
+        pending = set(params)
+        if self.tie_word_embeddings:
+            pending.discard("lm_head.weight")
+        expert_parts: dict[str, set[tuple[int, str]]] = {}
+        for name, tensor in weights:
+            layer = _LAYER_RE.match(name)
+            if layer and int(layer.group(1)) >= self.num_layers:
+                continue  # multi-token-prediction layers: not used for plain decoding
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            m = _EXPERT_RE.match(name)
+            if m:
+                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                self._load_expert(params, prefix, e, proj, tensor, name)
+                expert_parts.setdefault(prefix, set()).add((e, proj))
+                continue
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.architecture}")
+            self._copy(params[name], tensor, name)
+            pending.discard(name)
+            if name == "model.embed_tokens.weight" and self.tie_word_embeddings:
+                pending.discard("lm_head.weight")
+        for prefix, parts in expert_parts.items():
+            n = self.get_submodule(prefix).num_experts
+            if len(parts) == 3 * n:
+                pending.discard(f"{prefix}.gate_up_proj")
+                pending.discard(f"{prefix}.down_proj")
+        if pending:
+            raise ModelLoadError(f"checkpoint is missing {len(pending)} tensors, e.g. {sorted(pending)[:5]}")
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(src.to(dst.dtype))
+
+    def _load_expert(
+        self, params: dict[str, torch.Tensor], prefix: str, e: int, proj: str, tensor: torch.Tensor, name: str
+    ) -> None:
+        experts = self.get_submodule(prefix)
+        if not 0 <= e < experts.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {e} out of range")
+        inter = experts.intermediate
+        if proj == "down_proj":
+            self._copy(params[f"{prefix}.down_proj"][e], tensor, name)
+        else:
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            self._copy(params[f"{prefix}.gate_up_proj"][e, rows], tensor, name)
+
+    # -- forward ------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run the new tokens of `fb`, writing their KV into `pool`; logits [N, vocab] float32."""
+        assert pool.layout.num_layers == self.num_layers, (pool.layout.num_layers, self.num_layers)
+        x = self.model.embed_tokens(fb.input_ids)  # [T, hidden]
+        rope = self.rotary.table(fb.positions)  # cos/sin [T, Dr/2]
+        key_mask: torch.Tensor | None = None  # [B, Q, K] DSA selection, carried to "shared" layers
+        for i, layer in enumerate(self.model.layers):
+            cache = pool.layer_buffers(i)
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            query = attn.project_query(h)
+            if self.has_indexer:
+                if hasattr(attn, "indexer"):
+                    key_mask = attn.indexer(h, query.q_resid, rope, fb, cache["index_k"])
+                else:  # "shared" layer: no index key of its own; define its bytes as zeros
+                    store_kv(cache["index_k"], h.new_zeros(h.shape[0], cache["index_k"].shape[-1]), fb)
+            x = x + attn(h, rope, fb, cache, key_mask, query)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.model.norm(x[fb.logits_index])  # [N, hidden]
+        return self.lm_head(h).float()  # [N, vocab]
+
+
+class DeepseekV3ForCausalLM(_MLAForCausalLM):
+    architecture = "DeepseekV3ForCausalLM"
+    config_class = "DeepseekV3Config"
+    has_indexer = False
+
+
+class GlmMoeDsaForCausalLM(_MLAForCausalLM):
+    architecture = "GlmMoeDsaForCausalLM"
+    config_class = "GlmMoeDsaConfig"
+    has_indexer = True

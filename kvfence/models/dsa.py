@@ -1,0 +1,76 @@
+"""The DeepSeek sparse attention (DSA) indexer, as GLM-5 (GlmMoeDsa) uses it.
+
+What it knows: the indexer's own small projections (query heads from the MLA query
+latent, one key per token from the hidden state, a per-head weight per query), the
+index key it keeps per token in the pool ("index_k", [index_head_dim]: the
+LayerNorm-ed, rope-rotated key), and the selection rule: for each query, score every
+context key it may see as sum_h w_h * relu(q_h . k / sqrt(d)), keep the
+`index_topk` highest, and let attention see only those. A query with at most
+`index_topk` visible keys sees all of them.
+
+What it does not know: the attention itself (`models.mla`), nor which layers run an
+indexer: on GLM-5 "shared" layers reuse the selection of the last "full" layer
+(the model passes it along).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.models.attention import store_kv
+from kvfence.models.mla import RopeTable, apply_rope
+
+
+class Indexer(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints (`self_attn.indexer.*`)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = hf_config
+        assert c.q_lora_rank is not None, "the DSA indexer reads the query latent; q_lora_rank is required"
+        self.n_heads = c.index_n_heads
+        self.head_dim = c.index_head_dim
+        self.rope_dim = c.qk_rope_head_dim
+        self.topk = c.index_topk
+        assert self.head_dim >= self.rope_dim, (self.head_dim, self.rope_dim)
+        self.wq_b = nn.Linear(c.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
+        # kept in float32, as the reference implementation keeps it
+        self.weights_proj = nn.Linear(c.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.softmax_scale = self.head_dim**-0.5
+
+    def _rotate(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """x: [T, ..., D]: the first rope_dim features are rotated (interleaved pairs), the rest pass."""
+        x_rot, x_pass = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(x_rot, rope, interleaved=True), x_pass], dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeTable, fb: ForwardBatch, index_k: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this forward's index keys and select keys per query.
+
+        x: [T, hidden]; q_resid: [T, q_lora_rank]; index_k: [S, index_head_dim] flat pool view.
+        Returns key_mask [B, Q, K] bool: True where the query selected the key.
+        """
+        T = x.shape[0]
+        k = self._rotate(self.k_norm(self.wk(x)), rope)  # [T, Di]
+        store_kv(index_k, k, fb)
+        q = self._rotate(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), rope)  # [T, Hi, Di]
+        weights = self.weights_proj(x.float()) * self.n_heads**-0.5  # [T, Hi]
+
+        ctx_k = index_k[fb.kv_slots].float()  # [B, K, Di]
+        qb = q.float()[fb.q_index]  # [B, Q, Hi, Di]
+        per_head = F.relu(torch.einsum("bqhd,bkd->bqhk", qb, ctx_k) * self.softmax_scale)  # [B, Q, Hi, K]
+        scores = torch.einsum("bqh,bqhk->bqk", weights[fb.q_index], per_head)  # [B, Q, K]
+        visible = fb.attn_mask[:, 0]  # [B, Q, K]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        topk = min(self.topk, scores.shape[-1])
+        chosen = scores.topk(topk, dim=-1).indices  # [B, Q, topk]
+        key_mask = torch.zeros_like(visible).scatter_(-1, chosen, True)  # [B, Q, K]
+        return key_mask
