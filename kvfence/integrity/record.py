@@ -1,0 +1,138 @@
+"""Integrity records: one per request, saying how its KV handoff ended.
+
+What it knows: the fields every request's record carries (status verified /
+rejected / failed, or `unverified` when verification was switched off for a
+demonstration; reason code; tokens covered; pages; digest algorithm; layout
+fingerprint; timings), how to print it as one JSON log line and as the
+`kvfence.integrity` field of an API response, and the Prometheus counters that
+count them, held in a registry object the caller owns (no per-request globals).
+
+What it does not know: how the handoff went; `disagg.handoff` fills it in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvfence.integrity.digest import DIGEST_ALGORITHM
+from kvfence.integrity.verify import VERIFY_REASONS, Reason, VerifyResult
+
+STATUSES = ("verified", "rejected", "failed", "unverified")
+
+
+def status_for(result: VerifyResult | None, verified: bool = True) -> str:
+    """verified when ok; rejected when a check found bad pages; failed when the transfer never completed."""
+    if result is None:
+        return "failed"
+    if result.ok:
+        return "verified" if verified else "unverified"
+    return "rejected" if result.reason in VERIFY_REASONS else "failed"
+
+
+@dataclass(frozen=True)
+class IntegrityRecord:
+    request_id: str
+    status: str
+    reason: str | None
+    detail: str
+    tokens_expected: int
+    tokens_covered: int
+    pages: int
+    digest_algorithm: str = DIGEST_ALGORITHM
+    layout_fingerprint: str = ""
+    transfer_id: str = ""
+    role: str = "decode"
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: transfer, verify, total
+
+    def __post_init__(self) -> None:
+        assert self.status in STATUSES, self.status
+        assert (self.status in ("verified", "unverified")) == (self.reason is None), (self.status, self.reason)
+
+    @classmethod
+    def from_result(
+        cls,
+        request_id: str,
+        result: VerifyResult,
+        *,
+        tokens_expected: int,
+        pages: int,
+        layout_fingerprint: str,
+        transfer_id: str = "",
+        role: str = "decode",
+        timings: dict[str, float] | None = None,
+        verified: bool = True,
+    ) -> IntegrityRecord:
+        return cls(
+            request_id=request_id,
+            status=status_for(result, verified),
+            reason=None if result.ok else Reason(result.reason).value,
+            detail=result.detail,
+            tokens_expected=tokens_expected,
+            tokens_covered=result.tokens_covered,
+            pages=pages,
+            layout_fingerprint=layout_fingerprint,
+            transfer_id=transfer_id,
+            role=role,
+            timings=dict(timings or {}),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """One JSON log line (no newline)."""
+        return json.dumps({"event": "kvfence.integrity", **self.to_dict()}, separators=(",", ":"), sort_keys=True)
+
+    def to_api(self) -> dict:
+        """The `kvfence.integrity` field of an API response."""
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "detail": self.detail,
+            "tokens_expected": self.tokens_expected,
+            "tokens_covered": self.tokens_covered,
+            "pages": self.pages,
+            "digest_algorithm": self.digest_algorithm,
+            "layout_fingerprint": self.layout_fingerprint,
+            "transfer_id": self.transfer_id,
+        }
+
+
+class IntegrityMetrics:
+    """Prometheus counters for handoff endings, in a registry the process owns."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.verified = Counter("kvfence_handoff_verified", "KV handoffs whose pages verified", registry=self.registry)
+        self.failed = Counter(
+            "kvfence_handoff_failed", "KV handoffs rejected or failed, by reason", ["reason"], registry=self.registry
+        )
+        self.unverified = Counter(
+            "kvfence_handoff_unverified",
+            "KV handoffs admitted with verification switched off",
+            registry=self.registry,
+        )
+        self.verify_seconds = Histogram(
+            "kvfence_handoff_verify_seconds",
+            "Time spent verifying one handoff",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
+
+    def observe(self, record: IntegrityRecord) -> None:
+        if record.status == "verified":
+            self.verified.inc()
+        elif record.status == "unverified":
+            self.unverified.inc()
+        else:
+            self.failed.labels(reason=record.reason or "unknown").inc()
+        if "verify" in record.timings:
+            self.verify_seconds.observe(record.timings["verify"])
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value, e.g. value("kvfence_handoff_failed_total", {"reason": "coverage_gap"})."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else v

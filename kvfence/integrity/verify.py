@@ -1,0 +1,205 @@
+"""Decode-side verification of one KV handoff, before the request may be scheduled.
+
+What it knows: the checks, in order, that decide whether the pages that landed in
+decode's pool are the prompt the router asked for:
+
+  1. request_mismatch       manifest.request_id == the router's request id
+  2. layout_mismatch        manifest layout (fingerprint, and the fingerprint of its own
+                            description) == decode's layout; an unknown layout is refused
+  3. token_count_mismatch   manifest.num_tokens == the router's expected token count
+  4. token_hash_mismatch    manifest.token_hash == the router's token hash
+  5. page_count_mismatch    ceil(num_tokens / page_size) == manifest.num_pages ==
+                            pages decode allocated == digests/canaries in the manifest
+  6. coverage_gap           every allocated page written in full exactly once by this
+                            transfer (the receiver's `CoverageBitmap`), nothing outside
+  7. digest_mismatch        xxh3_64 of each destination page, recomputed now, == manifest
+  8. canary_mismatch        sampled canaries of each destination page == manifest
+
+The router's expectation is independent of prefill: a manifest that covers fewer
+tokens than the router says the prompt has is rejected at step 3 (the 2026 incident).
+Reason codes for transport-level endings (transfer_error, timeout, aborted) live
+here too so every ending has one code.
+
+What it does not know: how pages got there (transport) or what happens next (the
+handoff state machine quarantines and records).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+import numpy as np
+
+from kvfence.integrity.canary import check_canaries
+from kvfence.integrity.digest import DIGEST_ALGORITHM, page_digest
+from kvfence.integrity.manifest import HandoffManifest, pages_for_tokens
+from kvfence.kv.layout import KVLayout
+from kvfence.kv.pool import KVPool
+
+
+class Reason(str, Enum):
+    REQUEST_MISMATCH = "request_mismatch"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    TOKEN_HASH_MISMATCH = "token_hash_mismatch"
+    PAGE_COUNT_MISMATCH = "page_count_mismatch"
+    COVERAGE_GAP = "coverage_gap"
+    DIGEST_MISMATCH = "digest_mismatch"
+    CANARY_MISMATCH = "canary_mismatch"
+    TRANSFER_ERROR = "transfer_error"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+
+
+# Reasons found by inspecting the landed pages/manifest (the request is "rejected");
+# the others mean the transfer itself did not complete (the request "failed").
+VERIFY_REASONS = frozenset(
+    {
+        Reason.REQUEST_MISMATCH,
+        Reason.LAYOUT_MISMATCH,
+        Reason.TOKEN_COUNT_MISMATCH,
+        Reason.TOKEN_HASH_MISMATCH,
+        Reason.PAGE_COUNT_MISMATCH,
+        Reason.COVERAGE_GAP,
+        Reason.DIGEST_MISMATCH,
+        Reason.CANARY_MISMATCH,
+    }
+)
+
+
+class Expectation(NamedTuple):
+    """What the router says the request is; never taken from prefill."""
+
+    request_id: str
+    num_tokens: int
+    token_hash: str
+
+
+class VerifyResult(NamedTuple):
+    ok: bool
+    reason: Reason | None
+    detail: str
+    pages_checked: int
+    tokens_covered: int
+
+
+class CoverageBitmap:
+    """Which logical pages of one transfer were written in full, and how many times.
+
+    The receiver calls `mark(i)` after the last byte of logical page i landed in its
+    destination page, `mark_outside()` for a page index beyond decode's allocation.
+    A page written twice (duplicate / replay) counts 2 and fails like a gap does.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        assert num_pages >= 0, num_pages
+        self.num_pages = num_pages
+        self.counts = np.zeros(num_pages, dtype=np.int32)  # [num_pages]
+        self.outside = 0
+        self._lock = threading.Lock()
+
+    def mark(self, index: int) -> None:
+        with self._lock:
+            if 0 <= index < self.num_pages:
+                self.counts[index] += 1
+            else:
+                self.outside += 1
+
+    def mark_outside(self) -> None:
+        with self._lock:
+            self.outside += 1
+
+    @property
+    def num_covered(self) -> int:
+        return int((self.counts == 1).sum())
+
+    @property
+    def complete(self) -> bool:
+        return self.outside == 0 and bool((self.counts == 1).all())
+
+    def describe_gaps(self, limit: int = 8) -> str:
+        missing = np.flatnonzero(self.counts == 0).tolist()
+        twice = np.flatnonzero(self.counts > 1).tolist()
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} page(s) never fully written (logical {missing[:limit]})")
+        if twice:
+            parts.append(f"{len(twice)} page(s) written more than once (logical {twice[:limit]})")
+        if self.outside:
+            parts.append(f"{self.outside} page write(s) outside the allocation")
+        return "; ".join(parts) or "complete"
+
+
+def _fail(reason: Reason, detail: str, pages_checked: int = 0, tokens_covered: int = 0) -> VerifyResult:
+    return VerifyResult(False, reason, detail, pages_checked, tokens_covered)
+
+
+def verify_handoff(
+    manifest: HandoffManifest,
+    expect: Expectation,
+    layout: KVLayout,
+    dest_pages: Sequence[int],
+    coverage: CoverageBitmap,
+    pool: KVPool,
+    check_canary: bool = True,
+) -> VerifyResult:
+    """Run checks 1-8 in order; the first failure decides the reason. See the module docstring."""
+    m, ps = manifest, layout.page_size
+    if m.request_id != expect.request_id:
+        return _fail(
+            Reason.REQUEST_MISMATCH, f"manifest is for request {m.request_id!r}, decode expects {expect.request_id!r}"
+        )
+    try:
+        described = KVLayout.from_description(m.layout).fingerprint
+    except (KeyError, TypeError, ValueError, AssertionError) as e:
+        return _fail(Reason.LAYOUT_MISMATCH, f"manifest layout description is not understood: {e}")
+    if m.layout_fingerprint != layout.fingerprint or described != layout.fingerprint:
+        return _fail(
+            Reason.LAYOUT_MISMATCH,
+            f"manifest layout {m.layout_fingerprint} (described {described}) differs from decode layout "
+            f"{layout.fingerprint} {layout.describe()}",
+        )
+    if m.digest_algorithm != DIGEST_ALGORITHM:
+        return _fail(Reason.LAYOUT_MISMATCH, f"digest algorithm {m.digest_algorithm!r}, decode uses {DIGEST_ALGORITHM}")
+    if m.num_tokens != expect.num_tokens:
+        return _fail(
+            Reason.TOKEN_COUNT_MISMATCH,
+            f"manifest covers {m.num_tokens} tokens, router expects {expect.num_tokens}",
+        )
+    if m.token_hash != expect.token_hash:
+        return _fail(Reason.TOKEN_HASH_MISMATCH, f"manifest token hash {m.token_hash}, router's is {expect.token_hash}")
+    need = pages_for_tokens(expect.num_tokens, ps)
+    if not (m.num_pages == need == len(dest_pages) == coverage.num_pages):
+        return _fail(
+            Reason.PAGE_COUNT_MISMATCH,
+            f"{expect.num_tokens} tokens need {need} pages of {ps}; manifest has {m.num_pages}, "
+            f"decode allocated {len(dest_pages)}, coverage tracks {coverage.num_pages}",
+        )
+    if not coverage.complete:
+        return _fail(
+            Reason.COVERAGE_GAP,
+            coverage.describe_gaps(),
+            tokens_covered=min(expect.num_tokens, coverage.num_covered * ps),
+        )
+    for i, page in enumerate(dest_pages):
+        got = page_digest(pool, page)
+        if got != m.page_digests[i]:
+            return _fail(
+                Reason.DIGEST_MISMATCH,
+                f"logical page {i} (decode page {page}): digest {got:016x}, manifest {m.page_digests[i]:016x}",
+                pages_checked=i + 1,
+                tokens_covered=min(expect.num_tokens, i * ps),
+            )
+    if check_canary:
+        bad = check_canaries(pool, dest_pages, expect.request_id, m.canaries, m.canary_samples)
+        if bad:
+            return _fail(
+                Reason.CANARY_MISMATCH,
+                f"{len(bad)} page(s) with broken canaries (logical {bad[:8]})",
+                pages_checked=len(dest_pages),
+                tokens_covered=min(expect.num_tokens, bad[0] * ps),
+            )
+    return VerifyResult(True, None, "verified", len(dest_pages), expect.num_tokens)
