@@ -70,7 +70,8 @@ class PageAllocator:
             assert self.owner[p] is None, (p, self.owner[p])
             self.owner[p] = request_id
             self.epoch[p] += 1
-        self._owned.setdefault(request_id, []).extend(pages)
+        if pages:  # no empty entry for a zero-page allocation (it would never be dropped)
+            self._owned.setdefault(request_id, []).extend(pages)
         return pages
 
     def free(self, request_id: str) -> list[int]:

@@ -1,0 +1,130 @@
+"""Start-up configuration, layered by process, and the checks that run before serving.
+
+What it knows: the frozen settings a user chooses (model directory and dtype, KV page
+size and pool size, scheduler budgets, context length override, seed), their
+validation, and the capacity rule every role obeys at start: the KV pool must hold
+at least one full context (tokens = pages x page size >= context length). Values
+found at run time (the model's own context length, the number of pages actually
+made) live in `ResolvedEngineConfig`, never written back into a config.
+
+What it does not know: how a model is loaded or how many bytes a page takes (the
+engine resolves those), nor anything about HTTP, routing or transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfence.errors import CapacityConfigError, KvfenceError
+
+_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
+
+
+class ConfigError(KvfenceError):
+    """A setting that can never work (negative sizes, unknown dtype, ...)."""
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str
+    dtype: str = "float32"  # weights and KV pool dtype
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ConfigError("model_dir must be a non-empty path")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page
+    max_total_tokens: int | None = None  # KV pool capacity in tokens; None -> max(context length, 16384)
+
+    def __post_init__(self) -> None:
+        _positive("page_size (--page-size)", self.page_size)
+        _positive("max_total_tokens (--max-total-tokens)", self.max_total_tokens, allow_none=True)
+
+    def num_pages_for(self, context_length: int) -> int:
+        """Pages in the pool: max_total_tokens rounded up to whole pages."""
+        tokens = self.max_total_tokens
+        if tokens is None:
+            tokens = max(context_length, DEFAULT_MIN_POOL_TOKENS)
+        return -(-tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 2048  # tokens per forward: decode tokens + prefill chunks
+    chunked_prefill_size: int | None = 512  # longest prefill chunk; None -> a prompt is prefilled in one piece
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("chunked_prefill_size (--chunked-prefill-size)", self.chunked_prefill_size, allow_none=True)
+
+    @property
+    def chunk_limit(self) -> int:
+        """Most prompt tokens one request may prefill in one step."""
+        if self.chunked_prefill_size is None:
+            return self.max_num_batched_tokens
+        return min(self.chunked_prefill_size, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    context_length: int | None = None  # override of the model's own (config.json) context length
+    seed: int = 0  # seeds requests that give no seed of their own
+
+    def __post_init__(self) -> None:
+        _positive("context_length (--context-length)", self.context_length, allow_none=True)
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class ResolvedEngineConfig:
+    """What the engine found at start: the numbers it actually runs with."""
+
+    context_length: int
+    page_size: int
+    num_pages: int
+    layout_fingerprint: str
+    bytes_per_page: int
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def check_capacity(context_length: int, num_pages: int, page_size: int, role: str = "engine") -> None:
+    """Refuse to start when one full context cannot fit in the KV pool."""
+    capacity = num_pages * page_size
+    if context_length > capacity:
+        raise CapacityConfigError(
+            f"{role}: context length {context_length} tokens does not fit in the KV pool of {capacity} tokens "
+            f"({num_pages} pages x {page_size}); raise --max-total-tokens to at least {context_length} "
+            f"or lower --context-length to at most {capacity}"
+        )
+
+
+def check_scheduler_fits(context_length: int, scheduler: SchedulerConfig) -> None:
+    """Without chunked prefill a whole prompt must fit in one step's token budget."""
+    if scheduler.chunked_prefill_size is None and scheduler.max_num_batched_tokens < context_length:
+        raise CapacityConfigError(
+            f"with chunked prefill off, max_num_batched_tokens {scheduler.max_num_batched_tokens} must be at least "
+            f"the context length {context_length}; set --chunked-prefill-size or lower --context-length"
+        )

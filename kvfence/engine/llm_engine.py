@@ -1,0 +1,430 @@
+"""The engine loop: requests in, one scheduled forward per `step()`, token and text deltas out.
+
+What it knows: how to build the pieces from an `EngineConfig` (model, KV pool,
+allocator, scheduler, runner) after the start-up capacity check, how to validate a
+request into clear errors, and how to turn sampled tokens into incremental
+`RequestOutput`s with text (incremental detokenization; stop strings are found in
+the text, cut from it, and finish the request). It also exposes the disaggregation
+hooks: `prefill_only` requests that keep their pages until `release`, and
+`reserve` + `add_prefilled_request` for a decode worker that receives KV from
+elsewhere.
+
+What it does not know: HTTP, routing, transfers or KV verification; those sit above
+and talk to it through these methods and `pool` / `allocator`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfence.config import (
+    ConfigError,
+    EngineConfig,
+    ResolvedEngineConfig,
+    check_capacity,
+    check_scheduler_fits,
+)
+from kvfence.engine.request import Request, RequestStatus
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.scheduler import Scheduler
+from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.pool import KVPool
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: tokens and text since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefill_done"
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    stop_reason: int | str | None = None  # the stop token id or stop string, when finish_reason == "stop"
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_held: int  # prefill_done requests whose pages wait for `release`
+    num_reserved: int  # reservations waiting for `add_prefilled_request`
+    num_pages: int
+    num_free_pages: int
+    num_used_pages: int
+    num_quarantined_pages: int
+    num_preemptions: int
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of output tokens, as deltas that never split a character.
+
+    Decodes a short window (from `prefix` to the end) and emits what the window adds
+    beyond its already-emitted part, holding back text that ends in an incomplete
+    UTF-8 sequence. The joined deltas equal `decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # ids before this are already in emitted text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the very end)."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]
+
+
+class _OutputState:
+    """Per-request output bookkeeping: tokens already sent, full text, text already sent."""
+
+    __slots__ = ("num_sent", "detok", "text", "num_text_sent")
+
+    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+        self.num_sent = 0
+        self.detok = detok
+        self.text = ""  # text so far (cut at a stop string once one is found)
+        self.num_text_sent = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: Any = None, progress: bool = False) -> None:
+        """Load the model (or take an already `loaded` one), check capacity, build the pool and scheduler."""
+        self.config = config
+        dtype = _DTYPES[config.model.dtype]
+        if loaded is None:
+            from kvfence.models.loader import load_model
+
+            loaded = load_model(config.model.model_dir, dtype=dtype, device=config.model.device, progress=progress)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        model_context = int(loaded.context_length)
+        context_length = config.context_length or model_context
+        if context_length > model_context:
+            raise ConfigError(
+                f"--context-length {context_length} exceeds the model's context length {model_context} "
+                "(max_position_embeddings in config.json)"
+            )
+        page_size = config.cache.page_size
+        num_pages = config.cache.num_pages_for(context_length)
+        check_capacity(context_length, num_pages, page_size)
+        check_scheduler_fits(context_length, config.scheduler)
+        layout = loaded.kv_layout(page_size, dtype)
+        self.pool = KVPool(layout, num_pages, device=config.model.device)
+        self.allocator = PageAllocator(num_pages)
+        self.resolved = ResolvedEngineConfig(
+            context_length=context_length,
+            page_size=page_size,
+            num_pages=num_pages,
+            layout_fingerprint=layout.fingerprint,
+            bytes_per_page=layout.bytes_per_page,
+        )
+        eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
+        self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
+        self.runner = ModelRunner(loaded.model, self.pool, device=config.model.device)
+        self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
+        self._seed_rng = random.Random(config.seed)
+        self._outputs: dict[str, _OutputState] = {}
+        self._pending: list[Request] = []  # requests to report at the next step without a forward
+
+    # -- requests -------------------------------------------------------------
+    def _tokenize(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt or prompt_token_ids", param="prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt_token_ids)  # type: ignore[arg-type]
+        if not ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)", param="prompt")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (self.vocab_size and t >= self.vocab_size):
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt_token_ids"
+                )
+        return ids
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams", param="sampling_params")
+        n, ctx = len(prompt_ids), self.resolved.context_length
+        if n > ctx:
+            raise ContextLengthExceededError(
+                f"prompt has {n} tokens but the context length is {ctx} tokens; shorten the prompt"
+            )
+        pool_tokens = self.resolved.pool_tokens
+        if n + params.max_tokens > pool_tokens:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens "
+                f"do not fit in the KV pool of {pool_tokens} tokens; lower max_tokens or raise --max-total-tokens",
+                param="max_tokens",
+            )
+
+    def _make_request(
+        self, request_id: str, ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> Request:
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        return Request(request_id, ids, params, prefill_only=prefill_only, generator=generator)
+
+    def _track(self, request: Request) -> None:
+        p = request.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer) if p.detokenize and self.tokenizer is not None else None
+        self._outputs[request.request_id] = _OutputState(detok)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError / ContextLengthExceededError on bad input.
+
+        prefill_only: run the prompt, sample the first token, finish with "prefill_done"
+        and keep the pages (under `request_id`) until `release(request_id)`.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        ids = self._tokenize(prompt, prompt_token_ids)
+        self._validate(request_id, ids, params)
+        req = self._make_request(request_id, ids, params, prefill_only)
+        self.scheduler.add_request(req)
+        self._track(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its pages are freed. False if the id is unknown."""
+        self._outputs.pop(request_id, None)
+        self._pending = [r for r in self._pending if r.request_id != request_id]
+        return self.scheduler.abort_request(request_id)
+
+    # -- disaggregation hooks -------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side, phase 1: set aside pages for `num_tokens` prompt tokens (the count the router gave).
+
+        Returns the page ids (in logical order) for the sender to fill, or None when the
+        pool cannot hold them now. Give them back with `release(request_id)` if the
+        handoff fails, or hand them to `add_prefilled_request` once the KV is verified.
+        """
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise InvalidRequestError(f"num_tokens must be a positive integer, got {num_tokens!r}", param="num_tokens")
+        if num_tokens > self.resolved.context_length:
+            raise ContextLengthExceededError(
+                f"prompt has {num_tokens} tokens but the context length is {self.resolved.context_length} tokens"
+            )
+        return self.scheduler.reserve(request_id, num_tokens)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        sampling_params: SamplingParams,
+        page_table: Sequence[int] | None = None,
+    ) -> None:
+        """Decode side, phase 2: admit a request whose prompt KV was written into its reserved pages.
+
+        From here on it decodes exactly as if it had prefilled here: its next step()
+        output starts with `first_token`. `page_table`, when given, must equal the
+        reserved pages (a cheap guard against mixing up requests).
+        """
+        ids = self._tokenize(None, prompt_token_ids)
+        self._validate(request_id, ids, sampling_params)
+        if not isinstance(first_token, int) or first_token < 0 or (self.vocab_size and first_token >= self.vocab_size):
+            raise InvalidRequestError(f"first_token {first_token!r} is outside the vocabulary", param="first_token")
+        if page_table is not None and list(page_table) != self.allocator.pages_of(request_id):
+            raise InvalidRequestError(
+                f"page_table of request {request_id!r} does not match the pages reserved for it", param="page_table"
+            )
+        req = self._make_request(request_id, ids, sampling_params)
+        self.scheduler.add_prefilled(req, first_token)
+        self._track(req)
+        self._pending.append(req)
+
+    def release(self, request_id: str, quarantine: bool = False) -> list[int]:
+        """Give back the pages of a prefill_done or reserved request; returns them ([] if none).
+
+        quarantine=True moves them to quarantine instead (a transfer may still write);
+        end it with `allocator.release_quarantine(request_id)`.
+        """
+        return self.scheduler.release(request_id, quarantine) or []
+
+    def held_pages(self, request_id: str) -> list[int]:
+        """Pages a prefill_done request keeps, in logical order ([] if it is not held)."""
+        req = self.scheduler.held.get(request_id)
+        return list(req.page_table) if req is not None else []
+
+    # -- the loop -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; returns one output per request that changed."""
+        report: list[Request] = self._pending
+        self._pending = []
+        sched = self.scheduler.schedule()
+        if sched.chunks:
+            sampled = self.runner.execute(sched)
+            report += self.scheduler.update_from_output(sched, sampled)
+        outputs: list[RequestOutput] = []
+        seen: set[str] = set()
+        for req in report:
+            if req.request_id in seen or req.request_id not in self._outputs:
+                continue
+            seen.add(req.request_id)
+            outputs.append(self._make_output(req))
+        return outputs
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        state = self._outputs[req.request_id]
+        start = req.num_prompt_tokens + state.num_sent
+        new_ids = req.token_ids[start:]
+        state.num_sent += len(new_ids)
+        new_text = ""
+        if state.detok is not None:
+            new_text = self._text_delta(req, state, new_ids)
+        if req.is_finished:
+            del self._outputs[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            stop_reason=req.stop_reason,
+        )
+
+    def _text_delta(self, req: Request, state: _OutputState, new_ids: list[int]) -> str:
+        """Detokenize new ids, look for stop strings, and return the text that is safe to send."""
+        assert state.detok is not None
+        old_len = len(state.text)
+        state.text += state.detok.push(new_ids)
+        if req.is_finished:
+            state.text += state.detok.flush()
+        stops = req.sampling_params.stop
+        hold = 0
+        if stops and req.status is not RequestStatus.FINISHED_PREFILL_DONE:
+            longest = max(len(s) for s in stops)
+            search_from = max(0, old_len - longest + 1)
+            hits = [(i, s) for s in stops if (i := state.text.find(s, search_from)) >= 0]
+            if hits:
+                pos, stop = min(hits)
+                state.text = state.text[:pos]
+                if req.is_finished:  # also finished by a token rule at this very token: the string wins
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            elif not req.is_finished:
+                hold = longest - 1  # a stop string may be starting at the end: keep it back
+        upto = max(state.num_text_sent, len(state.text) - hold)
+        delta = state.text[state.num_text_sent : upto]
+        state.num_text_sent = upto
+        return delta
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts (text, or token id lists) to completion; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(params_list)} sampling params for {len(prompts)} prompts", param="sampling_params"
+                )
+        base = f"gen-{id(self):x}-{self._seed_rng.getrandbits(32):08x}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        results: dict[str, Completion] = {}
+        try:
+            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
+                prompt_ids = self._tokenize(prompt, None) if isinstance(prompt, str) else self._tokenize(None, prompt)
+                self.add_request(rid, sampling_params=params, prompt_token_ids=prompt_ids)
+                results[rid] = Completion(rid, prompt_ids, [], "", "")
+            while len([c for c in results.values() if c.finish_reason]) < len(ids):
+                outs = self.step()
+                if not outs and not self.scheduler.running and self.scheduler.waiting:
+                    raise KvfenceError(
+                        f"no request can be scheduled: {self.allocator.num_free} free pages, "
+                        f"{len(self.scheduler.held)} held and {len(self.scheduler.reserved)} reserved requests"
+                    )
+                for o in outs:
+                    c = results.get(o.request_id)
+                    if c is None:
+                        continue
+                    c.token_ids += o.new_token_ids
+                    c.text += o.new_text
+                    if o.finished:
+                        c.finish_reason, c.stop_reason = o.finish_reason or "", o.stop_reason
+        except BaseException:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
+        return [results[rid] for rid in ids]
+
+    # -- numbers for metrics --------------------------------------------------
+    def stats(self) -> EngineStats:
+        a, s = self.allocator, self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_held=len(s.held),
+            num_reserved=len(s.reserved),
+            num_pages=a.num_pages,
+            num_free_pages=a.num_free,
+            num_used_pages=a.num_used,
+            num_quarantined_pages=a.num_quarantined,
+            num_preemptions=s.num_preemptions,
+        )
