@@ -1,0 +1,348 @@
+"""Llama-family decoder-only transformers (Llama, Mistral, Qwen2, Qwen3) over the paged KV pool.
+
+What it knows: the forward of a pre-norm GQA transformer with RoPE, RMSNorm and a
+SwiGLU MLP, with the few per-architecture switches these four need (q/k/v bias for
+Qwen2, per-head q/k RMSNorm and a free head_dim for Qwen3, optional attention/MLP
+bias and tied embeddings for all). It reads a transformers config (5.x fields:
+`rope_parameters`), merges q/k/v and gate/up weights into single matrices at load
+time, and keeps two per-token buffers per layer in the pool: "k" and "v", each
+(num_key_value_heads, head_dim).
+
+What it does not know: where pages are, which request a row is, sampling. It
+writes this forward's K/V at fb.slot_mapping and returns float32 logits for
+fb.logits_index rows only. Sliding-window attention is not implemented: the
+loader caps the context at the window so full attention is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.errors import UnsupportedArchitectureError
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.models.attention import paged_attention, store_kv
+
+# --- config helpers ------------------------------------------------------------------------------------
+
+
+def head_dim_of(cfg: Any) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def num_kv_heads_of(cfg: Any) -> int:
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def rope_parameters_of(cfg: Any) -> dict[str, Any]:
+    """The RoPE dict as transformers 5.x stores it (`rope_parameters`), with 4.x `rope_scaling` as a fallback."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params = dict(params)
+    if "rope_theta" not in params:  # per-layer-type dicts ({"full_attention": {...}}) are not used by these models
+        raise UnsupportedArchitectureError(f"unsupported rope_parameters layout: {params}")
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def sliding_window_of(cfg: Any) -> int | None:
+    """The attention window if any layer uses one (Mistral: all; Qwen2/3: layers marked sliding), else None."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def rope_inv_freq(cfg: Any) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale, for the rope types we serve.
+
+    Formulas follow the published methods as transformers implements them:
+    default, linear (positions / factor), dynamic (NTK; equal to default for
+    positions below max_position_embeddings, the only ones we serve), llama3
+    (wavelength-banded scaling) and yarn (ramped interpolation + attention factor).
+    """
+    p = rope_parameters_of(cfg)
+    rope_type = p["rope_type"]
+    base = float(p["rope_theta"])
+    dim = int(head_dim_of(cfg) * p.get("partial_rotary_factor", 1.0))
+    if dim != head_dim_of(cfg):
+        raise UnsupportedArchitectureError("partial rotary embeddings are not supported for Llama-family models")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim  # [dim/2]
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_ctx = float(p["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(cfg, p, base, dim)
+    raise UnsupportedArchitectureError(
+        f"rope type {rope_type!r} is not supported; kvfence serves default, linear, dynamic, llama3, yarn"
+    )
+
+
+def _yarn_inv_freq(cfg: Any, p: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
+    original_ctx = float(p["original_max_position_embeddings"])
+    factor = p.get("factor") or cfg.max_position_embeddings / original_ctx
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # the rotary dimension whose wavelength completes `rotations` turns over the original context
+        return dim * math.log(original_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [dim/2]
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: keep the original frequency (high-frequency dims), 0: interpolate
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+# --- model ---------------------------------------------------------------------------------------------
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back, then scaled (the order transformers uses)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; q/k/v and gate/up are single fused matrices."""
+
+    def __init__(self, cfg: Any, arch: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        E, I = cfg.hidden_size, cfg.intermediate_size
+        self.H, self.Hkv, self.D = cfg.num_attention_heads, num_kv_heads_of(cfg), head_dim_of(cfg)
+        self.eps = float(cfg.rms_norm_eps)
+        qkv_rows = (self.H + 2 * self.Hkv) * self.D
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
+        o_bias = arch != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False))
+        mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+        self.input_norm = _param(E, dtype=dtype)
+        self.qkv_w = _param(qkv_rows, E, dtype=dtype)
+        self.qkv_b = _param(qkv_rows, dtype=dtype) if qkv_bias else None
+        self.o_w = _param(E, self.H * self.D, dtype=dtype)
+        self.o_b = _param(E, dtype=dtype) if o_bias else None
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        self.q_norm = _param(self.D, dtype=dtype) if self.qk_norm else None
+        self.k_norm = _param(self.D, dtype=dtype) if self.qk_norm else None
+        self.post_norm = _param(E, dtype=dtype)
+        self.gate_up_w = _param(2 * I, E, dtype=dtype)
+        self.gate_up_b = _param(2 * I, dtype=dtype) if mlp_bias else None
+        self.down_w = _param(E, I, dtype=dtype)
+        self.down_b = _param(E, dtype=dtype) if mlp_bias else None
+        self.I = I
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        fb: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        # x: [T, E]; cos/sin: [T, 1, D/2]; k_cache/v_cache: [S, Hkv, D]
+        T = x.shape[0]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_w, self.qkv_b)  # [T, (H + 2 Hkv) D]
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+        v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+        if self.qk_norm:
+            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)], 1)
+        # RoPE on q and k heads at once, rotate-half convention: [T, H + Hkv, D]
+        x1, x2 = qk[..., : D // 2], qk[..., D // 2 :]
+        qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
+        store_kv(k_cache, k, fb)
+        store_kv(v_cache, v, fb)
+        attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
+        x = x + F.linear(attn.reshape(T, H * D), self.o_w, self.o_b)
+        h = rms_norm(x, self.post_norm, self.eps)
+        gu = F.linear(h, self.gate_up_w, self.gate_up_b)  # [T, 2I]
+        act = F.silu(gu[:, : self.I]) * gu[:, self.I :]  # [T, I]
+        return x + F.linear(act, self.down_w, self.down_b)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM serving from a paged KV pool (see module docstring)."""
+
+    architecture = "LlamaForCausalLM"
+
+    @classmethod
+    def kv_layout(cls, hf_config: Any, page_size: int, dtype: torch.dtype) -> KVLayout:
+        shape = (num_kv_heads_of(hf_config), head_dim_of(hf_config))
+        return KVLayout(
+            architecture=cls.architecture,
+            num_layers=int(hf_config.num_hidden_layers),
+            buffers=(KVBufferSpec("k", shape), KVBufferSpec("v", shape)),
+            page_size=page_size,
+            dtype=dtype,
+        )
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        cfg = hf_config
+        self.config = cfg
+        self.dtype = dtype
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(cfg.vocab_size)
+        self.H, self.Hkv, self.D = int(cfg.num_attention_heads), num_kv_heads_of(cfg), head_dim_of(cfg)
+        assert self.H % self.Hkv == 0, (self.H, self.Hkv)
+        assert self.D % 2 == 0, self.D
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed = _param(self.vocab_size, self.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.architecture, dtype) for _ in range(self.num_layers))
+        self.norm = _param(self.hidden_size, dtype=dtype)
+        tied = self.tie_word_embeddings
+        self.lm_head = self.embed if tied else _param(self.vocab_size, self.hidden_size, dtype=dtype)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
+        self.scale = self.D**-0.5
+
+    # --- weights -------------------------------------------------------------------------------------
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """hf tensor name -> (our parameter, row offset, rows): where each checkpoint tensor lands."""
+        H, Hkv, D = self.H, self.Hkv, self.D
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {"model.embed_tokens.weight": (self.embed, 0, -1)}
+        targets["model.norm.weight"] = (self.norm, 0, -1)
+        if not self.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0, -1)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            targets[p + "input_layernorm.weight"] = (layer.input_norm, 0, -1)
+            targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, -1)
+            qkv_parts = [("q_proj", 0, H * D), ("k_proj", H * D, Hkv * D), ("v_proj", (H + Hkv) * D, Hkv * D)]
+            for name, start, rows in qkv_parts:
+                targets[p + f"self_attn.{name}.weight"] = (layer.qkv_w, start, rows)
+                if layer.qkv_b is not None:
+                    targets[p + f"self_attn.{name}.bias"] = (layer.qkv_b, start, rows)
+            targets[p + "self_attn.o_proj.weight"] = (layer.o_w, 0, -1)
+            if layer.o_b is not None:
+                targets[p + "self_attn.o_proj.bias"] = (layer.o_b, 0, -1)
+            if layer.qk_norm:
+                targets[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, -1)
+                targets[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, -1)
+            targets[p + "mlp.gate_proj.weight"] = (layer.gate_up_w, 0, layer.I)
+            targets[p + "mlp.up_proj.weight"] = (layer.gate_up_w, layer.I, layer.I)
+            targets[p + "mlp.down_proj.weight"] = (layer.down_w, 0, -1)
+            if layer.gate_up_b is not None:
+                targets[p + "mlp.gate_proj.bias"] = (layer.gate_up_b, 0, layer.I)
+                targets[p + "mlp.up_proj.bias"] = (layer.gate_up_b, layer.I, layer.I)
+                targets[p + "mlp.down_proj.bias"] = (layer.down_b, 0, -1)
+        return targets
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this model needs, with its shape (names as in the safetensors files)."""
+        out = {}
+        for name, (param, _, rows) in self._targets().items():
+            shape = tuple(param.shape)
+            out[name] = shape if rows < 0 else (rows, *shape[1:])
+        return out
+
+    @staticmethod
+    def is_ignored_weight(name: str) -> bool:
+        """Checkpoint tensors we do not need: rotary caches some exporters save, a tied head's copy."""
+        return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (hf_name, tensor) pairs into place, casting to our dtype; returns the names loaded.
+
+        Raises KeyError for a name we do not know (unless ignorable) and ValueError for a
+        shape mismatch; the loader turns both into errors naming the file.
+        """
+        targets = self._targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if self.is_ignored_weight(name):
+                    continue
+                raise KeyError(f"unexpected tensor {name!r}")
+            param, start, rows = targets[name]
+            dest = param.data if rows < 0 else param.data[start : start + rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    # --- forward -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
+        x = F.embedding(fb.input_ids, self.embed)  # [T, E]
+        freqs = fb.positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] float32
+        cos = (freqs.cos() * self.rope_scale).to(self.dtype)[:, None, :]  # [T, 1, D/2]
+        sin = (freqs.sin() * self.rope_scale).to(self.dtype)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
+        x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
+        x = rms_norm(x, self.norm, self.eps)
+        return F.linear(x, self.lm_head).float()  # [N, vocab]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    architecture = "MistralForCausalLM"
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    architecture = "Qwen2ForCausalLM"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    architecture = "Qwen3ForCausalLM"
