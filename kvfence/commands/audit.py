@@ -1,0 +1,189 @@
+"""`kvfence audit sglang` and `kvfence audit logs`: operator tools for SGLang PD deployments.
+
+What it knows: the command-line surface of the two audits and how their results are shown
+(aligned text tables on stdout, or one JSON document with `--json`) and turned into an exit code
+(0 clean, 1 warnings, 2 critical). What it does not know: the rules and the log formats; they
+live in kvfence.audit.sglang and kvfence.audit.logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvfence.audit import findings as fnd
+from kvfence.errors import KvfenceError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "audit",
+        help="audit an SGLang PD deployment (configuration or logs) for cross-request KV leak hazards",
+        description="Audit an SGLang prefill/decode deployment for the KV handoff hazards behind cross-request "
+        "leaks. Exit code: 0 clean, 1 warnings, 2 critical.",
+    )
+    p.set_defaults(func=lambda args: _usage(p))
+    sub = p.add_subparsers(dest="audit_target", metavar="TARGET")
+
+    s = sub.add_parser(
+        "sglang",
+        help="check prefill/decode configuration (live URLs, saved JSON, or launch command lines)",
+        description="Check an SGLang PD deployment's configuration. Each side is a live URL (reads /server_info "
+        "or /get_server_info, /model_info, /v1/models), a saved JSON file (the /server_info body or a bundle "
+        "written by --save-bundle), a file holding the launch command, or the command itself.",
+    )
+    s.add_argument("--prefill", metavar="SRC", help="prefill server: URL, JSON file, launch script, or command")
+    s.add_argument("--decode", metavar="SRC", help="decode server: URL, JSON file, launch script, or command")
+    s.add_argument("--prefill-model-info", metavar="JSON", help="saved /model_info of the prefill server")
+    s.add_argument("--decode-model-info", metavar="JSON", help="saved /model_info of the decode server")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="environment of both servers")
+    s.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VAL")
+    s.add_argument("--decode-env", action="append", default=[], metavar="KEY=VAL")
+    s.add_argument("--env-file", action="append", default=[], metavar="FILE", help="KEY=VAL lines for both")
+    s.add_argument("--prefill-env-file", action="append", default=[], metavar="FILE")
+    s.add_argument("--decode-env-file", action="append", default=[], metavar="FILE")
+    s.add_argument("--sglang-version", metavar="X.Y.Z", help="version to assume when the source does not say")
+    s.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per request in seconds")
+    s.add_argument("--save-bundle", metavar="DIR", help="save what was read from live URLs as re-auditable JSON")
+    s.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    s.set_defaults(func=run_sglang)
+
+    lg = sub.add_parser(
+        "logs",
+        help="scan SGLang prefill/decode logs: over-pool requests, aborted-but-transferred, checksum coverage",
+        description="Scan SGLang prefill and decode logs (streamed, any size) and report requests whose input "
+        "exceeded the pool, requests aborted on prefill but handed to decode, transfer failures, and KV checksum "
+        "coverage per request and per time window.",
+    )
+    lg.add_argument("prefill_log", metavar="PREFILL.log")
+    lg.add_argument("decode_log", metavar="DECODE.log", nargs="?")
+    lg.add_argument("--since", metavar="TIME", help="ignore lines before 'YYYY-MM-DD[ HH:MM[:SS]]'")
+    lg.add_argument("--until", metavar="TIME", help="ignore lines after 'YYYY-MM-DD[ HH:MM[:SS]]'")
+    lg.add_argument("--model", metavar="NAME", help="only count server runs whose model path/name contains NAME")
+    lg.add_argument("--window", choices=["minute", "10min", "hour", "day"], default="hour")
+    lg.add_argument("--max-requests", type=int, default=50, help="requests listed in the table (JSON lists all)")
+    lg.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    lg.set_defaults(func=run_logs)
+
+
+def _usage(p: argparse.ArgumentParser) -> int:
+    p.print_help()
+    return 2
+
+
+def _parse_kv(items: list[str], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise KvfenceError(f"{what}: expected KEY=VAL, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def _env_for(args: argparse.Namespace, role: str) -> tuple[dict[str, str], bool]:
+    from kvfence.audit.sglang import parse_env_lines
+
+    env: dict[str, str] = {}
+    files = list(args.env_file) + list(getattr(args, f"{role}_env_file"))
+    for f in files:
+        try:
+            env.update(parse_env_lines(Path(f).read_text(encoding="utf-8")))
+        except OSError as e:
+            raise KvfenceError(f"cannot read env file {f}: {e}") from e
+    env.update(_parse_kv(args.env, "--env"))
+    env.update(_parse_kv(getattr(args, f"{role}_env"), f"--{role}-env"))
+    known = bool(files or args.env or getattr(args, f"{role}_env"))
+    return env, known
+
+
+def run_sglang(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvfence.audit import sglang as sg
+
+    if not args.prefill and not args.decode:
+        raise KvfenceError("give --prefill and/or --decode (URL, JSON file, launch script, or command)")
+    snaps: dict[str, sg.ServerSnapshot | None] = {"prefill": None, "decode": None}
+    for role in ("prefill", "decode"):
+        src = getattr(args, role)
+        if not src:
+            continue
+        env, known = _env_for(args, role)
+        snap, bundle = sg.load_snapshot(
+            role, src, env=env, env_known=known, version=args.sglang_version, timeout=args.timeout
+        )
+        mi_path = getattr(args, f"{role}_model_info")
+        if mi_path:
+            try:
+                snap = replace(snap, model_info=json.loads(Path(mi_path).read_text(encoding="utf-8")))
+            except (OSError, ValueError) as e:
+                raise KvfenceError(f"cannot read {mi_path}: {e}") from e
+        if bundle is not None and args.save_bundle:
+            out_dir = Path(args.save_bundle)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{role}.json").write_text(fnd.dumps(bundle), encoding="utf-8")
+        snaps[role] = snap
+    found = fnd.sort_findings(sg.audit(snaps["prefill"], snaps["decode"]))
+    code = fnd.exit_code(found)
+    if args.json:
+        doc = {
+            "tool": "kvfence audit sglang",
+            "exit_code": code,
+            "findings": [f.to_dict() for f in found],
+            "servers": {r: sg.facts(s) for r, s in snaps.items() if s is not None},
+        }
+        print(fnd.dumps(doc))
+        return code
+    rows = []
+    for role, s in snaps.items():
+        if s is None:
+            continue
+        f = sg.facts(s)
+        rows.append(
+            (
+                role,
+                f["version"] or "?",
+                f["model"] or "?",
+                f["pool_kind"] or "?",
+                f["context_length"] or "?",
+                f["pool_tokens"] or "?",
+                f["page_size"] or "?",
+                f["kv_cache_dtype"],
+                "on" if f["kv_checksum"] else "off",
+                f["kv_canary"],
+            )
+        )
+    print(
+        fnd.render_table(
+            ["ROLE", "VERSION", "MODEL", "POOL", "CONTEXT", "POOL TOKENS", "PAGE", "KV DTYPE", "CHECKSUM", "CANARY"],
+            rows,
+            wrap={2: 40},
+        )
+    )
+    print()
+    print(fnd.findings_table(found))
+    print()
+    print(fnd.summary_line(found))
+    return code
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    from kvfence.audit import logs as lg
+
+    report = lg.scan_logs(
+        args.prefill_log,
+        args.decode_log,
+        since=args.since,
+        until=args.until,
+        model=args.model,
+        window=args.window,
+    )
+    code = fnd.exit_code(report.findings)
+    if args.json:
+        print(fnd.dumps({"tool": "kvfence audit logs", "exit_code": code, **report.to_dict()}))
+        return code
+    sys.stdout.write(lg.render_report(report, max_requests=args.max_requests))
+    return code
