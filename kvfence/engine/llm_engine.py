@@ -36,6 +36,7 @@ from kvfence.engine.scheduler import Scheduler
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.models.tokenizer import StreamDecoder
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,46 +80,12 @@ class EngineStats:
     num_preemptions: int
 
 
-class IncrementalDetokenizer:
-    """Text of a growing list of output tokens, as deltas that never split a character.
-
-    Decodes a short window (from `prefix` to the end) and emits what the window adds
-    beyond its already-emitted part, holding back text that ends in an incomplete
-    UTF-8 sequence. The joined deltas equal `decode(all ids)`.
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # window start
-        self.read = 0  # ids before this are already in emitted text
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is held back (an incomplete character at the very end)."""
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
-        return after[len(before) :]
-
-
 class _OutputState:
     """Per-request output bookkeeping: tokens already sent, full text, text already sent."""
 
     __slots__ = ("num_sent", "detok", "text", "num_text_sent")
 
-    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
+    def __init__(self, detok: StreamDecoder | None) -> None:
         self.num_sent = 0
         self.detok = detok
         self.text = ""  # text so far (cut at a stop string once one is found)
@@ -213,7 +180,7 @@ class LLMEngine:
 
     def _track(self, request: Request) -> None:
         p = request.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer) if p.detokenize and self.tokenizer is not None else None
+        detok = StreamDecoder(self.tokenizer) if p.detokenize and self.tokenizer is not None else None
         self._outputs[request.request_id] = _OutputState(detok)
 
     def add_request(
@@ -342,7 +309,7 @@ class LLMEngine:
         """Detokenize new ids, look for stop strings, and return the text that is safe to send."""
         assert state.detok is not None
         old_len = len(state.text)
-        state.text += state.detok.push(new_ids)
+        state.text += "".join([state.detok.push(t) for t in new_ids])
         if req.is_finished:
             state.text += state.detok.flush()
         stops = req.sampling_params.stop

@@ -1,0 +1,401 @@
+"""Scheduler: token budget, chunked prefill, page growth, preemption, stop rules and disaggregation hooks.
+
+The unit tests drive `Scheduler` directly with made-up sampled tokens. The end-to-end
+tests at the bottom run `LLMEngine` over `PoolEchoModel`, a fake model that follows the
+registry contract and computes each next token from the context it reads back out of
+the KV pool, so a wrong page, slot or mask changes the tokens (and a stale slot trips
+an assertion). It is fast enough to run many scheduling scenarios in a second.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.request import Request, RequestStatus
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.scheduler import Scheduler, SchedulerOutput
+from kvfence.errors import InvalidRequestError
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+
+PAGE = 4
+
+
+def _sched(num_pages: int = 64, context_length: int = 1000, eos: tuple[int, ...] = (), **cfg: Any) -> Scheduler:
+    cfg.setdefault("max_num_batched_tokens", 64)
+    cfg.setdefault("chunked_prefill_size", 16)
+    return Scheduler(SchedulerConfig(**cfg), PageAllocator(num_pages), PAGE, context_length, eos)
+
+
+def _req(rid: str, n: int = 5, **params: Any) -> Request:
+    params.setdefault("temperature", 0)
+    params.setdefault("max_tokens", 100)
+    return Request(rid, list(range(1, n + 1)), SamplingParams(**params))
+
+
+def _run(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One step with a fake forward that samples `token` for every chunk that samples."""
+    out = s.schedule()
+    s.update_from_output(out, [token if c.sample else None for c in out.chunks])
+    s.allocator.check()
+    return out
+
+
+def _owned_pages_match(s: Scheduler) -> None:
+    for r in s.running + list(s.waiting):
+        assert s.allocator.pages_of(r.request_id) == r.page_table, r
+
+
+# --- budget and chunking ------------------------------------------------------------------------------
+
+
+def test_prefill_is_chunked_and_only_the_last_chunk_samples() -> None:
+    s = _sched(chunked_prefill_size=16)
+    r = _req("a", 40)
+    s.add_request(r)
+    sizes, samples = [], []
+    for _ in range(3):
+        out = _run(s)
+        sizes += [c.num_tokens for c in out.chunks]
+        samples += [c.sample for c in out.chunks]
+    assert sizes == [16, 16, 8] and samples == [False, False, True]
+    assert r.num_output_tokens == 1 and r.num_computed_tokens == 40
+    assert len(r.page_table) == 10  # 40 tokens / page 4
+
+
+def test_step_token_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
+    s = _sched(max_num_batched_tokens=20, chunked_prefill_size=16)
+    for i in range(3):
+        s.add_request(_req(f"d{i}", 3))
+    _run(s)  # three short prefills
+    s.add_request(_req("long", 50))
+    out = _run(s)
+    assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 16]
+    assert out.num_batched_tokens <= 20
+    out = _run(s)  # 3 decodes + the rest of the budget (17) capped at the chunk size 16
+    assert [c.num_tokens for c in out.chunks] == [1, 1, 1, 16]
+
+
+def test_without_chunking_a_prompt_waits_until_it_fits_whole() -> None:
+    s = _sched(max_num_batched_tokens=32, chunked_prefill_size=None)
+    s.add_request(_req("a", 20))
+    s.add_request(_req("b", 20))
+    out = _run(s)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 20)]
+    out = _run(s)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 20)]
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    s = _sched(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(_req(f"r{i}", 2))
+    _run(s)
+    assert s.num_running == 2 and s.num_waiting == 2
+
+
+def test_pages_grow_on_demand_one_page_per_page_size_tokens() -> None:
+    s = _sched()
+    r = _req("a", 4)  # exactly one page
+    s.add_request(r)
+    _run(s)
+    assert len(r.page_table) == 1
+    _run(s)  # decode of token 5 needs a second page
+    assert len(r.page_table) == 2
+    for _ in range(3):
+        _run(s)
+    assert r.num_computed_tokens == 8 and len(r.page_table) == 2
+    _owned_pages_match(s)
+
+
+# --- preemption ---------------------------------------------------------------------------------------
+
+
+def test_when_pages_run_out_the_most_recently_admitted_request_is_preempted() -> None:
+    s = _sched(num_pages=5)
+    a, b = _req("a", 8), _req("b", 8)  # two pages each after prefill
+    s.add_request(a)
+    s.add_request(b)
+    _run(s)
+    assert s.allocator.num_free == 1
+    _run(s)  # a's 9th token takes the last page; b then needs one more page -> b (admitted last) preempted
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.PREEMPTED
+    assert s.allocator.pages_of("b") == [] and b.page_table == [] and b.num_computed_tokens == 0
+    assert list(s.waiting) == [b] and b.num_preemptions == 1 and s.num_preemptions == 1
+    assert b.num_output_tokens == 1  # its sampled token is kept and will be recomputed
+
+
+def test_preempted_request_recomputes_prompt_and_outputs_before_sampling_again() -> None:
+    s = _sched(num_pages=5, max_num_batched_tokens=64)
+    a, b = _req("a", 8, max_tokens=2), _req("b", 8)
+    s.add_request(a)
+    s.add_request(b)
+    _run(s)
+    _run(s)  # b preempted, a finishes (max_tokens=2) and frees its pages
+    assert a.finish_reason == "length" and b.status is RequestStatus.PREEMPTED
+    out = _run(s)
+    (chunk,) = out.chunks
+    assert chunk.request is b and chunk.start == 0 and chunk.num_tokens == 9 and chunk.sample
+    assert b.num_output_tokens == 2
+
+
+def test_a_request_alone_that_cannot_grow_preempts_itself() -> None:
+    s = _sched(num_pages=3)
+    r = _req("a", 8)
+    s.add_request(r)
+    _run(s)
+    s.allocator.allocate("someone-else", 1)  # pages taken outside the scheduler
+    _run(s)  # token 9 needs a third page; nobody else to preempt
+    assert r.status is RequestStatus.PREEMPTED and s.allocator.num_free == 2
+
+
+# --- stop rules ---------------------------------------------------------------------------------------
+
+
+def test_max_tokens_finishes_with_length_and_frees_pages() -> None:
+    s = _sched()
+    r = _req("a", 5, max_tokens=3)
+    s.add_request(r)
+    for _ in range(3):
+        _run(s)
+    assert r.finish_reason == "length" and r.num_output_tokens == 3
+    assert s.allocator.num_free == 64 and not s.has_unfinished()
+
+
+def test_eos_stops_unless_ignore_eos() -> None:
+    s = _sched(eos=(7,))
+    r, keep = _req("a"), _req("b", ignore_eos=True)
+    s.add_request(r)
+    s.add_request(keep)
+    _run(s, token=7)
+    assert r.finish_reason == "stop" and r.stop_reason == 7
+    assert keep.status is RequestStatus.RUNNING
+
+
+def test_stop_token_ids_stop() -> None:
+    s = _sched()
+    r = _req("a", stop_token_ids=[9])
+    s.add_request(r)
+    _run(s, token=3)
+    _run(s, token=9)
+    assert r.finish_reason == "stop" and r.stop_reason == 9 and r.output_token_ids == [3, 9]
+
+
+def test_context_length_finishes_with_length() -> None:
+    s = _sched(context_length=7)
+    r = _req("a", 5)
+    s.add_request(r)
+    _run(s)
+    assert not r.is_finished
+    _run(s)
+    assert r.finish_reason == "length" and r.num_tokens == 7
+
+
+# --- abort --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding", "preempted"])
+def test_abort_frees_pages_in_every_state(when: str) -> None:
+    s = _sched(num_pages=5, chunked_prefill_size=4)
+    r = _req("a", 8)
+    s.add_request(r)
+    if when in ("prefilling", "decoding"):
+        _run(s)
+    if when == "decoding":
+        _run(s)
+        _run(s)
+        assert r.num_output_tokens == 2  # two prefill chunks of 4, then one decode
+    if when == "preempted":
+        s.allocator.allocate("hog", 4)
+        _run(s)  # 1 page holds the first chunk; the hog leaves nothing for the second
+        _run(s)
+        assert r.status is RequestStatus.PREEMPTED
+        s.allocator.free("hog")
+    assert s.abort_request("a")
+    assert r.finish_reason == "abort" and s.allocator.num_free == 5 and not s.has_unfinished()
+    s.allocator.check()
+    assert not s.abort_request("a")
+
+
+# --- disaggregation hooks -----------------------------------------------------------------------------
+
+
+def test_prefill_only_request_finishes_as_prefill_done_and_keeps_its_pages_until_release() -> None:
+    s = _sched()
+    r = Request("p", list(range(1, 11)), SamplingParams(temperature=0, max_tokens=50), prefill_only=True)
+    s.add_request(r)
+    _run(s)
+    assert r.finish_reason == "prefill_done" and r.output_token_ids == [7]
+    assert s.allocator.pages_of("p") == r.page_table and len(r.page_table) == 3  # 10 prompt tokens
+    assert not s.has_unfinished() and "p" in s.held
+    assert s.release("p") is not None and s.allocator.num_free == 64 and "p" not in s.held
+
+
+def test_release_with_quarantine_keeps_pages_out_of_circulation() -> None:
+    s = _sched()
+    r = Request("p", [1, 2, 3, 4, 5], SamplingParams(temperature=0), prefill_only=True)
+    s.add_request(r)
+    _run(s)
+    pages = s.release("p", quarantine=True)
+    assert pages and s.allocator.num_quarantined == len(pages) and s.allocator.num_free == 64 - len(pages)
+    s.allocator.release_quarantine("p")
+    assert s.allocator.num_free == 64
+
+
+def test_reserve_returns_none_when_the_pool_is_short() -> None:
+    s = _sched(num_pages=3)
+    assert s.reserve("x", 13) is None  # 4 pages
+    pages = s.reserve("x", 12)
+    assert pages is not None and len(pages) == 3 and s.allocator.pages_of("x") == pages
+
+
+def test_reserved_ids_cannot_be_reused() -> None:
+    s = _sched()
+    s.reserve("x", 4)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        s.add_request(_req("x"))
+
+
+def test_prefilled_request_decodes_from_its_reserved_pages() -> None:
+    s = _sched()
+    pages = s.reserve("d", 10)
+    r = s.add_prefilled(_req("d", 10), first_token=42)
+    assert r.output_token_ids == [42] and r.num_computed_tokens == 10 and r.page_table == pages
+    out = _run(s)
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.sample) == (10, 1, True)
+    assert r.output_token_ids == [42, 7] and r.page_table == pages  # token 11 still fits page 3
+
+
+def test_prefilled_request_finished_by_its_first_token_frees_the_reservation() -> None:
+    s = _sched(eos=(42,))
+    s.reserve("d", 10)
+    r = s.add_prefilled(_req("d", 10), first_token=42)
+    assert r.finish_reason == "stop" and s.allocator.num_free == 64 and not s.has_unfinished()
+
+
+def test_prefilled_request_needs_a_big_enough_reservation() -> None:
+    s = _sched()
+    s.reserve("d", 4)
+    with pytest.raises(InvalidRequestError, match="reserved pages for 4 tokens"):
+        s.add_prefilled(_req("d", 10), first_token=1)
+    with pytest.raises(InvalidRequestError, match="no reserved pages"):
+        s.add_prefilled(_req("e", 10), first_token=1)
+
+
+# --- end to end over a fake model that reads its context back from the pool -----------------------------
+
+V = 97
+
+
+class PoolEchoModel(torch.nn.Module):
+    """Registry-contract model whose next token is a hash of the context read back from the pool."""
+
+    @classmethod
+    def kv_layout(cls, hf_config: Any, page_size: int, dtype: torch.dtype) -> KVLayout:
+        return KVLayout("PoolEcho", 1, (KVBufferSpec("tok", (2,)),), page_size, dtype)
+
+    def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        cache = pool.flat(0, "tok")  # [S, 2]: (token id, position + 1)
+        new = torch.stack([fb.input_ids.float(), (fb.positions + 1).float()], dim=1)  # [T, 2]
+        cache.index_copy_(0, fb.slot_mapping, new)
+        ctx = cache[fb.kv_slots]  # [B, K, 2]
+        B, K = fb.kv_slots.shape
+        real = torch.arange(K)[None, :] < fb.kv_lens[:, None]  # [B, K]
+        # every context slot must hold the token written for that very position (right page, no stale slot)
+        assert torch.equal(ctx[..., 1][real], (torch.arange(K) + 1).expand(B, K)[real].float())
+        weight = ctx[..., 0] * (ctx[..., 1] % 13 + 1)  # [B, K]
+        mask = fb.attn_mask[:, 0].float()  # [B, Q, K]
+        h = (mask * weight[:, None, :]).sum(-1) + mask.sum(-1) * 5  # [B, Q]
+        rows = h[fb.q_valid][fb.logits_index].long() % V  # [N]
+        logits = torch.zeros(rows.shape[0], V)
+        logits[torch.arange(rows.shape[0]), rows] = 1.0
+        return logits
+
+
+class CharTokenizer:
+    """a..z for ids 0..25 (and modulo beyond); eos is id 0 when asked."""
+
+    def __init__(self, eos: tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = frozenset(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return [(ord(c) - 97) % V for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def fake_loaded(context_length: int = 256, tokenizer: Any = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        model=PoolEchoModel(),
+        hf_config=SimpleNamespace(vocab_size=V),
+        tokenizer=tokenizer,
+        context_length=context_length,
+        kv_layout=lambda page_size, dtype: PoolEchoModel.kv_layout(None, page_size, dtype),
+    )
+
+
+def fake_engine(
+    max_total_tokens: int = 4096, page_size: int = PAGE, tokenizer: Any = None, context_length: int = 256, **sched: Any
+) -> LLMEngine:
+    cfg = EngineConfig(
+        model=ModelConfig("fake"),
+        cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens),
+        scheduler=SchedulerConfig(**sched),
+    )
+    return LLMEngine(cfg, loaded=fake_loaded(context_length, tokenizer))
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 60, (n,), generator=g).tolist()
+    return [torch.randint(0, V, (n_i,), generator=g).tolist() for n_i in lengths]
+
+
+def _run_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
+    """Run to completion, checking pool conservation after every step."""
+    free0 = engine.allocator.num_free
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+        engine.add_request(f"r{i}", sampling_params=sp, prompt_token_ids=p)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        engine.allocator.check()
+    assert engine.allocator.num_free == free0
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_fake_model_outputs_do_not_depend_on_batching_chunking_or_preemption() -> None:
+    prompts = _prompts(8)
+    alone = [_run_all(fake_engine(), [p])[0] for p in prompts]
+    batched = _run_all(fake_engine(chunked_prefill_size=None), prompts)
+    chunked = _run_all(fake_engine(chunked_prefill_size=7, max_num_batched_tokens=24), prompts)
+    tiny = fake_engine(max_total_tokens=84, context_length=84, chunked_prefill_size=8)  # 21 pages: preemptions
+    preempted = _run_all(tiny, prompts)
+    assert tiny.stats().num_preemptions > 0
+    assert batched == alone and chunked == alone and preempted == alone
+    assert all(len(o) == 20 for o in alone) and len({tuple(o) for o in alone}) == 8
+
+
+def test_engine_requests_join_and_leave_between_steps() -> None:
+    e = fake_engine()
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    e.add_request("a", sampling_params=sp, prompt_token_ids=[1, 2, 3])
+    e.step()
+    e.add_request("b", sampling_params=sp, prompt_token_ids=[4, 5])
+    outs = {o.request_id: o for o in e.step()}
+    assert set(outs) == {"a", "b"} and e.stats().num_running == 2
+    e.step()
+    outs = {o.request_id: o for o in e.step()}
+    assert outs["b"].finished and not e.has_unfinished_requests()
