@@ -1,0 +1,879 @@
+"""The OpenAI-compatible HTTP API in front of an `EngineClient` (aggregated engine or PD router).
+
+What it knows: the endpoints (POST /v1/completions and /v1/chat/completions, with
+SSE streaming; GET /v1/models, /health, /metrics, /server_info), turning a request
+body into prompt token ids and `SamplingParams` (one engine request per choice),
+admission control before anything reaches the engine, the OpenAI error shape for
+every failure, and aborting the engine requests of a client that went away.
+
+Errors (always `{"error": {"message", "type", "param", "code"}}`):
+  413 request_too_large      body over `max_body_bytes`, checked while reading, before parsing
+  400 invalid_json           not UTF-8, not JSON, NaN/Infinity, nested too deep, not an object
+  400 invalid_type/_value    a field has the wrong type or is out of range (param names the field)
+  400 unsupported_value      a field kvfence does not implement has a non-default value
+  400 context_length_exceeded prompt (+ max_tokens) over the context length or a role's KV pool
+  404 model_not_found        `model` is not the served model name
+  404/405                    unknown path / method
+  500 server_error           a generation failed (message from the engine; integrity record attached)
+                             or an unexpected exception (logged with its traceback)
+
+What it does not know: scheduling, KV pages or transfers (all behind `EngineClient`),
+nor how the server process is started (see launch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+from fastapi import FastAPI
+from jinja2 import TemplateError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.errors import InvalidRequestError, KvfenceError
+from kvfence.server import protocol as p
+from kvfence.server.admission import admit
+from kvfence.server.engine_client import EngineClient, GenerationChunk
+from kvfence.server.metrics import CONTENT_TYPE, Metrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_ENCODE_IN_THREAD_CHARS = 16384  # tokenize longer texts off the event loop
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_name: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    vocab_size: int | None = None  # token ids in a prompt must be below this (the engine checks too)
+    server_args: Mapping[str, Any] = field(default_factory=dict)  # resolved launch settings, for /server_info
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self, headers: Mapping[str, str] | None = None, extra: dict[str, Any] | None = None) -> JSONResponse:
+        body = p.error_body(self.message, self.type, self.param, self.code)
+        if extra:
+            body.update(extra)
+        return JSONResponse(body, status_code=self.status, headers=dict(headers or {}))
+
+
+# ---- body: size cap, UTF-8, JSON, schema ---------------------------------------------------------------------------
+
+
+class BodyLimitMiddleware:
+    """Reads a request body up to `max_bytes` before the app sees it (413 beyond), and counts responses.
+
+    The buffered body is replayed to the app once; later `receive()` calls go to the
+    server, so a handler can still wait for the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in _ROUTES else "other"  # bounded label set
+        status_seen: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, counting_send)
+            return
+        too_large = ApiError(
+            413, f"request body exceeds {self.max_bytes} bytes", param=None, code="request_too_large"
+        ).response()
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes or declared < 0:
+                    await too_large(scope, receive, counting_send)
+                    return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await too_large(scope, receive, counting_send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, counting_send)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Strict UTF-8 JSON object; raises ApiError(400, code invalid_json) otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_json") from None
+    if not text.strip():
+        raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+        # lone surrogates (\ud800) decode to a str that is not valid UTF-8: refuse them here
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body contains an unpaired UTF-16 surrogate escape", code="invalid_json") from None
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    return obj
+
+
+_UNION_HINTS = {
+    "prompt": "must be a non-empty string, a list of token ids, a list of strings or a list of token-id lists",
+    "stop": "must be a non-empty string or a list of at most 16 non-empty strings",
+    "seed": "must be an integer in the signed 64-bit range or null",
+}
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors(include_url=False)[0]
+    loc = [str(x) for x in first["loc"]]
+    top = loc[0] if loc else None
+    # the path without pydantic's union-branch names ("str", "list[int]", ...)
+    param = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool"))
+    if top in _UNION_HINTS and first["type"] not in ("missing",):
+        message = f"{top}: {_UNION_HINTS[top]}"
+    else:
+        given = repr(first.get("input"))
+        if len(given) > 80:
+            given = given[:77] + "..."
+        message = f"{param or 'body'}: {first['msg']}" + ("" if first["type"] == "missing" else f" (got {given})")
+    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
+    if first["type"] == "missing":
+        code = "missing_required_parameter"
+    return ApiError(400, message, param=param or None, code=code)
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
+
+
+# ---- one choice = one engine request -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_index: int  # which prompt of a batched /v1/completions request
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    integrity: dict[str, Any] | None = None
+    error: str | None = None
+    error_code: str | None = None
+    num_output_tokens: int = 0
+    t_first: float | None = None
+
+    def absorb(self, chunk: GenerationChunk) -> None:
+        if chunk.token_ids and self.t_first is None:
+            self.t_first = time.monotonic()
+        self.token_ids += chunk.token_ids
+        self.text.append(chunk.text)
+        if chunk.logprobs:
+            self.logprobs += chunk.logprobs
+        self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
+        if chunk.integrity is not None:
+            self.integrity = chunk.integrity
+        if chunk.finished:
+            self.finished = True
+            self.finish_reason = chunk.finish_reason
+            if chunk.finish_reason == "error":
+                self.error = chunk.error or "generation failed"
+                self.error_code = str(chunk.extra.get("code", "generation_failed"))
+
+
+def _integrity_header(choices: list[_Choice]) -> dict[str, str]:
+    records = [c.integrity for c in choices]
+    if all(r is None for r in records):
+        return {}
+    parts = []
+    for r in records:
+        status = "none" if r is None else str(r.get("status", "unknown"))
+        parts.append("".join(ch for ch in status if ch.isascii() and ch.isprintable() and ch != ","))
+    return {"X-Kvfence-Integrity": ",".join(parts)}
+
+
+def _seed_for(seed: int | None, index: int) -> int | None:
+    """Choice i of a seeded request uses seed + i (so n choices differ), wrapped into int64."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
+class OpenAIServer:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.metrics = Metrics(engine.stats)
+        self.started = time.time()
+
+    # -- request -> choices -----------------------------------------------------------------------------------------
+    def _check_model(self, name: str) -> None:
+        if name != self.settings.served_model_name:
+            raise ApiError(
+                404,
+                f"The model {name[:200]!r} does not exist; this server serves {self.settings.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _encode(self, text: str) -> list[int]:
+        if len(text) > _ENCODE_IN_THREAD_CHARS:
+            return list(await anyio.to_thread.run_sync(self.tokenizer.encode, text))
+        return list(self.tokenizer.encode(text))
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.settings.vocab_size
+        if vocab:
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(
+                    400,
+                    f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
+                    param="prompt",
+                    code="invalid_value",
+                )
+
+    def _sampling(
+        self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int, index: int, logprobs: bool
+    ) -> SamplingParams:
+        kwargs: dict[str, Any] = dict(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=_seed_for(req.seed, index),
+            stop=tuple(req.stop_list()),
+            ignore_eos=req.ignore_eos,
+        )
+        if logprobs:
+            kwargs["logprobs"] = True
+        return SamplingParams(**kwargs)
+
+    def _check_common_unsupported(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+        if req.presence_penalty != 0.0:
+            raise _unsupported("presence_penalty", "is not supported by kvfence; send 0 or omit it")
+        if req.frequency_penalty != 0.0:
+            raise _unsupported("frequency_penalty", "is not supported by kvfence; send 0 or omit it")
+        if req.logit_bias:
+            raise _unsupported("logit_bias", "is not supported by kvfence; omit it")
+
+    def _logprobs_supported(self, param: str) -> None:
+        if "logprobs" not in _SAMPLING_FIELDS:
+            raise _unsupported(param, "log probabilities are not available from this engine; omit it")
+
+    async def _completion_choices(self, req: p.CompletionRequest, base_id: str) -> list[_Choice]:
+        self._check_common_unsupported(req)
+        if req.echo:
+            raise _unsupported("echo", "is not supported by kvfence; send false or omit it")
+        if req.suffix:
+            raise _unsupported("suffix", "is not supported by kvfence; omit it")
+        if req.best_of is not None and req.best_of != req.n:
+            raise _unsupported("best_of", "is not supported by kvfence unless it equals n")
+        want_logprobs = req.logprobs is not None
+        if want_logprobs:
+            self._logprobs_supported("logprobs")
+            if req.logprobs:
+                raise _unsupported("logprobs", "only logprobs=0 (the chosen tokens) is supported, not top alternatives")
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [await self._encode(prompt)]
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]  # type: ignore[arg-type]
+        elif isinstance(prompt[0], str):
+            prompts = [await self._encode(text) for text in prompt]  # type: ignore[arg-type]
+        else:
+            prompts = [list(ids) for ids in prompt]  # type: ignore[union-attr]
+        capacity = self.engine.capacity()
+        choices: list[_Choice] = []
+        for k, ids in enumerate(prompts):
+            self._check_token_ids(ids)
+            max_tokens = admit(len(ids), req.max_tokens, capacity, param="prompt")
+            for j in range(req.n):
+                index = k * req.n + j
+                params = self._sampling(req, max_tokens, j, want_logprobs)
+                choices.append(_Choice(index, f"{base_id}-{index}", k, ids, params))
+        return choices
+
+    async def _chat_choices(self, req: p.ChatCompletionRequest, base_id: str) -> list[_Choice]:
+        self._check_common_unsupported(req)
+        if req.tools:
+            raise _unsupported("tools", "tool calling is not supported by kvfence; omit it")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", "only {'type': 'text'} is supported")
+        if req.logprobs:
+            self._logprobs_supported("logprobs")
+        if req.top_logprobs:
+            raise _unsupported("top_logprobs", "only 0 is supported (no top alternatives)")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            rendered = await anyio.to_thread.run_sync(
+                lambda: self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            )
+        except (ValueError, TypeError, KeyError, IndexError, TemplateError) as e:
+            raise ApiError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+        ids = await self._encode(rendered) if isinstance(rendered, str) else list(rendered)
+        max_tokens = admit(len(ids), req.requested_max_tokens(), self.engine.capacity(), param="messages")
+        return [
+            _Choice(j, f"{base_id}-{j}", 0, ids, self._sampling(req, max_tokens, j, bool(req.logprobs)))
+            for j in range(req.n)
+        ]
+
+    # -- running choices ----------------------------------------------------------------------------------------
+    async def _events(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, GenerationChunk]]:
+        """All choices' chunks as they arrive; on exit (done, error, cancelled) unfinished ones are aborted."""
+        queue: asyncio.Queue[tuple[_Choice, GenerationChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                stream = self.engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+                try:
+                    async for chunk in stream:
+                        queue.put_nowait((choice, chunk))
+                        if chunk.finished:
+                            break
+                finally:
+                    aclose = getattr(stream, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, which maps it to an HTTP error
+                queue.put_nowait((choice, e))
+            finally:
+                queue.put_nowait((choice, None))
+
+        t0 = time.monotonic()
+        self.metrics.in_flight.inc()
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        open_streams = len(choices)
+        try:
+            while open_streams:
+                choice, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                choice.absorb(item)
+                if item.finished:
+                    self._observe(choice, t0)
+                yield choice, item
+        finally:
+            self.metrics.in_flight.dec()
+            unfinished = [c for c in choices if not c.finished]
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                for c in unfinished:
+                    try:
+                        await self.engine.abort(c.request_id)
+                    except Exception:
+                        logger.exception("abort of %s failed", c.request_id)
+                if unfinished:
+                    self.metrics.aborted.inc(len(unfinished))
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe(self, choice: _Choice, t0: float) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        m.generation_tokens.inc(choice.num_output_tokens)
+        m.finished.labels(choice.finish_reason or "unknown").inc()
+        m.observe_integrity(choice.integrity)
+        ttft = None if choice.t_first is None else choice.t_first - t0
+        m.observe_choice(ttft, now - (choice.t_first or now), choice.num_output_tokens)
+        m.e2e.observe(now - t0)
+
+    async def _collect(self, request: Request, choices: list[_Choice]) -> None:
+        """Run every choice to the end; a client that disconnects meanwhile aborts them."""
+
+        failure: list[BaseException] = []
+
+        async def run(scope: anyio.CancelScope) -> None:
+            try:
+                async for _ in self._events(choices):
+                    pass
+            except Exception as e:  # re-raised below, outside the task group (which would wrap it)
+                failure.append(e)
+            scope.cancel()
+
+        async def watch_disconnect(scope: anyio.CancelScope) -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    scope.cancel()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, tg.cancel_scope)
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+        if failure:
+            raise failure[0]
+
+    @staticmethod
+    def _count_prompts(choices: list[_Choice]) -> int:
+        return sum({c.prompt_index: len(c.prompt_ids) for c in choices}.values())
+
+    def _usage(self, choices: list[_Choice]) -> p.Usage:
+        prompt_tokens = self._count_prompts(choices)
+        completion = sum(c.num_output_tokens for c in choices)
+        return p.Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+        )
+
+    def _failed(self, choices: list[_Choice]) -> ApiError | None:
+        bad = next((c for c in choices if c.error is not None), None)
+        if bad is None:
+            return None
+        return ApiError(500, f"choice {bad.index}: {bad.error}", type="server_error", code=bad.error_code)
+
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+    # -- endpoints -------------------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req: p.CompletionRequest = _parse(p.CompletionRequest, parse_json_object(await request.body()))
+        self._check_model(req.model)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = await self._completion_choices(req, base_id)
+        self.metrics.prompt_tokens.inc(self._count_prompts(choices))
+        if req.stream:
+            return await self._stream(choices, lambda c, ch: self._completion_chunk(req, base_id, c, ch), req, base_id)
+        await self._collect(request, choices)
+        headers = _integrity_header(choices)
+        if (err := self._failed(choices)) is not None:
+            return err.response(headers, {"kvfence": {"integrity": [c.integrity for c in choices]}})
+        body = p.CompletionResponse(
+            id=base_id,
+            model=req.model,
+            choices=[
+                p.CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=self._completion_logprobs(c) if req.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    kvfence=None if c.integrity is None else {"integrity": c.integrity},
+                )
+                for c in choices
+            ],
+            usage=self._usage(choices),
+            kvfence=self._top_kvfence(choices),
+        )
+        return JSONResponse(_dump(body), headers=headers)
+
+    def _completion_logprobs(self, c: _Choice) -> p.CompletionLogprobs:
+        tokens = self._token_strings(c.token_ids)
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return p.CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets)
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float]) -> p.ChatChoiceLogprobs:
+        return p.ChatChoiceLogprobs(
+            content=[
+                p.ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+                for s, lp in zip(self._token_strings(token_ids), logprobs, strict=False)
+            ]
+        )
+
+    @staticmethod
+    def _top_kvfence(choices: list[_Choice]) -> dict[str, Any] | None:
+        if len(choices) == 1 and choices[0].integrity is not None:
+            return {"integrity": choices[0].integrity}
+        return None
+
+    async def chat_completions(self, request: Request) -> Response:
+        req: p.ChatCompletionRequest = _parse(p.ChatCompletionRequest, parse_json_object(await request.body()))
+        self._check_model(req.model)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = await self._chat_choices(req, base_id)
+        self.metrics.prompt_tokens.inc(len(choices[0].prompt_ids))
+        if req.stream:
+            return await self._stream(choices, lambda c, ch: self._chat_chunk(req, base_id, c, ch), req, base_id)
+        await self._collect(request, choices)
+        headers = _integrity_header(choices)
+        if (err := self._failed(choices)) is not None:
+            return err.response(headers, {"kvfence": {"integrity": [c.integrity for c in choices]}})
+        body = p.ChatCompletionResponse(
+            id=base_id,
+            model=req.model,
+            choices=[
+                p.ChatCompletionChoice(
+                    index=c.index,
+                    message=p.ChatResponseMessage(content="".join(c.text)),
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    kvfence=None if c.integrity is None else {"integrity": c.integrity},
+                )
+                for c in choices
+            ],
+            usage=self._usage(choices),
+            kvfence=self._top_kvfence(choices),
+        )
+        return JSONResponse(_dump(body), headers=headers)
+
+    # -- streaming ---------------------------------------------------------------------------------------------
+    def _completion_chunk(
+        self, req: p.CompletionRequest, base_id: str, c: _Choice, chunk: GenerationChunk | None
+    ) -> list[BaseModel]:
+        if chunk is None:
+            return []
+        logprobs = None
+        if req.logprobs is not None and chunk.token_ids:
+            tokens = self._token_strings(chunk.token_ids)
+            logprobs = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(chunk.logprobs or []))
+        choice = p.CompletionChoice(
+            index=c.index,
+            text=chunk.text,
+            logprobs=logprobs,
+            finish_reason=chunk.finish_reason if chunk.finished else None,
+            kvfence={"integrity": chunk.integrity} if chunk.integrity is not None else None,
+        )
+        return [p.CompletionResponse(id=base_id, model=req.model, choices=[choice])]
+
+    def _chat_chunk(
+        self, req: p.ChatCompletionRequest, base_id: str, c: _Choice, chunk: GenerationChunk | None
+    ) -> list[BaseModel]:
+        if chunk is None:  # the opening chunk of each choice: the role
+            delta = p.ChatDelta(role="assistant", content="")
+            return [
+                p.ChatCompletionChunk(
+                    id=base_id, model=req.model, choices=[p.ChatStreamChoice(index=c.index, delta=delta)]
+                )
+            ]
+        out: list[BaseModel] = []
+        if chunk.text or chunk.token_ids:
+            logprobs = self._chat_logprobs(chunk.token_ids, list(chunk.logprobs or [])) if req.logprobs else None
+            delta = p.ChatDelta(content=chunk.text)
+            choice = p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs)
+            out.append(p.ChatCompletionChunk(id=base_id, model=req.model, choices=[choice]))
+        if chunk.finished:
+            choice = p.ChatStreamChoice(
+                index=c.index,
+                delta=p.ChatDelta(),
+                finish_reason=chunk.finish_reason,
+                kvfence={"integrity": chunk.integrity} if chunk.integrity is not None else None,
+            )
+            out.append(p.ChatCompletionChunk(id=base_id, model=req.model, choices=[choice]))
+        return out
+
+    async def _stream(
+        self,
+        choices: list[_Choice],
+        render: Callable[[_Choice, GenerationChunk | None], list[BaseModel]],
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        base_id: str,
+    ) -> Response:
+        """SSE response; the first engine event is awaited here so early errors still get an HTTP status."""
+        events = self._events(choices)
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await events.aclose()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        model = req.model
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                for c in choices:
+                    for m in render(c, None):
+                        yield _sse(_dump(m))
+                pending = [first] if first is not None else []
+                while True:
+                    if pending:
+                        c, chunk = pending.pop()
+                    else:
+                        try:
+                            c, chunk = await events.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    for m in render(c, chunk):
+                        yield _sse(_dump(m))
+                err = self._failed(choices)
+                if err is not None:
+                    yield _sse(p.error_body(err.message, err.type, err.param, err.code))
+                elif include_usage:
+                    obj = "chat.completion.chunk" if isinstance(req, p.ChatCompletionRequest) else "text_completion"
+                    usage = self._usage(choices).model_dump()
+                    yield _sse(
+                        {
+                            "id": base_id,
+                            "object": obj,
+                            "created": int(time.time()),
+                            "model": model,
+                            "choices": [],
+                            "usage": usage,
+                        }
+                    )
+                yield b"data: [DONE]\n\n"
+            except (KvfenceError, ApiError) as e:
+                api = _to_api_error(e)
+                yield _sse(p.error_body(api.message, api.type, api.param, api.code))
+                yield b"data: [DONE]\n\n"
+            except Exception:
+                logger.exception("stream failed")
+                yield _sse(p.error_body("internal error while streaming; see the server log", "server_error"))
+                yield b"data: [DONE]\n\n"
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await events.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # -- info endpoints ----------------------------------------------------------------------------------------
+    def models(self) -> dict[str, Any]:
+        cap = self.engine.capacity()
+        card = p.ModelCard(
+            id=self.settings.served_model_name, created=int(self.started), max_model_len=cap.context_length
+        )
+        return p.ModelList(data=[card]).model_dump()
+
+    def server_info(self) -> dict[str, Any]:
+        from kvfence import __version__
+
+        cap = self.engine.capacity()
+        return {
+            "version": __version__,
+            "served_model_name": self.settings.served_model_name,
+            "launch_command": list(sys.argv),
+            "server_args": dict(self.settings.server_args),
+            "capacity": {
+                "context_length": cap.context_length,
+                "max_total_tokens": dict(cap.max_total_tokens),
+                "page_size": cap.page_size,
+                "max_request_tokens": cap.max_request_tokens,
+            },
+            "api": {
+                "max_body_bytes": self.settings.max_body_bytes,
+                "max_n": p.MAX_N,
+                "max_stop": p.MAX_STOP,
+                "max_prompts": p.MAX_PROMPTS,
+                "vocab_size": self.settings.vocab_size,
+                "logprobs": "logprobs" in _SAMPLING_FIELDS,
+            },
+            "engine": self.engine.server_info(),
+            "stats": self.engine.stats(),
+            "started_at": self.started,
+        }
+
+    def health(self) -> Response:
+        check = getattr(self.engine, "check_health", None)
+        try:
+            if check is not None:
+                check()
+            self.engine.stats()
+        except Exception as e:
+            return JSONResponse(
+                p.error_body(f"engine unhealthy: {e}", "server_error", code="unhealthy"), status_code=503
+            )
+        return JSONResponse({"status": "ok"})
+
+
+def _dump(model: BaseModel) -> dict[str, Any]:
+    """JSON-ready dict without the optional kvfence/usage fields when they are empty."""
+    d = model.model_dump(mode="json")
+    for key in ("kvfence", "usage"):
+        if d.get(key) is None:
+            d.pop(key, None)
+    for choice in d.get("choices", []):
+        if choice.get("kvfence") is None:
+            choice.pop("kvfence", None)
+    return d
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def _to_api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return ApiError(400, str(e), param=e.param, code=e.code)
+    if isinstance(e, KvfenceError):
+        return ApiError(500, str(e), type="server_error", code="engine_error")
+    return ApiError(500, "internal server error; see the server log", type="server_error", code="internal_error")
+
+
+# ---- the app -------------------------------------------------------------------------------------------------------
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": p.ErrorResponse, "description": "Invalid request"},
+    404: {"model": p.ErrorResponse, "description": "Unknown model"},
+    413: {"model": p.ErrorResponse, "description": "Body too large"},
+    500: {"model": p.ErrorResponse, "description": "Generation failed"},
+}
+
+
+def _body_spec(name: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> FastAPI:
+    """The FastAPI app for one EngineClient; every app has its own metrics registry."""
+    server = OpenAIServer(engine, tokenizer, settings)
+    app = FastAPI(title="kvfence", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    def observe_rejection(e: ApiError) -> None:
+        server.metrics.rejected.labels(e.code or str(e.status)).inc()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> Response:
+        observe_rejection(e)
+        return e.response()
+
+    @app.exception_handler(KvfenceError)
+    async def _kvfence_error(_: Request, e: KvfenceError) -> Response:
+        api = _to_api_error(e)
+        if api.status >= 500:
+            logger.error("request failed: %s", e)
+        observe_rejection(api)
+        return api.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return ApiError(e.status_code, str(e.detail), code=code).response(e.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> Response:
+        logger.exception("unhandled error")
+        return _to_api_error(e).response()
+
+    responses = dict(_ERROR_RESPONSES)
+
+    @app.post(
+        "/v1/completions",
+        openapi_extra=_body_spec("CompletionRequest"),
+        responses={200: {"model": p.CompletionResponse}, **responses},
+    )
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_body_spec("ChatCompletionRequest"),
+        responses={200: {"model": p.ChatCompletionResponse}, **responses},
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat_completions(request)
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return server.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return server.server_info()
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema(
+                [(p.CompletionRequest, "validation"), (p.ChatCompletionRequest, "validation")],
+                ref_template="#/components/schemas/{model}",
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=server.metrics)
+    return app

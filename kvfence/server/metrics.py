@@ -1,0 +1,120 @@
+"""Prometheus metrics of one API server, in a registry of its own (two apps in one process never mix).
+
+What it knows: counters the front end updates as requests pass (requests by endpoint
+and status, rejections by code, aborts, prompt/generated tokens, integrity results by
+status), latency histograms (time to first token, time per output token, end to
+end), and a collector that reads the engine's live numbers at scrape time from
+`EngineClient.stats()`, whose shape is:
+
+    {"roles": {role: {"pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size"}},
+     "num_running": int, "num_waiting": int,
+     "transfers": {result: count, ...}}          # PD mode; e.g. {"ok": 12, "failed": 1}
+
+Missing keys are simply not exported. What it does not know: where the numbers come
+from, or HTTP (the app serves `render()` at GET /metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_PAGE_KEYS = ("pages_total", "pages_used", "pages_free", "pages_quarantined")
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # a scrape must not fail because the engine is busy or gone
+            logger.exception("EngineClient.stats() failed during a /metrics scrape")
+            return
+        roles: dict[str, dict[str, Any]] = stats.get("roles") or {}
+        for key in _PAGE_KEYS:
+            family = GaugeMetricFamily(
+                f"kvfence_kv_{key}", f"KV pool {key.replace('_', ' ')} per role", labels=["role"]
+            )
+            for role, numbers in roles.items():
+                if key in numbers:
+                    family.add_metric([role], float(numbers[key]))
+            yield family
+        usage = GaugeMetricFamily("kvfence_kv_usage_ratio", "Fraction of KV pages in use per role", labels=["role"])
+        tokens = GaugeMetricFamily("kvfence_kv_capacity_tokens", "KV pool capacity in tokens per role", labels=["role"])
+        for role, numbers in roles.items():
+            total = numbers.get("pages_total")
+            if total:
+                usage.add_metric([role], float(numbers.get("pages_used", 0)) / float(total))
+                if "page_size" in numbers:
+                    tokens.add_metric([role], float(total * numbers["page_size"]))
+        yield usage
+        yield tokens
+        for key, help_text in (("num_running", "Requests running in the engine"), ("num_waiting", "Requests queued")):
+            if key in stats:
+                yield GaugeMetricFamily(f"kvfence_{key}_requests", help_text, value=float(stats[key]))
+        transfers = CounterMetricFamily("kvfence_kv_transfers", "KV handoffs by result", labels=["result"])
+        for result, count in (stats.get("transfers") or {}).items():
+            transfers.add_metric([str(result)], float(count))
+        yield transfers
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvfence_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.rejected = Counter(
+            "kvfence_requests_rejected", "Requests refused before generation, by error code", ["code"], registry=r
+        )
+        self.aborted = Counter("kvfence_requests_aborted", "Requests aborted because the client went away", registry=r)
+        self.finished = Counter(
+            "kvfence_requests_finished", "Finished choices by finish reason", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", registry=r)
+        self.integrity = Counter("kvfence_integrity_results", "Integrity records by status", ["status"], registry=r)
+        self.in_flight = Gauge("kvfence_http_requests_in_flight", "Generation requests being served", registry=r)
+        self.ttft = Histogram(
+            "kvfence_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "kvfence_time_per_output_token_seconds",
+            "Mean time per output token after the first, per choice",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvfence_e2e_request_latency_seconds",
+            "Request latency, admission to last token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineStatsCollector(stats))
+
+    def observe_choice(self, ttft: float | None, first_to_last: float, num_output_tokens: int) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if num_output_tokens > 1:
+            self.tpot.observe(first_to_last / (num_output_tokens - 1))
+
+    def observe_integrity(self, record: dict[str, Any] | None) -> None:
+        if record is not None:
+            self.integrity.labels(str(record.get("status", "unknown"))).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
