@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvfence.integrity.canary import check_canaries
-from kvfence.integrity.digest import DIGEST_ALGORITHM, page_digest
+from kvfence.integrity.digest import DIGEST_ALGORITHM, PageBytes, page_digest
 from kvfence.integrity.manifest import HandoffManifest, pages_for_tokens
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
@@ -184,8 +184,9 @@ def verify_handoff(
             coverage.describe_gaps(),
             tokens_covered=min(expect.num_tokens, coverage.num_covered * ps),
         )
+    pb = PageBytes(pool)
     for i, page in enumerate(dest_pages):
-        got = page_digest(pool, page)
+        got = page_digest(pb, page)
         if got != m.page_digests[i]:
             return _fail(
                 Reason.DIGEST_MISMATCH,

@@ -1,0 +1,528 @@
+"""The data plane of a KV handoff: what every transport does, whatever carries the bytes.
+
+What it knows: the frames a sender and a receiver exchange, and the two cores that
+every transport (local threads, TCP, later Mooncake) shares, so the protocol and its
+safety rules live in one place:
+
+    sender -> receiver   manifest  {rid, xid}              payload: manifest bytes
+                         pages     {rid, xid, seq, idx[], nb[]}  payload: the pages, in idx order
+                         done      {rid, xid, pages}       last frame of a complete transfer
+                         abort     {rid, xid, reason}      last frame of a transfer prefill gave up
+                         aborted   {rid, xid}              last frame after decode asked to abort
+    receiver -> sender   chunk_ack {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
+                         verdict   {rid, xid, ok, reason}  decode verified (or rejected) the pages
+                         abort     {rid, xid, reason}      decode gave up: stop sending
+                         error     {rid, xid, reason}      unknown request, bad manifest, ...
+
+- Pages carry their *logical* index only. The receiver alone maps logical index ->
+  destination page through the page table decode allocated (`expect`); prefill never
+  learns or names decode's page numbers.
+- The receiver marks logical page i in the request's `CoverageBitmap` only when every
+  byte of that page landed; pages outside the allocation are counted, never written.
+- The sender sends at most `max_transfer_pages` pages per chunk and keeps at most
+  `max_inflight_bytes` un-acknowledged (a single chunk larger than the bound is sent
+  alone), so one transfer cannot flood the receiver (invariant 7).
+- A receive slot is `settled` once no write from this transfer can land any more: the
+  sender's last frame arrived, the connection closed, or decode closed the slot and the
+  transport is two-sided (every write passes through `ReceiverCore.receive_page`, which
+  drops writes to a closed slot under the slot's lock). A one-sided transport (RDMA,
+  Mooncake) sets `one_sided=True`: there a closed slot is settled only by the sender's
+  last frame, the connection closing, or the quarantine deadline in `disagg.handoff`.
+
+What it does not know: sockets (`transfer.tcp`) or queues (`transfer.local`), whether
+the landed pages are right (`integrity.verify`), or what to do with an ending
+(`disagg.handoff`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from kvfence.faults import FaultInjector
+from kvfence.integrity.digest import PageBytes
+from kvfence.integrity.manifest import HandoffManifest, ManifestError
+from kvfence.integrity.verify import CoverageBitmap
+from kvfence.kv.pool import KVPool
+
+Header = dict[str, Any]
+Payload = Sequence[bytes | bytearray | memoryview]
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Sender-side bounds (invariant 7) and deadlines."""
+
+    max_transfer_pages: int = 64  # pages per chunk frame
+    max_inflight_bytes: int = 64 << 20  # bytes sent but not yet acknowledged by the receiver
+    send_timeout_s: float = 30.0  # the whole send (manifest to last frame)
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        assert self.max_transfer_pages > 0, self.max_transfer_pages
+        assert self.max_inflight_bytes > 0, self.max_inflight_bytes
+        assert self.send_timeout_s > 0 and self.connect_timeout_s > 0
+
+
+class Link(Protocol):
+    """One direction of a connection: sends one frame (header + payload pieces) atomically."""
+
+    def send(self, header: Header, payload: Payload = ()) -> None: ...
+
+
+# -- receiver side ------------------------------------------------------------------------------------------
+
+
+class SlotStatus(str, Enum):
+    WAITING = "waiting"  # expected, no manifest yet
+    RECEIVING = "receiving"  # manifest arrived, pages landing
+    COMPLETE = "complete"  # the sender said done
+    SENDER_ABORTED = "sender_aborted"  # the sender gave up
+    ERROR = "error"  # bad manifest, connection lost, ...
+
+
+class ReceiveSlot:
+    """Decode's view of one incoming transfer; written by the transport thread, read by the worker."""
+
+    def __init__(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None, one_sided: bool) -> None:
+        self.request_id = request_id
+        self.dest_pages: tuple[int, ...] = tuple(dest_pages)  # logical index -> decode page
+        self.transfer_id = transfer_id  # pinned by `expect`, or bound by the first manifest
+        self.coverage = CoverageBitmap(len(self.dest_pages))
+        self.manifest: HandoffManifest | None = None
+        self.status = SlotStatus.WAITING
+        self.error = ""
+        self.closed = False  # decode no longer accepts writes
+        self.sender_final = False  # the sender's last frame arrived
+        self.link_closed = False
+        self.one_sided = one_sided
+        self.link: Link | None = None
+        self.bytes_received = 0
+        self.first_frame_at: float | None = None
+        self.complete_at: float | None = None
+        self.lock = threading.Lock()  # held while a page is written; closing takes it too
+
+    @property
+    def settled(self) -> bool:
+        """No write of this transfer can land in `dest_pages` any more."""
+        return self.sender_final or self.link_closed or (self.closed and not self.one_sided)
+
+
+class ReceiverCore:
+    """Protocol logic of a receiver; transports feed it frames and page bytes."""
+
+    def __init__(self, pool: KVPool, faults: FaultInjector | None = None, one_sided: bool = False) -> None:
+        self.pool = pool
+        self.page_bytes = PageBytes(pool)
+        self.faults = faults
+        self.one_sided = one_sided
+        self._slots: dict[str, ReceiveSlot] = {}
+        self._lock = threading.Lock()
+
+    # -- decode-side API -------------------------------------------------------------------------------------
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
+        """Register where the pages of `request_id` go (its page table, logical order)."""
+        one_sided = self.one_sided or (
+            self.faults is not None and self.faults.point("delayed_write_after_abort", request_id) is not None
+        )
+        slot = ReceiveSlot(request_id, dest_pages, transfer_id, one_sided)
+        with self._lock:
+            assert request_id not in self._slots, f"request {request_id} is already expected"
+            self._slots[request_id] = slot
+        return slot
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Decode gives up on `request_id`: stop writes, tell the sender to stop."""
+        self._close(request_id, {"t": "abort", "reason": reason})
+
+    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
+        """Tell the sender how verification ended (it may release its source pages)."""
+        self._close(request_id, {"t": "verdict", "ok": ok, "reason": reason})
+
+    def forget(self, request_id: str) -> None:
+        """Drop the slot; later frames for it are discarded as unknown."""
+        with self._lock:
+            self._slots.pop(request_id, None)
+
+    def slot(self, request_id: str) -> ReceiveSlot | None:
+        return self._slots.get(request_id)
+
+    def _close(self, request_id: str, header: Header) -> None:
+        slot = self._slots.get(request_id)
+        if slot is None:
+            return
+        with slot.lock:  # waits for a page write in progress
+            already = slot.closed
+            slot.closed = True
+            link = slot.link
+        if link is not None and not already and not slot.link_closed:
+            try:
+                link.send({**header, "rid": request_id, "xid": slot.transfer_id})
+            except OSError:
+                pass  # the connection is gone; `link_closed` will settle the slot
+
+    # -- transport-side API ----------------------------------------------------------------------------------
+    def on_frame(self, link: Link, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
+        """Every non-page frame from a sender."""
+        kind, rid, xid = header.get("t"), str(header.get("rid")), str(header.get("xid"))
+        slot = self._slots.get(rid)
+        if kind == "manifest":
+            self._on_manifest(link, slot, rid, xid, payload)
+            return
+        if slot is None or slot.transfer_id != xid:
+            return
+        with slot.lock:
+            if kind == "done":
+                slot.sender_final = True
+                if slot.status == SlotStatus.RECEIVING:
+                    slot.status = SlotStatus.COMPLETE
+                    slot.complete_at = time.monotonic()
+            elif kind == "abort":
+                slot.sender_final = True
+                if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
+                    slot.status = SlotStatus.SENDER_ABORTED
+                    slot.error = str(header.get("reason", "sender aborted"))
+            elif kind == "aborted":
+                slot.sender_final = True
+
+    def _on_manifest(
+        self, link: Link, slot: ReceiveSlot | None, rid: str, xid: str, payload: bytes | bytearray | memoryview
+    ) -> None:
+        if slot is None:
+            link.send({"t": "error", "rid": rid, "xid": xid, "reason": f"decode does not expect request {rid}"})
+            return
+        with slot.lock:
+            if slot.transfer_id is not None and slot.transfer_id != xid:
+                reply = {"t": "error", "rid": rid, "xid": xid, "reason": f"request {rid} expects transfer "
+                         f"{slot.transfer_id}, not {xid}"}  # fmt: skip
+            elif slot.manifest is not None or slot.status != SlotStatus.WAITING:
+                reply = {"t": "error", "rid": rid, "xid": xid, "reason": f"second manifest for request {rid}"}
+            else:
+                slot.transfer_id, slot.link = xid, link
+                slot.first_frame_at = time.monotonic()
+                reply = None
+                if slot.closed:
+                    reply = {"t": "abort", "rid": rid, "xid": xid, "reason": "decode aborted the request"}
+                else:
+                    try:
+                        slot.manifest = HandoffManifest.from_bytes(payload)
+                        slot.status = SlotStatus.RECEIVING
+                    except ManifestError as e:
+                        slot.status, slot.error, slot.closed = SlotStatus.ERROR, str(e), True
+                        reply = {"t": "error", "rid": rid, "xid": xid, "reason": str(e)}
+        if reply is not None:
+            link.send(reply)
+
+    def receive_page(
+        self, rid: str, xid: str, index: int, nbytes: int, fill: Callable[[list[memoryview] | None, int], None]
+    ) -> None:
+        """Land one page: `fill(views, nbytes)` must consume exactly `nbytes` of input, writing into
+        `views` (the destination page, logical order) or discarding when `views` is None."""
+        slot = self._slots.get(rid)
+        if slot is None or slot.transfer_id != xid:
+            fill(None, nbytes)
+            return
+        with slot.lock:
+            inside = 0 <= index < len(slot.dest_pages)
+            accepting = (not slot.closed or slot.one_sided) and slot.status != SlotStatus.ERROR
+            stale = False
+            if accepting and inside and not slot.closed and self.faults is not None:
+                p = self.faults.point("stale_page", rid)
+                stale = p is not None and p.page == index and self.faults.hit("stale_page", rid) is not None
+            views = self.page_bytes.views(slot.dest_pages[index]) if accepting and inside and not stale else None
+            fill(views, nbytes)
+            slot.bytes_received += nbytes
+            if slot.closed:
+                return
+            if not inside:
+                slot.coverage.mark_outside()
+            elif nbytes == self.pool.layout.bytes_per_page:
+                slot.coverage.mark(index)
+
+    def link_closed(self, link: Link) -> None:
+        """The connection carrying `link` is gone: its slots are settled; unfinished ones failed."""
+        for slot in list(self._slots.values()):
+            if slot.link is link:
+                with slot.lock:
+                    slot.link_closed = True
+                    if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
+                        slot.status = SlotStatus.ERROR
+                        slot.error = "connection to prefill closed before the transfer completed"
+
+
+def fill_from_bytes(data: bytes | bytearray | memoryview) -> Callable[[list[memoryview] | None, int], None]:
+    """A `fill` for `receive_page` that copies from an in-memory payload (local transport)."""
+    src = memoryview(data).cast("B")
+
+    def fill(views: list[memoryview] | None, nbytes: int) -> None:
+        assert nbytes == len(src), (nbytes, len(src))
+        if views is None:
+            return
+        off = 0
+        for v in views:
+            n = min(len(v), nbytes - off)
+            if n <= 0:
+                break
+            v[:n] = src[off : off + n]
+            off += n
+
+    return fill
+
+
+# -- sender side --------------------------------------------------------------------------------------------
+
+
+class SendStatus(str, Enum):
+    SENDING = "sending"
+    AWAITING_VERDICT = "awaiting_verdict"  # done sent, source pages still needed until a verdict
+    VERIFIED = "verified"  # decode verified the pages
+    REJECTED = "rejected"  # decode's verification failed
+    ABORTED = "aborted"  # decode asked to stop, or prefill aborted
+    ERROR = "error"  # connection, protocol or deadline failure
+
+
+class SendHandle:
+    """Prefill's view of one outgoing transfer; polled by the worker, updated by transport threads."""
+
+    def __init__(self, manifest: HandoffManifest) -> None:
+        self.manifest = manifest
+        self.request_id = manifest.request_id
+        self.transfer_id = manifest.transfer_id
+        self.status = SendStatus.SENDING
+        self.reason = ""
+        self.pages_sent = 0
+        self.bytes_sent = 0
+        self.inflight_bytes = 0
+        self.max_inflight_seen = 0
+        self.chunks_sent = 0
+        self.max_chunk_pages = 0
+        self.sender_done = False  # the send thread exited: no more reads of the source pages
+        self.local_abort: str | None = None
+        self.remote_abort: str | None = None
+        self.started_at = time.monotonic()
+        self.done_at: float | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def finished(self) -> bool:
+        """A final status is known (the verdict, an abort or an error)."""
+        return self.status in (SendStatus.VERIFIED, SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR)
+
+    def abort(self, reason: str) -> None:
+        """Prefill gives up: the send loop stops at the next chunk and sends `abort`."""
+        with self._cond:
+            if self.local_abort is None:
+                self.local_abort = reason
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `finished` (tests and benchmarks; workers poll)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished, timeout)
+
+    def wait_sender_done(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.sender_done, timeout)
+
+    # -- called by transports ----------------------------------------------------------------------------------
+    def _set(self, status: SendStatus, reason: str = "") -> None:
+        with self._cond:
+            if not self.finished:
+                self.status, self.reason = status, reason
+            self._cond.notify_all()
+
+    def on_frame(self, header: Header) -> None:
+        kind = header.get("t")
+        with self._cond:
+            if kind == "chunk_ack":
+                self.inflight_bytes -= int(header.get("n", 0))
+            elif kind == "verdict":
+                ok = bool(header.get("ok"))
+                if not self.finished:
+                    self.status = SendStatus.VERIFIED if ok else SendStatus.REJECTED
+                    self.reason = str(header.get("reason", ""))
+            elif kind == "abort":
+                self.remote_abort = str(header.get("reason", "decode aborted"))
+                if not self.finished:
+                    self.status, self.reason = SendStatus.ABORTED, self.remote_abort
+            elif kind == "error":
+                if not self.finished:
+                    self.status, self.reason = SendStatus.ERROR, str(header.get("reason", "receiver error"))
+            self._cond.notify_all()
+
+    def on_link_closed(self) -> None:
+        self._set(SendStatus.ERROR, "connection to decode closed")
+
+
+class SenderCore:
+    """Routes receiver frames to the handles of one sender; shared by transports."""
+
+    def __init__(self) -> None:
+        self._handles: dict[tuple[str, str], SendHandle] = {}
+        self._lock = threading.Lock()
+
+    def add(self, handle: SendHandle) -> None:
+        with self._lock:
+            for key in [k for k, h in self._handles.items() if h.finished and h.sender_done]:
+                del self._handles[key]
+            self._handles[(handle.request_id, handle.transfer_id)] = handle
+
+    def on_frame(self, header: Header) -> None:
+        h = self._handles.get((str(header.get("rid")), str(header.get("xid"))))
+        if h is not None:
+            h.on_frame(header)
+            if h.finished and h.sender_done:
+                self.discard(h)
+
+    def discard(self, handle: SendHandle) -> None:
+        with self._lock:
+            self._handles.pop((handle.request_id, handle.transfer_id), None)
+
+    def link_closed(self, handles: Sequence[SendHandle] | None = None) -> None:
+        for h in list(handles if handles is not None else self._handles.values()):
+            h.on_link_closed()
+
+
+def run_send(
+    link: Link,
+    handle: SendHandle,
+    pool: KVPool,
+    src_pages: Sequence[int],
+    config: TransferConfig,
+    faults: FaultInjector | None = None,
+) -> None:
+    """Send one transfer over `link` (blocking; transports run it on a thread).
+
+    Sends the manifest, then the first `manifest.num_pages` of `src_pages` (logical order)
+    in chunks, honouring the in-flight bound, then `done` (or `abort`/`aborted`). Fault
+    hooks: short_write, drop_page, corrupt_byte, reorder_pages, delayed_write_after_abort.
+    """
+    m = handle.manifest
+    rid, xid = m.request_id, m.transfer_id
+    pb = PageBytes(pool)
+    bpp = pool.layout.bytes_per_page
+    deadline = handle.started_at + config.send_timeout_s
+    assert len(src_pages) >= m.num_pages, (len(src_pages), m.num_pages)
+
+    order = list(range(m.num_pages))  # logical indices to send
+    source = list(range(m.num_pages))  # whose bytes go under each logical index
+    damage: dict[int, str] = {}
+    late = None
+    if faults is not None:
+        if (p := faults.point("drop_page", rid)) and p.page < m.num_pages and faults.hit("drop_page", rid):
+            order.remove(p.page)
+        if (p := faults.point("reorder_pages", rid)) and m.num_pages >= 2 and faults.hit("reorder_pages", rid):
+            a = min(p.page, m.num_pages - 2)
+            source[a], source[a + 1] = source[a + 1], source[a]
+        for name in ("corrupt_byte", "short_write"):
+            if (p := faults.point(name, rid)) and p.page < m.num_pages and faults.hit(name, rid):
+                damage[p.page] = name
+        late = faults.point("delayed_write_after_abort", rid)
+
+    def page_payload(i: int) -> tuple[list[bytes | bytearray | memoryview], int]:
+        views: list[bytes | bytearray | memoryview] = list(pb.views(src_pages[source[i]]))
+        if i not in damage:
+            return views, bpp
+        raw = bytearray(b"".join(views))
+        if damage[i] == "corrupt_byte":
+            raw[len(raw) // 2] ^= 0x5A
+            return [raw], bpp
+        return [raw[: bpp // 2]], bpp // 2  # short_write
+
+    final: Header | None = None
+    try:
+        link.send({"t": "manifest", "rid": rid, "xid": xid}, [m.to_bytes()])
+        if late is not None:  # the fault: hold the page writes until decode has aborted, then send anyway
+            with handle._cond:
+                handle._cond.wait_for(lambda: handle.remote_abort is not None, timeout=config.send_timeout_s / 2)
+        seq = 0
+        for start in range(0, len(order), config.max_transfer_pages):
+            chunk = order[start : start + config.max_transfer_pages]
+            payloads = [page_payload(i) for i in chunk]
+            nbytes = sum(n for _, n in payloads)
+            with handle._cond:
+                ok = handle._cond.wait_for(
+                    lambda nbytes=nbytes: (
+                        handle.local_abort is not None
+                        or handle.remote_abort is not None
+                        or handle.status == SendStatus.ERROR
+                        or handle.inflight_bytes == 0
+                        or handle.inflight_bytes + nbytes <= config.max_inflight_bytes
+                    ),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                stop = handle.local_abort is not None or handle.status == SendStatus.ERROR
+                if handle.remote_abort is not None and late is None:
+                    stop = True
+                if not ok:
+                    handle.status, handle.reason = SendStatus.ERROR, f"send timed out after {config.send_timeout_s}s"
+                    stop = True
+                if stop:
+                    break
+                handle.inflight_bytes += nbytes
+                handle.max_inflight_seen = max(handle.max_inflight_seen, handle.inflight_bytes)
+            if handle.remote_abort is not None and late is not None:
+                faults.hit("delayed_write_after_abort", rid)  # type: ignore[union-attr]
+                time.sleep(late.delay_s)  # keep writing after the abort, slowly
+            pieces: list[bytes | bytearray | memoryview] = []
+            for views, _ in payloads:
+                pieces.extend(views)
+            link.send(
+                {"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": [n for _, n in payloads]},
+                pieces,
+            )
+            seq += 1
+            handle.chunks_sent += 1
+            handle.max_chunk_pages = max(handle.max_chunk_pages, len(chunk))
+            handle.pages_sent += len(chunk)
+            handle.bytes_sent += nbytes
+        if handle.local_abort is not None:
+            final = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.local_abort}
+            handle._set(SendStatus.ABORTED, handle.local_abort)
+        elif handle.remote_abort is not None:
+            final = {"t": "aborted", "rid": rid, "xid": xid}
+        elif handle.status == SendStatus.ERROR:
+            final = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.reason}
+        else:
+            final = {"t": "done", "rid": rid, "xid": xid, "pages": handle.pages_sent}
+            with handle._cond:
+                if handle.status == SendStatus.SENDING:
+                    handle.status = SendStatus.AWAITING_VERDICT
+                handle._cond.notify_all()
+        link.send(final)
+    except OSError as e:
+        handle._set(SendStatus.ERROR, f"connection to decode failed: {e}")
+    finally:
+        with handle._cond:
+            handle.sender_done = True
+            handle.done_at = time.monotonic()
+            handle._cond.notify_all()
+
+
+class Receiver(Protocol):
+    """What decode uses; implemented by `LocalReceiver`, `TcpReceiver` (and later Mooncake)."""
+
+    address: str
+    core: ReceiverCore
+
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot: ...
+    def abort(self, request_id: str, reason: str) -> None: ...
+    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None: ...
+    def forget(self, request_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Sender(Protocol):
+    """What prefill uses; `send` returns at once, the transfer runs in the background."""
+
+    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle: ...
+    def close(self) -> None: ...

@@ -1,0 +1,196 @@
+"""In-process transport: prefill and decode in threads of one process, frames on queues.
+
+What it knows: a `LocalFabric` (a name -> receiver table that the test or the process
+owns; addresses look like "local:<name>"), a receiver with one worker thread that
+applies frames through `ReceiverCore` exactly as the TCP receiver does, and a sender
+that runs each transfer on its own thread through `run_send`. Page bytes are copied
+once when a frame is sent (they are "in flight" from then on) and once into the
+destination page.
+
+What it does not know: sockets. It exists for fast tests of the protocol, the state
+machine and every fault; `transfer.tcp` is the one for real processes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+
+from kvfence.faults import FaultInjector
+from kvfence.integrity.manifest import HandoffManifest
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import (
+    Header,
+    Payload,
+    ReceiverCore,
+    ReceiveSlot,
+    SenderCore,
+    SendHandle,
+    SendStatus,
+    TransferConfig,
+    fill_from_bytes,
+    run_send,
+)
+
+_CLOSED = "__link_closed__"
+
+
+class LocalFabric:
+    """Where local receivers are found by address; one per test or process, never global."""
+
+    def __init__(self) -> None:
+        self._receivers: dict[str, LocalReceiver] = {}
+
+    def register(self, name: str, receiver: LocalReceiver) -> str:
+        assert name not in self._receivers, f"local receiver {name!r} exists"
+        self._receivers[name] = receiver
+        return f"local:{name}"
+
+    def unregister(self, name: str) -> None:
+        self._receivers.pop(name, None)
+
+    def lookup(self, address: str) -> LocalReceiver:
+        if not address.startswith("local:") or address[6:] not in self._receivers:
+            raise ConnectionRefusedError(f"no local receiver at {address!r}")
+        return self._receivers[address[6:]]
+
+
+class _ReplyLink:
+    """Receiver -> sender: hands the frame to the sender's handles on the caller's thread."""
+
+    def __init__(self, core: SenderCore) -> None:
+        self.core = core
+        self.closed = False
+
+    def send(self, header: Header, payload: Payload = ()) -> None:
+        if self.closed:
+            raise ConnectionResetError("local link closed")
+        self.core.on_frame(header)
+
+
+class _Connection:
+    """Sender -> receiver: frames go on the receiver's queue with a copy of their payload."""
+
+    def __init__(self, receiver: LocalReceiver, sender_core: SenderCore) -> None:
+        self.receiver = receiver
+        self.reply = _ReplyLink(sender_core)
+        self.closed = False
+        self.handles: list[SendHandle] = []
+
+    def send(self, header: Header, payload: Payload = ()) -> None:
+        if self.closed or self.receiver.closed:
+            raise ConnectionResetError("local link closed")
+        data = b"".join(payload)  # the bytes are in flight from here on
+        self.receiver._queue.put((self.reply, header, data))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.receiver._queue.put((self.reply, {"t": _CLOSED}, b""))
+
+
+class LocalReceiver:
+    def __init__(
+        self, fabric: LocalFabric, name: str, pool: KVPool, faults: FaultInjector | None = None, one_sided: bool = False
+    ) -> None:
+        self.core = ReceiverCore(pool, faults, one_sided)
+        self.closed = False
+        self._queue: queue.Queue[tuple[_ReplyLink, Header, bytes] | None] = queue.Queue()
+        self._fabric, self._name = fabric, name
+        self.address = fabric.register(name, self)
+        self._thread = threading.Thread(target=self._loop, name=f"kvfence-local-recv-{name}", daemon=True)
+        self._thread.start()
+
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
+        return self.core.expect(request_id, dest_pages, transfer_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.core.abort(request_id, reason)
+
+    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
+        self.core.verdict(request_id, ok, reason)
+
+    def forget(self, request_id: str) -> None:
+        self.core.forget(request_id)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            reply, header, data = item
+            kind = header.get("t")
+            if kind == _CLOSED:
+                reply.closed = True
+                self.core.link_closed(reply)
+            elif kind == "pages":
+                rid, xid = str(header["rid"]), str(header["xid"])
+                off = 0
+                for idx, nb in zip(header["idx"], header["nb"], strict=True):
+                    self.core.receive_page(
+                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb])
+                    )
+                    off += nb
+                if not reply.closed:
+                    reply.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": len(data)})
+            else:
+                self.core.on_frame(reply, header, data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._fabric.unregister(self._name)
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+
+class LocalSender:
+    def __init__(
+        self,
+        fabric: LocalFabric,
+        pool: KVPool,
+        config: TransferConfig | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.fabric = fabric
+        self.pool = pool
+        self.config = config or TransferConfig()
+        self.faults = faults
+        self.core = SenderCore()
+        self._connections: dict[str, _Connection] = {}
+        self._lock = threading.Lock()
+
+    def _connect(self, address: str) -> _Connection:
+        with self._lock:
+            conn = self._connections.get(address)
+            if conn is None or conn.closed:
+                conn = _Connection(self.fabric.lookup(address), self.core)
+                self._connections[address] = conn
+            return conn
+
+    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
+        handle = SendHandle(manifest)
+        self.core.add(handle)
+        try:
+            conn = self._connect(address)
+        except ConnectionError as e:
+            handle._set(SendStatus.ERROR, str(e))
+            handle.sender_done = True
+            return handle
+        conn.handles = [h for h in conn.handles if not (h.finished and h.sender_done)] + [handle]
+        threading.Thread(
+            target=run_send,
+            args=(conn, handle, self.pool, list(src_pages), self.config, self.faults),
+            name=f"kvfence-local-send-{manifest.request_id}",
+            daemon=True,
+        ).start()
+        return handle
+
+    def close(self) -> None:
+        """Close every connection: receivers see the link go, live handles fail."""
+        with self._lock:
+            conns, self._connections = list(self._connections.values()), {}
+        for conn in conns:
+            conn.close()
+            self.core.link_closed(conn.handles)
