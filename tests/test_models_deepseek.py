@@ -23,9 +23,11 @@ from kvfence.errors import ModelLoadError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.models.deepseek import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
+from kvfence.models.default import write_tokenizer
+from kvfence.models.loader import load_model
 
 PAGE_SIZE = 4
-VOCAB = 128
+VOCAB = 2048  # the loader checks the tokenizer (2048 tokens) fits the vocabulary
 REL_TOL = 1e-4
 
 _COMMON: dict[str, Any] = dict(
@@ -111,16 +113,11 @@ def make_hf_model(variant: str, seed: int = 0, **overrides: Any) -> Any:
 
 
 def load_ours(model_dir: Path, cls: type) -> Any:
-    """Load our model from a save_pretrained directory (safetensors + config.json)."""
-    from safetensors.torch import load_file
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    model = cls(config, torch.float32)
-    weights = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        weights.update(load_file(f))
-    model.load_weights(weights.items())
-    return model
+    """Load our model from a save_pretrained directory with kvfence's loader (it wants a tokenizer too)."""
+    write_tokenizer(model_dir)
+    loaded = load_model(model_dir, dtype=torch.float32, progress=False)
+    assert type(loaded.model) is cls
+    return loaded.model
 
 
 @dataclass

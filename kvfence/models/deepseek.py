@@ -116,58 +116,84 @@ class _MLAForCausalLM(nn.Module):
         return self.config.n_routed_experts is not None and layer >= self.config.first_k_dense_replace
 
     # -- weights ------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; raises ModelLoadError on unknown, misshapen or missing tensors."""
-        params = dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers())
-        pending = set(params)
+    def _expert_modules(self) -> dict[str, Any]:
+        """prefix ("model.layers.{i}.mlp.experts") -> Experts module, for the MoE layers."""
+        return {name: m for name, m in self.named_modules() if name.endswith("mlp.experts")}
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this model needs, with its shape, named as save_pretrained writes them
+        (routed experts one tensor per expert and projection)."""
+        experts = self._expert_modules()
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            prefix = name.rsplit(".", 1)[0]
+            if prefix in experts:
+                continue
+            shapes[name] = tuple(t.shape)
+        for prefix, m in experts.items():
+            hidden = m.gate_up_proj.shape[-1]
+            for e in range(m.num_experts):
+                shapes[f"{prefix}.{e}.gate_proj.weight"] = (m.intermediate, hidden)
+                shapes[f"{prefix}.{e}.up_proj.weight"] = (m.intermediate, hidden)
+                shapes[f"{prefix}.{e}.down_proj.weight"] = (hidden, m.intermediate)
         if self.tie_word_embeddings:
-            pending.discard("lm_head.weight")
-        expert_parts: dict[str, set[tuple[int, str]]] = {}
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Tensors we do not use: multi-token-prediction layers past num_hidden_layers, rotary caches,
+        a tied head's copy."""
+        layer = _LAYER_RE.match(name)
+        if layer and int(layer.group(1)) >= self.num_layers:
+            return True
+        return name.endswith("rotary_emb.inv_freq") or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy (hf_name, tensor) pairs into place, casting to our dtypes; returns the `weight_shapes`
+        names now loaded. Experts may come per expert (as save_pretrained writes them) or stacked
+        (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). Raises ModelLoadError on
+        an unknown or misshapen tensor, or if any needed tensor never came."""
+        params = dict(self.named_parameters()) | dict(self.named_buffers())
+        expected = self.weight_shapes()
+        experts = self._expert_modules()
+        loaded: set[str] = set()
         for name, tensor in weights:
-            layer = _LAYER_RE.match(name)
-            if layer and int(layer.group(1)) >= self.num_layers:
-                continue  # multi-token-prediction layers: not used for plain decoding
-            if name.endswith("rotary_emb.inv_freq"):
+            if self.is_ignored_weight(name):
                 continue
             m = _EXPERT_RE.match(name)
-            if m:
+            if m and m.group(1) in experts:
                 prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-                self._load_expert(params, prefix, e, proj, tensor, name)
-                expert_parts.setdefault(prefix, set()).add((e, proj))
+                if not 0 <= e < experts[prefix].num_experts:
+                    raise ModelLoadError(f"checkpoint tensor {name!r}: expert {e} out of range")
+                inter = experts[prefix].intermediate
+                if proj == "down_proj":
+                    dst = params[f"{prefix}.down_proj"][e]
+                else:
+                    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    dst = params[f"{prefix}.gate_up_proj"][e, rows]
+                self._copy(dst, tensor, name)
+                loaded.add(name)
                 continue
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.architecture}")
             self._copy(params[name], tensor, name)
-            pending.discard(name)
-            if name == "model.embed_tokens.weight" and self.tie_word_embeddings:
-                pending.discard("lm_head.weight")
-        for prefix, parts in expert_parts.items():
-            n = self.get_submodule(prefix).num_experts
-            if len(parts) == 3 * n:
-                pending.discard(f"{prefix}.gate_up_proj")
-                pending.discard(f"{prefix}.down_proj")
-        if pending:
-            raise ModelLoadError(f"checkpoint is missing {len(pending)} tensors, e.g. {sorted(pending)[:5]}")
+            prefix, leaf = name.rsplit(".", 1)
+            if prefix in experts:  # a stacked tensor stands for every expert's projection(s)
+                projs = ("down_proj",) if leaf == "down_proj" else ("gate_proj", "up_proj")
+                loaded.update(f"{prefix}.{e}.{p}.weight" for e in range(experts[prefix].num_experts) for p in projs)
+            else:
+                loaded.add(name)
+        missing = sorted(set(expected) - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        return loaded
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         if tuple(dst.shape) != tuple(src.shape):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(src.to(dst.dtype))
-
-    def _load_expert(
-        self, params: dict[str, torch.Tensor], prefix: str, e: int, proj: str, tensor: torch.Tensor, name: str
-    ) -> None:
-        experts = self.get_submodule(prefix)
-        if not 0 <= e < experts.num_experts:
-            raise ModelLoadError(f"checkpoint tensor {name!r}: expert {e} out of range")
-        inter = experts.intermediate
-        if proj == "down_proj":
-            self._copy(params[f"{prefix}.down_proj"][e], tensor, name)
-        else:
-            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-            self._copy(params[f"{prefix}.gate_up_proj"][e, rows], tensor, name)
+        dst.copy_(src.to(dst.dtype))
 
     # -- forward ------------------------------------------------------------------
     @torch.no_grad()
