@@ -1,0 +1,381 @@
+"""The KV handoff state machine, one object per request on each side.
+
+What it knows: the states of a handoff and the only transitions allowed between
+them (an illegal one raises), and what each side does on entering a state:
+
+    decode:   WAITING ──manifest──▶ TRANSFERRING ──done──▶ VERIFYING ──ok──▶ READY
+                 │                      │                       └──bad──▶ FAILED (rejected)
+                 ├──────────────────────┴──error/timeout──────────────▶ FAILED (failed)
+                 └──────────────────────┴──abort (either side)────────▶ ABORTED
+
+    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_ACK ──verified──▶ RELEASED
+                                      └─────────────────┴──error/abort/nack/deadline──▶ FAILED
+
+- Decode allocates the pages for the router's expected length (never prefill's claim),
+  registers them with its receiver, and admits the request only after
+  `integrity.verify` passes. A FAILED or ABORTED request's pages go to the allocator's
+  quarantine; they are released (and poisoned again in strict mode) only once the
+  receive slot is settled (no write of that transfer can still land) or the
+  quarantine deadline passed.
+- Prefill keeps its source pages until decode's verdict arrives, the send ended in an
+  error/abort and the send thread is done reading them, or the ack deadline passed;
+  then it frees them (poisoned first in strict mode).
+- Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8), counted in
+  the `IntegrityMetrics` passed in.
+
+Both objects are driven by a worker loop calling the non-blocking `poll()`; nothing
+here starts a thread. Timeouts come from `HandoffConfig`; the clock is injectable.
+
+What it does not know: scheduling, models or the router; messages to the router are
+the worker's business (`disagg.protocol`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvfence.faults import FaultInjector
+from kvfence.integrity.manifest import HandoffManifest, build_manifest, pages_for_tokens
+from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
+from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_handoff
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class DecodeState(str, Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    VERIFYING = "verifying"
+    READY = "ready"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class PrefillState(str, Enum):
+    PREFILLING = "prefilling"
+    SENDING = "sending"
+    AWAITING_ACK = "awaiting_ack"
+    RELEASED = "released"
+    FAILED = "failed"
+
+
+D, P = DecodeState, PrefillState
+DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
+    D.WAITING: frozenset({D.TRANSFERRING, D.FAILED, D.ABORTED}),
+    D.TRANSFERRING: frozenset({D.VERIFYING, D.FAILED, D.ABORTED}),
+    D.VERIFYING: frozenset({D.READY, D.FAILED}),
+    D.READY: frozenset(),
+    D.FAILED: frozenset(),
+    D.ABORTED: frozenset(),
+}
+PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
+    P.PREFILLING: frozenset({P.SENDING, P.FAILED}),
+    P.SENDING: frozenset({P.AWAITING_ACK, P.FAILED}),
+    P.AWAITING_ACK: frozenset({P.RELEASED, P.FAILED}),
+    P.RELEASED: frozenset(),
+    P.FAILED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
+    ack_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
+    quarantine_timeout_s: float = 30.0  # decode: longest a failed request's pages wait for the sender to settle
+    verify: bool = True  # False only to demonstrate what an unverified handoff admits
+    strict: bool = False  # poison pages when they are quarantined and when they are freed
+
+    def __post_init__(self) -> None:
+        assert self.transfer_timeout_s > 0 and self.ack_timeout_s > 0 and self.quarantine_timeout_s > 0
+
+
+class _Machine:
+    def __init__(self, initial: Enum, table: dict, clock: Callable[[], float]) -> None:
+        self.state = initial
+        self._table = table
+        self._clock = clock
+        self.history: list[tuple[Enum, float]] = [(initial, clock())]
+
+    def go(self, new: Enum) -> None:
+        if new not in self._table[self.state]:
+            raise IllegalTransition(f"{self.state.value} -> {new.value} is not allowed")
+        self.state = new
+        self.history.append((new, self._clock()))
+
+
+class DecodeHandoff:
+    """Decode side of one request: allocate, receive, verify, then READY or quarantine."""
+
+    def __init__(
+        self,
+        expect: Expectation,
+        allocator: PageAllocator,
+        pool: KVPool,
+        receiver: Receiver,
+        config: HandoffConfig | None = None,
+        metrics: IntegrityMetrics | None = None,
+        transfer_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert expect.num_tokens > 0, expect
+        self.expect = expect
+        self.allocator, self.pool, self.receiver = allocator, pool, receiver
+        self.config = config or HandoffConfig()
+        self.metrics = metrics
+        self.transfer_id = transfer_id
+        self.clock = clock
+        self._m = _Machine(D.WAITING, DECODE_TRANSITIONS, clock)
+        self.num_pages = pages_for_tokens(expect.num_tokens, pool.page_size)
+        self.pages: list[int] = []
+        self.slot: ReceiveSlot | None = None
+        self.record: IntegrityRecord | None = None
+        self.result: VerifyResult | None = None
+        self.quarantined: list[int] = []
+        self.released = False  # quarantine over (or never needed)
+        self.released_by_deadline = False
+        self._started_at = clock()
+        self._failed_at: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.expect.request_id
+
+    @property
+    def state(self) -> DecodeState:
+        return self._m.state  # type: ignore[return-value]
+
+    @property
+    def history(self) -> list[tuple[Enum, float]]:
+        return self._m.history
+
+    @property
+    def settled(self) -> bool:
+        """READY, or ended and its pages are back in the free list."""
+        return self.state == D.READY or (self.state in (D.FAILED, D.ABORTED) and self.released)
+
+    # -- paired verbs ----------------------------------------------------------------------------------------
+    def can_start(self) -> bool:
+        return self.allocator.can_allocate(self.num_pages)
+
+    def start(self) -> list[int]:
+        """Allocate pages for the router's expected length and expect the transfer; returns the page table."""
+        assert self.slot is None, "started twice"
+        self.pages = self.allocator.allocate(self.request_id, self.num_pages)
+        self.slot = self.receiver.expect(self.request_id, self.pages, self.transfer_id)
+        self._started_at = self.clock()
+        return list(self.pages)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Give up (client gone, router abort): tell the sender, quarantine the pages."""
+        if self.state in (D.WAITING, D.TRANSFERRING):
+            self.receiver.abort(self.request_id, reason)
+            self._end(D.ABORTED, VerifyResult(False, Reason.ABORTED, reason, 0, 0))
+
+    def poll(self) -> DecodeState:
+        """Advance as far as the transfer allows; never blocks. Returns the state."""
+        assert self.slot is not None, "poll() before start()"
+        slot, now = self.slot, self.clock()
+        if self.state == D.WAITING and slot.status != SlotStatus.WAITING:
+            self._m.go(D.TRANSFERRING)
+        if self.state in (D.WAITING, D.TRANSFERRING):
+            if slot.status == SlotStatus.COMPLETE:
+                self._verify()
+            elif slot.status == SlotStatus.SENDER_ABORTED:
+                self._end(D.ABORTED, VerifyResult(False, Reason.ABORTED, f"prefill aborted: {slot.error}", 0, 0))
+            elif slot.status == SlotStatus.ERROR:
+                self.receiver.abort(self.request_id, slot.error)
+                self._end(D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
+            elif now - self._started_at > self.config.transfer_timeout_s:
+                detail = (
+                    f"no complete transfer after {self.config.transfer_timeout_s}s "
+                    f"({slot.coverage.num_covered}/{self.num_pages} pages landed)"
+                )
+                self.receiver.abort(self.request_id, detail)
+                self._end(D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+        if self.state in (D.FAILED, D.ABORTED) and not self.released:
+            self._maybe_release(now)
+        return self.state
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _verify(self) -> None:
+        slot = self.slot
+        assert slot is not None and slot.manifest is not None
+        self._m.go(D.VERIFYING)
+        t0 = self.clock()
+        if self.config.verify:
+            result = verify_handoff(slot.manifest, self.expect, self.pool.layout, self.pages, slot.coverage, self.pool)
+        else:  # demonstration mode: admit whatever landed
+            result = VerifyResult(True, None, "not verified (verification disabled)", 0, slot.manifest.num_tokens)
+        verify_s = self.clock() - t0
+        self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
+        if result.ok:
+            self._m.go(D.READY)
+            self.released = True
+            self.receiver.forget(self.request_id)
+            self._emit(result, verify_s)
+        else:
+            self._end(D.FAILED, result, verify_s)
+
+    def _end(self, state: DecodeState, result: VerifyResult, verify_s: float | None = None) -> None:
+        self._m.go(state)
+        self._failed_at = self.clock()
+        self.quarantined = self.allocator.quarantine(self.request_id)
+        if self.config.strict and self.quarantined:
+            self.pool.poison(self.quarantined)
+        self._emit(result, verify_s)
+        self._maybe_release(self._failed_at)
+
+    def _maybe_release(self, now: float) -> None:
+        slot = self.slot
+        assert slot is not None and self._failed_at is not None
+        by_deadline = now - self._failed_at > self.config.quarantine_timeout_s
+        if not (slot.settled or by_deadline):
+            return
+        if self.config.strict and self.quarantined:
+            self.pool.poison(self.quarantined)  # whatever landed late is wiped before reuse
+        self.allocator.release_quarantine(self.request_id)
+        self.receiver.forget(self.request_id)
+        self.released = True
+        self.released_by_deadline = by_deadline and not slot.settled
+
+    def _emit(self, result: VerifyResult, verify_s: float | None) -> None:
+        slot = self.slot
+        assert slot is not None
+        now = self.clock()
+        timings = {"total": now - self._started_at}
+        if slot.first_frame_at is not None and slot.complete_at is not None:
+            timings["transfer"] = slot.complete_at - slot.first_frame_at
+        if verify_s is not None:
+            timings["verify"] = verify_s
+        self.result = result
+        self.record = IntegrityRecord.from_result(
+            self.request_id,
+            result,
+            tokens_expected=self.expect.num_tokens,
+            pages=self.num_pages,
+            layout_fingerprint=self.pool.layout.fingerprint,
+            transfer_id=slot.transfer_id or "",
+            timings=timings,
+            verified=self.config.verify,
+        )
+        if self.metrics is not None:
+            self.metrics.observe(self.record)
+
+
+class PrefillHandoff:
+    """Prefill side of one request: build the manifest, send, hold source pages until the verdict."""
+
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        allocator: PageAllocator,
+        pool: KVPool,
+        sender: Sender,
+        address: str,
+        config: HandoffConfig | None = None,
+        faults: FaultInjector | None = None,
+        transfer_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert len(token_ids) > 0, "empty prompt"
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.allocator, self.pool, self.sender, self.address = allocator, pool, sender, address
+        self.config = config or HandoffConfig()
+        self.faults = faults
+        self.transfer_id = transfer_id or new_transfer_id()
+        self.clock = clock
+        self._m = _Machine(P.PREFILLING, PREFILL_TRANSITIONS, clock)
+        self.manifest: HandoffManifest | None = None
+        self.handle: SendHandle | None = None
+        self.reason = ""
+        self.released = False
+        self.released_pages: list[int] = []
+        self._send_deadline = float("inf")
+        self._ack_deadline: float | None = None
+
+    @property
+    def state(self) -> PrefillState:
+        return self._m.state  # type: ignore[return-value]
+
+    @property
+    def history(self) -> list[tuple[Enum, float]]:
+        return self._m.history
+
+    @property
+    def settled(self) -> bool:
+        return self.state in (P.RELEASED, P.FAILED) and self.released
+
+    def send(self) -> SendHandle | None:
+        """The prompt's KV is in the pool: build the manifest and start the transfer."""
+        pages = self.allocator.pages_of(self.request_id)
+        try:
+            self.manifest = build_manifest(
+                self.request_id, self.transfer_id, self.token_ids, self.pool, pages, self.faults
+            )
+        except ValueError as e:
+            self._fail(f"cannot build manifest: {e}")
+            return None
+        self._m.go(P.SENDING)
+        self.handle = self.sender.send(self.address, self.manifest, pages)
+        self._send_deadline = self.clock() + self.config.transfer_timeout_s
+        self._ack_deadline = self._send_deadline + self.config.ack_timeout_s  # reset when `done` goes out
+        return self.handle
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        if self.state == P.PREFILLING:
+            self._fail(reason)
+        elif self.state in (P.SENDING, P.AWAITING_ACK) and self.handle is not None:
+            self.handle.abort(reason)
+            self._fail(reason)
+
+    def settle(self, verified: bool, reason: str = "") -> None:
+        """The verdict arrived another way (the router's ReleaseSource message)."""
+        if self.handle is not None:
+            self.handle.on_frame({"t": "verdict", "ok": verified, "reason": reason})
+        self.poll()
+
+    def poll(self) -> PrefillState:
+        h, now = self.handle, self.clock()
+        if h is not None and self.state == P.SENDING:
+            if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
+                self._m.go(P.AWAITING_ACK)
+                self._ack_deadline = now + self.config.ack_timeout_s
+            elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
+                self._fail(f"{h.status.value}: {h.reason}")
+            elif now > self._send_deadline:
+                h.abort("send deadline passed")
+                self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
+        if h is not None and self.state == P.AWAITING_ACK:
+            if h.status == SendStatus.VERIFIED:
+                self._m.go(P.RELEASED)
+            elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
+                self._fail(f"{h.status.value}: {h.reason}")
+            elif self._ack_deadline is not None and now > self._ack_deadline:
+                self._fail(f"no verdict from decode within {self.config.ack_timeout_s}s")
+        if self.state in (P.RELEASED, P.FAILED) and not self.released:
+            done_reading = h is None or h.sender_done
+            if done_reading or (self._ack_deadline is not None and now > self._ack_deadline):
+                self._release()
+        return self.state
+
+    def _fail(self, reason: str) -> None:
+        if self.state not in (P.RELEASED, P.FAILED):
+            self.reason = reason
+            self._m.go(P.FAILED)
+
+    def _release(self) -> None:
+        pages = self.allocator.pages_of(self.request_id)
+        if self.config.strict and pages:
+            self.pool.poison(pages)
+        self.released_pages = self.allocator.free(self.request_id)
+        self.released = True

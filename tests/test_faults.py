@@ -1,0 +1,198 @@
+"""Every named fault, over both transports: detected with the right reason, the request fails cleanly,
+allocators balance, and an innocent transfer running at the same time verifies with exact bytes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig, PrefillHandoff, PrefillState
+from kvfence.faults import FAULT_NAMES, FaultInjector, FaultPoint
+from kvfence.integrity.digest import token_hash
+from kvfence.integrity.record import IntegrityMetrics
+from kvfence.integrity.verify import Expectation
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import TransferConfig
+from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
+from kvfence.transfer.tcp import TcpReceiver, TcpSender
+
+LAYOUT = KVLayout(
+    "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
+)
+NUM_PAGES = 32
+
+
+class Rig:
+    """A prefill pool+allocator+sender and a decode pool+allocator+receiver joined by one transport."""
+
+    def __init__(self, transport: str, faults: FaultInjector | None = None, config: HandoffConfig | None = None):
+        self.faults = faults
+        self.config = config or HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5)
+        self.metrics = IntegrityMetrics()
+        self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
+        self.p_pool, self.d_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
+        g = torch.Generator().manual_seed(99)  # decode's pool holds a previous request's KV
+        for layer in self.d_pool.tensors:
+            for t in layer.values():
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        tcfg = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
+        if transport == "local":
+            fabric = LocalFabric()
+            self.receiver = LocalReceiver(fabric, "decode0", self.d_pool, faults)
+            self.sender = LocalSender(fabric, self.p_pool, tcfg, faults)
+        else:
+            self.receiver = TcpReceiver(self.d_pool, faults=faults)
+            self.sender = TcpSender(self.p_pool, tcfg, faults)
+
+    def prefill(self, rid: str, num_tokens: int, seed: int) -> tuple[list[int], list[int]]:
+        """Allocate prefill pages for `rid` and write its 'KV' (seeded random); returns (token ids, pages)."""
+        pages = self.p_alloc.allocate(rid, -(-num_tokens // LAYOUT.page_size))
+        g = torch.Generator().manual_seed(seed)
+        for layer in self.p_pool.tensors:
+            for t in layer.values():
+                t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
+        return [seed * 1000 + i for i in range(num_tokens)], pages
+
+    def pair(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
+        """Prefill + decode handoffs for one request; also returns a snapshot of the source pages' bytes."""
+        ids, src_pages = self.prefill(rid, num_tokens, seed)
+        dec = DecodeHandoff(
+            Expectation(rid, num_tokens, token_hash(ids)), self.d_alloc, self.d_pool, self.receiver,
+            self.config, self.metrics,
+        )  # fmt: skip
+        dec.start()
+        pre = PrefillHandoff(
+            rid, ids, self.p_alloc, self.p_pool, self.sender, self.receiver.address, self.config, self.faults
+        )
+        return pre, dec, [self.p_pool.read_page(p) for p in src_pages]
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+def drive(*handoffs, until=None, timeout: float = 10.0) -> None:
+    """Poll every handoff until all are settled (or `until()` holds)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for h in handoffs:
+            h.poll()
+        if until() if until is not None else all(h.settled for h in handoffs):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"not settled: {[(type(h).__name__, h.state) for h in handoffs]}")
+
+
+def same_bytes(src: list[bytes], dst_pool: KVPool, dst_pages: list[int]) -> bool:
+    return all(s == dst_pool.read_page(d) for s, d in zip(src, dst_pages, strict=True))
+
+
+EXPECTED = {
+    "placeholder_handoff": "token_count_mismatch",
+    "short_write": "coverage_gap",
+    "drop_page": "coverage_gap",
+    "corrupt_byte": "digest_mismatch",
+    "reorder_pages": "digest_mismatch",
+    "stale_page": "digest_mismatch",
+    "wrong_layout": "layout_mismatch",
+}
+
+
+def test_every_named_fault_has_an_expected_outcome() -> None:
+    assert set(EXPECTED) | {"delayed_write_after_abort"} == set(FAULT_NAMES)
+    with pytest.raises(ValueError, match="unknown fault"):
+        FaultPoint("no_such_fault")
+    assert FaultInjector.from_flag(None) is None
+    assert FaultInjector.from_flag("drop_page,stale_page").enabled == ["drop_page", "stale_page"]
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault: str) -> None:
+    faults = FaultInjector().enable(fault, request_id="bad", page=1)
+    rig = Rig(transport, faults)
+    try:
+        baseline_p, baseline_d = rig.p_alloc.num_free, rig.d_alloc.num_free
+        bad_pre, bad_dec, _ = rig.pair("bad", 37, seed=1)  # 5 pages of 8
+        good_pre, good_dec, good_src = rig.pair("good", 29, seed=2)
+        bad_pre.send()
+        good_pre.send()
+        drive(bad_pre, bad_dec, good_pre, good_dec)
+
+        assert faults.fired[fault] >= 1
+        assert bad_dec.state == DecodeState.FAILED
+        assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
+        assert bad_pre.state == PrefillState.FAILED and "rejected" in bad_pre.reason
+        assert good_dec.state == DecodeState.READY and good_dec.record.status == "verified"
+        assert good_pre.state == PrefillState.RELEASED
+        assert same_bytes(good_src, rig.d_pool, good_dec.pages)
+        assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
+        assert rig.metrics.value("kvfence_handoff_verified_total") == 1
+
+        rig.d_alloc.free("good")  # the decode scheduler would do this when the request finishes
+        for alloc in (rig.p_alloc, rig.d_alloc):
+            alloc.check()
+        assert (rig.p_alloc.num_free, rig.d_alloc.num_free) == (baseline_p, baseline_d)
+        assert rig.d_alloc.num_quarantined == 0
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: str) -> None:
+    faults = FaultInjector().enable("delayed_write_after_abort", request_id="bad", delay_s=0.02)
+    rig = Rig(
+        transport, faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5, strict=True)
+    )
+    try:
+        baseline = rig.d_alloc.num_free
+        bad_pre, bad_dec, bad_src = rig.pair("bad", 40, seed=3)
+        bad_pre.send()
+        drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None)
+        bad_dec.abort("client disconnected")
+        quarantined = set(bad_dec.quarantined)
+        assert bad_dec.state == DecodeState.ABORTED and len(quarantined) == 5
+        assert not bad_dec.released, "a write can still land: the pages must stay quarantined"
+        assert rig.d_alloc.num_quarantined == 5
+
+        # an innocent request arrives while the late writes are landing; it never gets a quarantined page
+        good_pre, good_dec, good_src = rig.pair("good", 24, seed=4)
+        assert not quarantined & set(good_dec.pages)
+        good_pre.send()
+        drive(bad_pre, bad_dec, good_pre, good_dec)
+
+        assert faults.fired["delayed_write_after_abort"] >= 1
+        assert bad_dec.released and not bad_dec.released_by_deadline  # released because the sender settled
+        assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
+        assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
+        assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # strict: poisoned
+        rig.d_alloc.free("good")
+        rig.d_alloc.check()
+        rig.p_alloc.check()
+        assert rig.d_alloc.num_free == baseline and rig.p_alloc.num_free == NUM_PAGES
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("fault", ["placeholder_handoff", "stale_page"])
+def test_without_verification_a_placeholder_or_stale_page_is_admitted(fault: str) -> None:
+    """Demonstration only: verify=False admits the incident; decode's pages hold a previous request's KV."""
+    faults = FaultInjector().enable(fault, request_id="victim", page=1)
+    rig = Rig("local", faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, verify=False))
+    try:
+        pre, dec, src = rig.pair("victim", 37, seed=5)
+        before = {p: rig.d_pool.read_page(p) for p in dec.pages}  # the previous request's KV
+        pre.send()
+        drive(pre, dec)
+        assert dec.state == DecodeState.READY and dec.record.status == "unverified"
+        assert dec.slot.coverage.complete == (fault == "stale_page")  # a stale page fools coverage; digests catch it
+        stale = [p for p in dec.pages if rig.d_pool.read_page(p) == before[p]]
+        assert stale, "some admitted page still holds another request's bytes"
+        assert not same_bytes(src, rig.d_pool, dec.pages)
+        assert rig.metrics.value("kvfence_handoff_unverified_total") == 1
+    finally:
+        rig.close()
