@@ -1,0 +1,351 @@
+"""The decode worker: reserves pages for the router's prompt length, verifies the KV that lands, then decodes.
+
+What it knows: the requests the router announced, each with the expectation the
+router computed (expected length, token hash) and its sampling params; one
+`DecodeHandoff` per request (pages reserved through the engine, a receive slot on the
+data plane, verification before anything reads the pages); the first token prefill
+sampled (relayed by the router); which requests run in its engine's continuous batch,
+and the integrity record each one ends with. A request is admitted into the batch
+only when its handoff is READY; a rejected or failed handoff fails only that request
+(`RequestFailed` with the reason and the record), its pages quarantined until the
+transfer is settled, then released.
+
+What it does not know: prompt text, prefill's pages, HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.disagg import protocol as P
+from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
+from kvfence.disagg.router import params_from_dict
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.errors import KvfenceError
+from kvfence.faults import FaultInjector
+from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
+from kvfence.integrity.verify import Expectation
+from kvfence.transfer.base import Receiver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    transport: str = "tcp"  # "tcp" | "local" (in-process tests)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0  # the launcher passes a free port explicitly; 0 only in tests
+    deadline_s: float = 60.0  # reserve -> verified (including waiting for pages and the first token)
+    verify: bool = True  # False ONLY to demonstrate what the checks protect against
+    strict: bool = False  # poison quarantined and released pages
+
+    def __post_init__(self) -> None:
+        assert self.transport in ("tcp", "local"), self.transport
+        assert self.deadline_s > 0, self.deadline_s
+
+
+class _EngineReservations:
+    """The allocator verbs `DecodeHandoff` uses, routed through the engine's reservation hooks.
+
+    `allocate` becomes `engine.reserve` for the router's expected length (so the engine
+    can later admit the request with `add_prefilled_request`), `quarantine` becomes
+    `engine.release(quarantine=True)`.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokens: dict[str, int] = {}  # request id -> expected length, set before `start`
+
+    def can_allocate(self, n: int) -> bool:
+        return self.engine.allocator.can_allocate(n)
+
+    def allocate(self, request_id: str, n: int) -> list[int]:
+        pages = self.engine.reserve(request_id, self.tokens.pop(request_id))
+        if pages is None:
+            raise MemoryError(f"decode: cannot reserve {n} pages for {request_id}")
+        assert len(pages) == n, (len(pages), n)
+        return pages
+
+    def quarantine(self, request_id: str) -> list[int]:
+        return self.engine.release(request_id, quarantine=True)
+
+    def release_quarantine(self, request_id: str) -> list[int]:
+        return self.engine.allocator.release_quarantine(request_id)
+
+
+@dataclass
+class _Incoming:
+    """A request between DecodePrepare and admission (or failure)."""
+
+    prepare: P.DecodePrepare
+    params: SamplingParams
+    handoff: DecodeHandoff
+    received_at: float
+    first_token: int | None = None
+    reported: bool = False  # its ending was told to the router
+    aborted_by_router: bool = False
+
+
+@dataclass
+class _Running:
+    record: dict[str, Any] | None
+    num_output_tokens: int = 0
+    sent_record: bool = field(default=False)
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(
+        self,
+        engine: Any,
+        identity: Any,
+        config: DecodeConfig | None = None,
+        faults: FaultInjector | None = None,
+        receiver: Receiver | None = None,
+        metrics: IntegrityMetrics | None = None,
+    ) -> None:
+        self.engine = engine  # kvfence.engine.llm_engine.LLMEngine
+        self.identity = identity
+        self.config = config or DecodeConfig()
+        self.faults = faults
+        if receiver is None:
+            if self.config.transport != "tcp":
+                raise KvfenceError("decode: an in-process (local) transport needs its receiver passed in")
+            from kvfence.transfer.tcp import TcpReceiver
+
+            receiver = TcpReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
+        self.receiver = receiver
+        self.metrics = metrics if metrics is not None else IntegrityMetrics()
+        self._pages = _EngineReservations(engine)
+        self._handoff_config = HandoffConfig(
+            transfer_timeout_s=self.config.deadline_s,
+            ack_timeout_s=self.config.deadline_s,
+            quarantine_timeout_s=self.config.deadline_s,
+            verify=self.config.verify,
+            strict=self.config.strict,
+        )
+        self.send_msg: Any = None
+        self.queued: deque[_Incoming] = deque()  # waiting for free pages
+        self.incoming: dict[str, _Incoming] = {}  # reserved, handoff in progress
+        self.ending: dict[str, DecodeHandoff] = {}  # failed/aborted, pages quarantined until settled
+        self.running: dict[str, _Running] = {}  # admitted into the engine
+        self.counts: dict[str, int] = {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
+
+    def attach(self, send: Any) -> None:
+        self.send_msg = send
+
+    def registration(self) -> P.Register:
+        from kvfence.disagg.worker_main import registration_for
+
+        return registration_for(self.role, self.engine, self.identity, self.receiver.address)
+
+    # -- messages ---------------------------------------------------------------------------------------------
+    def handle(self, msg: P.Message) -> None:
+        if isinstance(msg, P.DecodePrepare):
+            self._prepare(msg)
+        elif isinstance(msg, P.PrefillSent):
+            inc = self.incoming.get(msg.request_id)
+            if inc is not None:
+                inc.first_token = int(msg.first_token)
+        elif isinstance(msg, P.Abort):
+            self._abort(msg.request_id, msg.reason)
+        elif not isinstance(msg, P.RegisterReply):
+            logger.warning("decode: unexpected %s", msg.kind)
+
+    def _prepare(self, msg: P.DecodePrepare) -> None:
+        rid = msg.request_id
+        if rid in self.incoming or rid in self.running or rid in self.ending:
+            self._out(P.RequestFailed(rid, self.role, f"request id {rid!r} is already in use on decode"))
+            return
+        try:
+            params = params_from_dict(msg.params)
+            if msg.expected_len <= 0 or msg.expected_len != len(msg.prompt_token_ids):
+                raise KvfenceError(
+                    f"router expects {msg.expected_len} tokens for a prompt of {len(msg.prompt_token_ids)}"
+                )
+            handoff = DecodeHandoff(
+                Expectation(rid, msg.expected_len, msg.token_hash),
+                self._pages,  # type: ignore[arg-type]
+                self.engine.pool,
+                self.receiver,
+                self._handoff_config,
+                self.metrics,
+            )
+        except (KvfenceError, AssertionError) as e:
+            self._out(P.RequestFailed(rid, self.role, f"cannot prepare request: {e}"))
+            return
+        self.queued.append(_Incoming(msg, params, handoff, time.monotonic()))
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        """Reserve pages for queued requests, first come first served, while the pool has room."""
+        while self.queued:
+            inc = self.queued[0]
+            if not inc.handoff.can_start():
+                if time.monotonic() - inc.received_at > self.config.deadline_s:
+                    self.queued.popleft()
+                    self._out(
+                        P.RequestFailed(
+                            inc.prepare.request_id,
+                            self.role,
+                            f"timeout: no free KV pages for {inc.handoff.num_pages} pages within "
+                            f"{self.config.deadline_s:.0f}s",
+                        )
+                    )
+                    continue
+                return
+            self.queued.popleft()
+            rid = inc.prepare.request_id
+            self._pages.tokens[rid] = inc.prepare.expected_len
+            try:
+                pages = inc.handoff.start()
+            except (KvfenceError, MemoryError) as e:
+                self._pages.tokens.pop(rid, None)
+                self._out(P.RequestFailed(rid, self.role, f"cannot reserve pages: {e}"))
+                continue
+            self.incoming[rid] = inc
+            self._out(P.DecodeReserved(rid, self.receiver.address, len(pages)))
+
+    def _abort(self, rid: str, reason: str) -> None:
+        for inc in list(self.queued):
+            if inc.prepare.request_id == rid:
+                self.queued.remove(inc)
+                self.counts["aborted"] += 1
+        inc = self.incoming.get(rid)
+        if inc is not None:
+            inc.aborted_by_router = True
+            h = inc.handoff
+            if h.state in (DecodeState.WAITING, DecodeState.TRANSFERRING):
+                h.abort(reason)
+            elif h.state == DecodeState.READY:  # verified but not admitted yet: the pages are plain reserved ones
+                self.engine.release(rid)
+                del self.incoming[rid]
+                self.counts["aborted"] += 1
+                return
+            self._end(rid, inc)
+        if rid in self.running:
+            self.engine.abort_request(rid)
+            del self.running[rid]
+            self.counts["aborted"] += 1
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.incoming) or bool(self.ending)
+
+    def step(self) -> bool:
+        self._start_queued()
+        for rid, inc in list(self.incoming.items()):
+            h = inc.handoff
+            h.poll()
+            if h.state == DecodeState.READY:
+                if inc.first_token is not None:
+                    self._admit(rid, inc)
+                elif time.monotonic() - inc.received_at > self.config.deadline_s:
+                    self.engine.release(rid)
+                    del self.incoming[rid]
+                    self._out(P.RequestFailed(rid, self.role, "timeout: prefill's first token never arrived"))
+            elif h.state in (DecodeState.FAILED, DecodeState.ABORTED):
+                self._end(rid, inc)
+        for rid, h in list(self.ending.items()):
+            h.poll()
+            if h.released:
+                del self.ending[rid]
+        worked = False
+        if self.engine.has_unfinished_requests():
+            worked = True
+            for out in self.engine.step():
+                run = self.running.get(out.request_id)
+                if run is None:
+                    continue
+                run.num_output_tokens = out.num_output_tokens
+                record = None
+                if out.finished or not run.sent_record:  # the record rides on the first and the last chunk
+                    record, run.sent_record = run.record, True
+                if out.finished:
+                    del self.running[out.request_id]
+                self._out(
+                    P.Tokens(
+                        out.request_id,
+                        list(out.new_token_ids),
+                        text=out.new_text,
+                        finished=out.finished,
+                        finish_reason=out.finish_reason,
+                        integrity=record,
+                        num_output_tokens=out.num_output_tokens,
+                    )
+                )
+        return worked
+
+    def _admit(self, rid: str, inc: _Incoming) -> None:
+        h = inc.handoff
+        del self.incoming[rid]
+        record = h.record.to_dict() if h.record is not None else None
+        self.counts["verified" if self.config.verify else "unverified"] += 1
+        try:
+            self.engine.add_prefilled_request(
+                rid, inc.prepare.prompt_token_ids, inc.first_token, inc.params, page_table=h.pages
+            )
+        except KvfenceError as e:
+            self.engine.release(rid)
+            self._out(P.RequestFailed(rid, self.role, f"cannot admit the request: {e}", integrity=record))
+            return
+        self.running[rid] = _Running(record)
+        self._out(P.HandoffSettled(rid, verified=True))
+
+    def _end(self, rid: str, inc: _Incoming) -> None:
+        """A handoff that failed or was aborted: report once, keep polling until its quarantine ends."""
+        h = inc.handoff
+        self.incoming.pop(rid, None)
+        if not h.released:
+            self.ending[rid] = h
+        if inc.reported:
+            return
+        inc.reported = True
+        rec: IntegrityRecord | None = h.record
+        if h.state == DecodeState.ABORTED:
+            self.counts["aborted"] += 1
+        else:
+            self.counts["rejected" if rec is not None and rec.status == "rejected" else "failed"] += 1
+        if inc.aborted_by_router:
+            return  # the router ended it and told the client already
+        if rec is not None:
+            what = "rejected" if rec.status == "rejected" else "failed"
+            reason = f"KV handoff {what} ({rec.reason}): {rec.detail}"
+        else:
+            reason = f"KV handoff {h.state.value}"
+        self._out(P.RequestFailed(rid, self.role, reason, integrity=rec.to_dict() if rec is not None else None))
+
+    def _out(self, msg: P.Message) -> None:
+        assert self.send_msg is not None, "attach() a channel first"
+        self.send_msg(msg)
+
+    # -- numbers ----------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "pages_total": s.num_pages,
+            "pages_used": s.num_used_pages,
+            "pages_free": s.num_free_pages,
+            "pages_quarantined": s.num_quarantined_pages,
+            "page_size": self.engine.resolved.page_size,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting + len(self.queued),
+            "handoffs_in_flight": len(self.incoming),
+            "handoffs_quarantined": len(self.ending),
+            **{f"handoffs_{k}": v for k, v in self.counts.items()},
+        }
+
+    def idle(self) -> bool:
+        return not (self.queued or self.incoming or self.ending or self.running) and not self.busy
+
+    def close(self) -> None:
+        try:
+            self.receiver.close()
+        except Exception:
+            logger.exception("decode: closing the receiver failed")
