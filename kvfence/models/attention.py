@@ -34,8 +34,9 @@ def paged_attention(
     qp = q[fb.q_index].transpose(1, 2)  # [B, H, Q, D]
     k = k_cache[fb.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
     v = v_cache[fb.kv_slots].transpose(1, 2)  # [B, Hkv, K, Dv]
-    if Hkv != H:
-        k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, K, D]
-        v = v.repeat_interleave(H // Hkv, dim=1)  # [B, H, K, Dv]
-    out = F.scaled_dot_product_attention(qp.to(k.dtype), k, v, attn_mask=fb.attn_mask, scale=scale)  # [B, H, Q, Dv]
+    # GQA: SDPA maps query head h to KV head h // (H // Hkv) itself; copying K/V H // Hkv times
+    # (repeat_interleave) costs more than the attention on CPU at long contexts.
+    out = F.scaled_dot_product_attention(
+        qp.to(k.dtype), k, v, attn_mask=fb.attn_mask, scale=scale, enable_gqa=Hkv != H
+    )  # [B, H, Q, Dv]
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
