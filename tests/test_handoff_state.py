@@ -1,0 +1,193 @@
+"""The handoff state machines: transitions, deferred release, timeouts, quarantine, aborts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvfence.disagg.handoff import (
+    DECODE_TRANSITIONS,
+    PREFILL_TRANSITIONS,
+    DecodeHandoff,
+    DecodeState,
+    HandoffConfig,
+    IllegalTransition,
+    PrefillHandoff,
+    PrefillState,
+)
+from kvfence.integrity.digest import token_hash
+from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.record import IntegrityMetrics
+from kvfence.integrity.verify import Expectation
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import SendStatus, fill_from_bytes
+from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
+
+LAYOUT = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (2, 4)), KVBufferSpec("v", (2, 4))), 4, torch.float32)
+N = 16
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, header, payload=()) -> None:
+        self.sent.append(header)
+
+
+def setup(one_sided: bool = False, **cfg):
+    fabric = LocalFabric()
+    d_pool, p_pool = KVPool(LAYOUT, N), KVPool(LAYOUT, N)
+    p_pool.tensors[0]["k"].normal_()
+    receiver = LocalReceiver(fabric, "d", d_pool, one_sided=one_sided)
+    sender = LocalSender(fabric, p_pool)
+    config = HandoffConfig(**{"transfer_timeout_s": 5, "ack_timeout_s": 5, "quarantine_timeout_s": 5, **cfg})
+    return fabric, d_pool, p_pool, receiver, sender, config
+
+
+def wait_for(pred, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_terminal_states_have_no_exit_and_illegal_transitions_raise() -> None:
+    for table, terminals in (
+        (DECODE_TRANSITIONS, {DecodeState.READY, DecodeState.FAILED, DecodeState.ABORTED}),
+        (PREFILL_TRANSITIONS, {PrefillState.RELEASED, PrefillState.FAILED}),
+    ):
+        assert {s for s, nxt in table.items() if not nxt} == terminals
+    _, d_pool, _, receiver, _, config = setup()
+    dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5))), PageAllocator(N), d_pool, receiver, config)
+    with pytest.raises(IllegalTransition, match="waiting -> ready"):
+        dec._m.go(DecodeState.READY)
+    assert dec.state == DecodeState.WAITING
+    receiver.close()
+
+
+def test_prefill_keeps_source_pages_until_decode_verdict() -> None:
+    _, d_pool, p_pool, receiver, sender, config = setup()
+    p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
+    ids = list(range(10))
+    src = p_alloc.allocate("r", 4)  # 3 pages for the prompt + 1 for the first decoded token
+    dec = DecodeHandoff(Expectation("r", 10, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec.start()
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    assert pre.state == PrefillState.PREFILLING
+    handle = pre.send()
+    wait_for(lambda: handle.status == SendStatus.AWAITING_VERDICT and handle.sender_done)
+    assert pre.poll() == PrefillState.AWAITING_ACK
+    assert p_alloc.pages_of("r") == src, "source pages are held while decode has not verified"
+    assert dec.poll() == DecodeState.READY
+    wait_for(lambda: pre.poll() == PrefillState.RELEASED and pre.released)
+    assert sorted(pre.released_pages) == sorted(src) and p_alloc.num_free == N
+    assert [s for s, _ in pre.history] == ["prefilling", "sending", "awaiting_ack", "released"]
+    assert [s for s, _ in dec.history] == ["waiting", "transferring", "verifying", "ready"]
+    p_alloc.check()
+    receiver.close()
+
+
+def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_ack_deadline() -> None:
+    _, d_pool, p_pool, receiver, sender, config = setup(ack_timeout_s=0.2)
+    p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
+    ids = list(range(6))
+    p_alloc.allocate("r", 2)
+    DecodeHandoff(Expectation("r", 6, token_hash(ids)), d_alloc, d_pool, receiver, config).start()  # never polled
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    pre.send()
+    wait_for(lambda: pre.poll() == PrefillState.AWAITING_ACK)
+    assert p_alloc.num_free == N - 2
+    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released, timeout=3)
+    assert "no verdict" in pre.reason and p_alloc.num_free == N
+    receiver.close()
+
+
+def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
+    _, d_pool, _, receiver, _, config = setup(transfer_timeout_s=0.05, strict=True)
+    d_alloc, metrics = PageAllocator(N), IntegrityMetrics()
+    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9))), d_alloc, d_pool, receiver, config, metrics)
+    pages = dec.start()
+    assert len(pages) == 3 and d_alloc.num_free == N - 3
+    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    assert dec.record.reason == "timeout" and dec.record.status == "failed"
+    assert dec.released and d_alloc.num_free == N and d_alloc.num_quarantined == 0  # two-sided: settled at once
+    assert torch.isnan(d_pool.tensors[1]["v"][pages]).all()  # strict mode poisoned them
+    assert metrics.value("kvfence_handoff_failed_total", {"reason": "timeout"}) == 1
+    d_alloc.check()
+    receiver.close()
+
+
+def test_one_sided_receiver_keeps_quarantine_until_the_deadline_when_the_sender_never_settles() -> None:
+    _, d_pool, _, receiver, _, config = setup(one_sided=True, transfer_timeout_s=0.05, quarantine_timeout_s=0.3)
+    d_alloc = PageAllocator(N)
+    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9))), d_alloc, d_pool, receiver, config)
+    dec.start()
+    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    assert not dec.released and d_alloc.num_quarantined == 3 and d_alloc.num_free == N - 3
+    other = d_alloc.allocate("other", N - 3)
+    assert not set(other) & set(dec.quarantined)
+    wait_for(lambda: dec.poll() == DecodeState.FAILED and dec.released, timeout=3)
+    assert dec.released_by_deadline and d_alloc.num_quarantined == 0 and d_alloc.num_free == 3
+    d_alloc.check()
+    receiver.close()
+
+
+def test_sender_abort_frame_ends_decode_as_aborted_and_settles_the_slot() -> None:
+    _, d_pool, p_pool, receiver, _, config = setup()
+    d_alloc = PageAllocator(N)
+    ids = list(range(12))
+    dec = DecodeHandoff(Expectation("r", 12, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec.start()
+    core, link = receiver.core, FakeLink()
+    core.on_frame(
+        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1, 2]).to_bytes()
+    )
+    core.receive_page("r", "x", 0, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(0)))
+    assert dec.poll() == DecodeState.TRANSFERRING
+    core.on_frame(link, {"t": "abort", "rid": "r", "xid": "x", "reason": "prefill OOM"})
+    assert dec.poll() == DecodeState.ABORTED
+    assert dec.record.reason == "aborted" and "prefill OOM" in dec.record.detail
+    assert dec.released and d_alloc.num_free == N
+    receiver.close()
+
+
+def test_receiver_refuses_unknown_requests_and_second_manifests() -> None:
+    _, d_pool, p_pool, receiver, sender, config = setup()
+    core, link = receiver.core, FakeLink()
+    m = build_manifest("r", "x", [1, 2, 3], p_pool, [0])
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
+    assert link.sent[-1]["t"] == "error" and "does not expect" in link.sent[-1]["reason"]
+    core.expect("r", [5])
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "y"}, m.to_bytes())
+    assert link.sent[-1]["t"] == "error" and "expects transfer x" in link.sent[-1]["reason"]
+
+    p_alloc = PageAllocator(N)
+    p_alloc.allocate("ghost", 1)
+    pre = PrefillHandoff("ghost", [1, 2], p_alloc, p_pool, sender, receiver.address, config)
+    pre.send()
+    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
+    assert "does not expect request ghost" in pre.reason and p_alloc.num_free == N
+    receiver.close()
+
+
+def test_decode_abort_before_any_frame_quarantines_and_tells_a_late_sender_to_stop() -> None:
+    _, d_pool, p_pool, receiver, sender, config = setup()
+    p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
+    ids = list(range(8))
+    p_alloc.allocate("r", 2)
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec.start()
+    dec.abort("client went away")
+    assert dec.state == DecodeState.ABORTED and dec.released and d_alloc.num_free == N
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    pre.send()
+    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
+    assert "does not expect request r" in pre.reason  # the slot is gone: nothing of the late transfer lands
+    assert p_alloc.num_free == N
+    receiver.close()

@@ -1,0 +1,165 @@
+"""The TCP transport: between processes, bounded chunks, the wire format, broken connections; Mooncake stub."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
+from kvfence.errors import KvfenceError
+from kvfence.integrity.digest import token_hash
+from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.verify import Expectation
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import TransferConfig
+from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
+from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, mooncake_unavailable_reason
+from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
+
+LAYOUT = KVLayout("Qwen3ForCausalLM", 3, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float16)
+N = 24
+
+
+def seeded_pool(seed: int) -> KVPool:
+    pool = KVPool(LAYOUT, N)
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.tensors:
+        for t in layer.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return pool
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_handoff_between_two_processes_over_tcp() -> None:
+    d_pool, d_alloc = KVPool(LAYOUT, N), PageAllocator(N)
+    receiver = TcpReceiver(d_pool)
+    ids = list(range(500, 530))  # 30 tokens -> 8 pages
+    dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec.start()
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from kvfence.disagg.handoff import PrefillHandoff, PrefillState, HandoffConfig
+        from kvfence.kv.allocator import PageAllocator
+        from kvfence.kv.layout import KVLayout
+        from kvfence.kv.pool import KVPool
+        from kvfence.transfer.base import TransferConfig
+        from kvfence.transfer.tcp import TcpSender
+        import time
+        layout = KVLayout.from_description({LAYOUT.describe()!r})
+        pool = KVPool(layout, {N})
+        g = torch.Generator().manual_seed(7)
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        alloc = PageAllocator({N})
+        alloc.allocate("filler", 3)
+        alloc.allocate("xproc", 8)  # pages 3..10
+        sender = TcpSender(pool, TransferConfig(max_transfer_pages=3))
+        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {receiver.address!r}, HandoffConfig())
+        pre.send()
+        end = time.monotonic() + 20
+        while not pre.settled and time.monotonic() < end:
+            pre.poll()
+            time.sleep(0.001)
+        print(pre.state.value, pre.handle.chunks_sent, alloc.num_free)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: dec.poll() in (DecodeState.READY, DecodeState.FAILED), timeout=60)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        receiver.close()
+    assert dec.state == DecodeState.READY, (dec.record, err)
+    assert out.split() == ["released", "3", str(N - 3)], err  # 8 pages in chunks of 3; source pages freed
+    expected = seeded_pool(7)
+    assert [expected.read_page(p) for p in range(3, 11)] == [d_pool.read_page(p) for p in dec.pages]
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_chunks_and_bytes_in_flight_are_bounded(transport: str) -> None:
+    src, dst = seeded_pool(1), KVPool(LAYOUT, N)
+    cfg = TransferConfig(max_transfer_pages=3, max_inflight_bytes=4 * LAYOUT.bytes_per_page)
+    if transport == "tcp":
+        receiver, sender = TcpReceiver(dst), TcpSender(src, cfg)
+    else:
+        fabric = LocalFabric()
+        receiver, sender = LocalReceiver(fabric, "d", dst), LocalSender(fabric, src, cfg)
+    ids = list(range(80))  # 20 pages
+    m = build_manifest("r", "x", ids, src, list(range(20)))
+    slot = receiver.expect("r", list(range(23, 3, -1)))
+    handle = sender.send(receiver.address, m, list(range(20)))
+    wait_for(lambda: slot.status.value == "complete")
+    assert handle.chunks_sent == 7 and handle.max_chunk_pages == 3
+    assert 0 < handle.max_inflight_seen <= 4 * LAYOUT.bytes_per_page
+    assert slot.coverage.complete and slot.bytes_received == 20 * LAYOUT.bytes_per_page
+    assert all(src.read_page(i) == dst.read_page(d) for i, d in enumerate(slot.dest_pages))
+    sender.close()
+    receiver.close()
+
+
+def _frame(header: dict, payload: bytes = b"") -> bytes:
+    hb = json.dumps(header).encode()
+    return struct.pack("<II", len(hb), len(payload)) + hb + payload
+
+
+def test_wire_format_and_a_connection_lost_mid_transfer_fails_the_request() -> None:
+    src, d_pool, d_alloc = seeded_pool(2), KVPool(LAYOUT, N), PageAllocator(N)
+    receiver = TcpReceiver(d_pool)
+    ids = list(range(16))
+    dec = DecodeHandoff(Expectation("r", 16, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec.start()
+    m = build_manifest("r", "x", ids, src, [0, 1, 2, 3])
+    bpp = LAYOUT.bytes_per_page
+    with socket.create_connection(parse_address(receiver.address)) as s:
+        s.sendall(_frame({"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes()))
+        s.sendall(_frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
+                         src.read_page(0) + src.read_page(1)))  # fmt: skip
+        prefix = s.recv(8, socket.MSG_WAITALL)
+        hlen, plen = struct.unpack("<II", prefix)
+        ack = json.loads(s.recv(hlen, socket.MSG_WAITALL))
+        assert ack == {"t": "chunk_ack", "rid": "r", "xid": "x", "seq": 0, "n": 2 * bpp} and plen == 0
+    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
+    assert dec.slot.coverage.counts.tolist() == [1, 0, 0, 0] and dec.slot.coverage.outside == 1
+    assert d_pool.read_page(dec.pages[0]) == src.read_page(0)
+    assert dec.released and d_alloc.num_free == N
+    d_alloc.check()
+    receiver.close()
+
+
+def test_tcp_sender_to_a_dead_address_fails_the_handle() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    src = seeded_pool(3)
+    sender = TcpSender(src)
+    handle = sender.send(f"tcp://127.0.0.1:{port}", build_manifest("r", "x", [1], src, [0]), [0])
+    assert handle.status.value == "error" and "cannot connect" in handle.reason and handle.sender_done
+
+
+def test_mooncake_backend_raises_a_clear_error() -> None:
+    reason = mooncake_unavailable_reason()
+    expected = "not implemented yet" if reason is None else "the 'mooncake' package does not import"
+    for cls in (MooncakeSender, MooncakeReceiver):
+        with pytest.raises(KvfenceError, match=f"Mooncake backend not available: {expected}"):
+            cls()
