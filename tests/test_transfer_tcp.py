@@ -159,7 +159,11 @@ def test_tcp_sender_to_a_dead_address_fails_the_handle() -> None:
 
 def test_mooncake_backend_raises_a_clear_error() -> None:
     reason = mooncake_unavailable_reason()
-    expected = "not implemented yet" if reason is None else "the 'mooncake' package does not import"
+    expected = (
+        "the kvfence Mooncake backend is not implemented yet"
+        if reason is None
+        else "the 'mooncake' package does not import"
+    )
     for cls in (MooncakeSender, MooncakeReceiver):
         with pytest.raises(KvfenceError, match=f"Mooncake backend not available: {expected}"):
             cls()
