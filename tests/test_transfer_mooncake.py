@@ -154,6 +154,14 @@ def test_explain_import_error_names_the_fix() -> None:
     assert "apt-get install -y libnl-route-3-200" in explain_import_error(nl)
 
 
+def test_missing_package_is_reported_without_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    ok, reason = mooncake_available.__wrapped__("127.0.0.1", "tcp")  # bypass the per-process cache
+    assert not ok and "pip install mooncake-transfer-engine-non-cuda" in reason
+
+
 def test_default_batch_stays_under_the_lane_queue(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
     assert lane_queue_limit() == 1024 and default_max_batch() == 512
@@ -323,6 +331,11 @@ def test_destination_outside_peer_memory(sender: tuple[MooncakeEndpoint, KVPool]
             throwaway.write_pages(fresh.session, [(src, beyond, 32)])
     assert info.value.peer_reachable is True
     assert all(p == _sentinel_page() for p in fresh.pages())
+
+
+def test_unusable_hostname_is_reported_at_start(mooncake: None) -> None:
+    ok, reason = mooncake_available("no-such-host.invalid")
+    assert not ok and "cannot write to itself" in reason and "no-such-host.invalid" in reason
 
 
 def test_unregistered_source_is_refused(sender: tuple[MooncakeEndpoint, KVPool], fresh: ReceiverProcess) -> None:

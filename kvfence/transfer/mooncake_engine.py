@@ -50,6 +50,9 @@ _DEBIAN_PACKAGE_OF_LIB = {
 _PIP_HINT = "pip install mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine on CUDA hosts)"
 _APT_HINT = "apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200"
 _DISTRIBUTIONS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+# Protocols this wrapper was tried with. The engine accepts any name and quietly uses TCP for names it does not
+# know, and for "rdma" on a host without RDMA devices.
+PROTOCOLS = ("tcp", "rdma")
 
 
 class MooncakeTransferError(KvfenceError):
@@ -153,23 +156,23 @@ def mooncake_version() -> str | None:
 
 @functools.cache
 def mooncake_available(hostname: str = "127.0.0.1", protocol: str = "tcp") -> MooncakeStatus:
-    """(ok, reason): whether an engine can be imported and initialised here, and if not exactly why.
+    """(ok, reason): whether an engine can be imported, started and used here, and if not exactly why.
 
-    Starts and drops one throwaway engine (about a second); the answer is cached per process.
+    Starts one throwaway engine and writes 64 bytes to itself through its own session id (initialise alone
+    succeeds even for an unknown protocol or an unresolvable host). About a second; cached per process.
     """
-    if importlib.util.find_spec("mooncake") is None:
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         return MooncakeStatus(False, f"the Mooncake Python package is not installed ({_PIP_HINT})")
     try:
-        engine_mod = _import_engine()
+        ep = MooncakeEndpoint(hostname, protocol)
     except KvfenceError as exc:
         return MooncakeStatus(False, str(exc))
-    te = engine_mod.TransferEngine()
-    rc = te.initialize(hostname, "P2PHANDSHAKE", protocol, "")
-    if rc != 0:
-        return MooncakeStatus(
-            False, f"Mooncake engine failed to initialise on {hostname} with protocol {protocol!r} (rc {rc})"
-        )
-    return MooncakeStatus(True, f"{mooncake_version() or 'mooncake'}: {protocol} engine initialised on {hostname}")
+    ep.close()
+    return MooncakeStatus(True, f"{mooncake_version() or 'mooncake'}: {protocol} engine works on {hostname}")
 
 
 def lane_queue_limit() -> int:
@@ -297,22 +300,45 @@ class MooncakeEndpoint:
     the writer gets over the control channel. Calls block; the engine releases the GIL while bytes move.
     """
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+    def __init__(
+        self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", self_check: bool = True
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise KvfenceError(f"Mooncake protocol {protocol!r} is not supported here; choose one of {PROTOCOLS}")
         engine_mod = _import_engine()
         self.hostname = hostname
         self.protocol = protocol
         self._engine = engine_mod.TransferEngine()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise KvfenceError(
-                f"Mooncake engine failed to initialise on {hostname} with protocol {protocol!r} (rc {rc}); "
-                f"for protocol 'rdma' an RDMA device is needed, 'tcp' works everywhere"
-            )
+            raise KvfenceError(f"Mooncake engine failed to initialise on {hostname} ({protocol!r}, rc {rc})")
         self.rpc_port: int = self._engine.get_rpc_port()
         assert self.rpc_port > 0, self.rpc_port
         self._regions: list[Region] = []  # sorted by addr
         self._keepalive: dict[int, torch.Tensor] = {}  # addr -> tensor, so registered memory outlives its caller
         self._closed = False
+        if self_check:
+            try:
+                self._self_check()
+            except KvfenceError:
+                self.close()
+                raise
+
+    def _self_check(self) -> None:
+        """Write 64 bytes to ourselves through our own session id: proves the hostname and transport work."""
+        a = torch.arange(64, dtype=torch.uint8)
+        b = torch.zeros(64, dtype=torch.uint8)
+        ra, rb = self.register(a), self.register(b)
+        try:
+            rc = self._engine.transfer_sync_write(self.session_id, a.data_ptr(), b.data_ptr(), 64)
+            if rc != 0 or not torch.equal(a, b):
+                raise KvfenceError(
+                    f"Mooncake engine started but cannot write to itself at {self.session_id} (rc {rc}): "
+                    f"is {self.hostname!r} an address of this host that peers can reach?"
+                )
+        finally:
+            self.unregister(ra)
+            self.unregister(rb)
 
     @property
     def session_id(self) -> str:
