@@ -1,0 +1,627 @@
+"""Black-box probe of an OpenAI-compatible server for the PD KV-leak signatures.
+
+What it knows: how to learn a server's context length and KV pool size (`/server_info`,
+`/v1/models` `max_model_len`, or flags), how to build prompts of an exact token count (counted by
+`/tokenize` when the server has it, else fitted from `usage.prompt_tokens` of calibration requests),
+and these checks, all over `/v1/completions` with temperature 0:
+- boundary: prompts of context-1, context and context+1 tokens; a 200 above the context is a finding;
+- over-pool: prompts larger than the advertised KV pool (when the pool is below the context);
+- prompt-token accounting: every 200 must report `usage.prompt_tokens` equal to what was sent
+  (a reply counting 1 token is the placeholder signature of a too-long request served from a stub);
+- canary leak: unique canary strings planted in some requests must never appear in another
+  request's output, under a burst mixed with over-length prompts and mid-stream aborts;
+- golden drift: a temperature-0 golden set answered idle, under load and idle again must not change.
+What it does not know: the server's internals. It is bounded (request count, concurrency, wall
+time) and refuses non-loopback targets unless explicitly authorised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import secrets
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from kvfence.audit.findings import Finding, Severity
+from kvfence.errors import KvfenceError
+
+FILLER = " the"
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    url: str
+    model: str
+    context_length: int | None = None
+    pool_tokens: int | None = None
+    max_requests: int = 200
+    time_budget_s: float = 120.0
+    concurrency: int = 8
+    request_timeout_s: float = 60.0
+    max_tokens: int = 16
+    golden: int = 4
+    canaries: int = 8
+    aborts: int = 4
+    overlength_in_burst: int = 4
+    allow_remote: bool = False
+    api_key: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.max_requests > 0 and self.concurrency > 0 and self.time_budget_s > 0
+        assert self.max_tokens > 0 and self.golden >= 0 and self.canaries >= 0 and self.aborts >= 0
+
+
+@dataclass
+class Reply:
+    check: str
+    sent_tokens: int | None
+    status: int  # HTTP status; 0 for a transport error or timeout; -1 when we aborted it ourselves
+    text: str = ""
+    prompt_tokens: int | None = None
+    error: str = ""
+    canary: str | None = None
+
+
+@dataclass
+class ServerFacts:
+    context_length: int | None = None
+    context_source: str = "unknown"
+    pool_tokens: int | None = None
+    pool_source: str = "unknown"
+    counter: str = "unknown"  # "/tokenize" or "usage.prompt_tokens calibration"
+    models: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ProbeReport:
+    url: str
+    model: str
+    facts: ServerFacts
+    replies: list[Reply]
+    findings: list[Finding]
+    requests_sent: int
+    elapsed_s: float
+    stopped_early: str | None = None
+
+    def summary_rows(self) -> list[tuple]:
+        rows = []
+        for check in sorted({r.check for r in self.replies}):
+            rs = [r for r in self.replies if r.check == check]
+            n200 = sum(r.status == 200 for r in rs)
+            n4xx = sum(400 <= r.status < 500 for r in rs)
+            other = len(rs) - n200 - n4xx
+            bad = [f for f in self.findings if f.role == check]
+            result = "FAIL" if any(f.severity == Severity.CRITICAL for f in bad) else ("WARN" if bad else "ok")
+            rows.append((check, len(rs), n200, n4xx, other, result))
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "model": self.model,
+            "facts": self.facts.__dict__,
+            "requests_sent": self.requests_sent,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "stopped_early": self.stopped_early,
+            "checks": [
+                dict(zip(("check", "sent", "ok_200", "rejected_4xx", "other", "result"), row, strict=True))
+                for row in self.summary_rows()
+            ],
+            "findings": [f.to_dict() for f in self.findings],
+            "replies": [r.__dict__ for r in self.replies],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Target check
+# ---------------------------------------------------------------------------------------------
+
+
+def check_target(url: str, allow_remote: bool) -> str:
+    """Return the host; raise unless every address it resolves to is loopback (or allowed)."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise KvfenceError(f"probe needs an http(s) URL, got {url!r}")
+    host = parsed.hostname
+    if allow_remote:
+        return host
+    try:
+        infos = socket.getaddrinfo(host, parsed.port or 80, proto=socket.IPPROTO_TCP)
+    except OSError as e:
+        raise KvfenceError(f"cannot resolve {host}: {e}") from e
+    addrs = {info[4][0] for info in infos}
+    non_loopback = sorted(a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
+    if non_loopback:
+        raise KvfenceError(
+            f"refusing to probe {host} ({', '.join(non_loopback)}): not a loopback address. The probe sends "
+            "over-length prompts and bursts; run it only against servers you operate, and pass "
+            "--i-am-authorised to confirm you are allowed to test this one."
+        )
+    return host
+
+
+# ---------------------------------------------------------------------------------------------
+# The probe
+# ---------------------------------------------------------------------------------------------
+
+
+class _Budget:
+    def __init__(self, cfg: ProbeConfig) -> None:
+        self.max_requests = cfg.max_requests
+        self.deadline = time.monotonic() + cfg.time_budget_s
+        self.sent = 0
+        self.stopped: str | None = None
+
+    def take(self) -> bool:
+        if self.sent >= self.max_requests:
+            self.stopped = self.stopped or f"request budget of {self.max_requests} reached"
+            return False
+        if time.monotonic() >= self.deadline:
+            self.stopped = self.stopped or "time budget reached"
+            return False
+        self.sent += 1
+        return True
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class Prober:
+    def __init__(self, cfg: ProbeConfig) -> None:
+        import httpx
+
+        self.cfg = cfg
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=cfg.url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=min(10.0, cfg.request_timeout_s)),
+            limits=httpx.Limits(max_connections=cfg.concurrency + 2),
+        )
+        self.budget = _Budget(cfg)
+        self.sem = asyncio.Semaphore(cfg.concurrency)
+        self.replies: list[Reply] = []
+        self.facts = ServerFacts()
+        self.nonce = secrets.token_hex(4)
+        self.has_tokenize = False
+        self.base_tokens = 0  # tokens of an empty-filler prompt, fitted
+        self.per_unit = 1.0
+        self.bar = None
+
+    # -- HTTP helpers --------------------------------------------------------------------------
+    async def _get_json(self, path: str) -> Any | None:
+        import httpx
+
+        try:
+            r = await self.client.get(path)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return None
+
+    async def complete(
+        self, check: str, prompt: str, sent: int | None, canary: str | None = None, max_tokens: int | None = None
+    ) -> Reply | None:
+        import httpx
+
+        if not self.budget.take():
+            return None
+        body = {
+            "model": self.cfg.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens or self.cfg.max_tokens,
+            "temperature": 0,
+            "seed": 0,
+        }
+        async with self.sem:
+            try:
+                r = await self.client.post(
+                    "/v1/completions", json=body, timeout=min(self.cfg.request_timeout_s, self.budget.remaining_s() + 1)
+                )
+                reply = Reply(check, sent, r.status_code, canary=canary)
+                if r.status_code == 200:
+                    doc = r.json()
+                    reply.text = "".join(str(c.get("text") or "") for c in doc.get("choices") or [])
+                    reply.prompt_tokens = (doc.get("usage") or {}).get("prompt_tokens")
+                else:
+                    reply.error = r.text[:300]
+            except (httpx.HTTPError, ValueError) as e:
+                reply = Reply(check, sent, 0, error=f"{type(e).__name__}: {e}"[:300], canary=canary)
+        self._record(reply)
+        return reply
+
+    async def abort_midstream(self, check: str, prompt: str, canary: str | None) -> Reply | None:
+        import httpx
+
+        if not self.budget.take():
+            return None
+        body = {
+            "model": self.cfg.model,
+            "prompt": prompt,
+            "max_tokens": max(8, self.cfg.max_tokens * 4),
+            "temperature": 0,
+            "stream": True,
+        }
+        reply = Reply(check, None, -1, canary=canary)
+        async with self.sem:
+            try:
+                async with self.client.stream("POST", "/v1/completions", json=body) as r:
+                    reply.status = r.status_code if r.status_code != 200 else -1
+                    if r.status_code == 200:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                                try:
+                                    chunk = json.loads(line[5:])
+                                    reply.text += "".join(str(c.get("text") or "") for c in chunk.get("choices") or [])
+                                except ValueError:
+                                    pass
+                                break  # abort after the first chunk: the connection closes here
+            except httpx.HTTPError as e:
+                reply.status, reply.error = 0, f"{type(e).__name__}: {e}"[:300]
+        self._record(reply)
+        return reply
+
+    def _record(self, reply: Reply) -> None:
+        self.replies.append(reply)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    # -- prompt sizing -------------------------------------------------------------------------
+    def header(self, tag: str) -> str:
+        return f"kvfence probe {self.nonce} {tag}:"
+
+    async def count_tokens(self, text: str) -> int | None:
+        import httpx
+
+        try:
+            r = await self.client.post("/tokenize", json={"model": self.cfg.model, "prompt": text})
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            doc = r.json()
+        except ValueError:
+            return None
+        if isinstance(doc.get("count"), int):
+            return doc["count"]
+        if isinstance(doc.get("tokens"), list):
+            return len(doc["tokens"])
+        return None
+
+    async def calibrate(self) -> None:
+        """Fit tokens(prompt with k filler units) = base + per_unit * k."""
+        a, b = 4, 20  # small enough to be under any real limit
+        pa, pb = self.header("cal") + FILLER * a, self.header("cal") + FILLER * b
+        ca, cb = await self.count_tokens(pa), await self.count_tokens(pb)
+        if ca is not None and cb is not None:
+            self.has_tokenize = True
+            self.facts.counter = "/tokenize"
+        else:
+            ra = await self.complete("calibration", pa, None, max_tokens=1)
+            rb = await self.complete("calibration", pb, None, max_tokens=1)
+            if not (ra and rb and ra.prompt_tokens and rb.prompt_tokens):
+                raise KvfenceError(
+                    "cannot count prompt tokens: no /tokenize and the calibration requests returned no "
+                    "usage.prompt_tokens"
+                )
+            ca, cb = ra.prompt_tokens, rb.prompt_tokens
+            self.facts.counter = "usage.prompt_tokens calibration"
+        per_unit = (cb - ca) / (b - a)
+        if not 0.2 <= per_unit <= 8:
+            raise KvfenceError(
+                f"token counting looks wrong: {a} and {b} filler words counted as {ca} and {cb} tokens "
+                f"({self.facts.counter}); pass --context-length/--pool-tokens and check the server's /tokenize"
+            )
+        self.per_unit = per_unit
+        self.base_tokens = round(ca - self.per_unit * a)
+
+    async def prompt_of(self, tag: str, target: int) -> tuple[str, int]:
+        """A prompt of `target` tokens (exact when /tokenize exists) and its counted size."""
+        head = self.header(tag)
+        k = max(0, round((target - self.base_tokens) / self.per_unit))
+        text = head + FILLER * k
+        if not self.has_tokenize:
+            return text, round(self.base_tokens + self.per_unit * k)
+        n = await self.count_tokens(text)
+        for _ in range(4):
+            if n is None or n == target:
+                break
+            k = max(0, k + (1 if n < target else -1) * max(1, round(abs(target - n) / self.per_unit)))
+            text = head + FILLER * k
+            n = await self.count_tokens(text)
+        if n is not None and n != target:  # filler granularity: pad the header with single characters
+            for pad in ("x", " x", "xx"):
+                cand = head + pad + FILLER * k
+                m = await self.count_tokens(cand)
+                if m == target:
+                    return cand, m
+        return text, n if n is not None else target
+
+    # -- discovery -----------------------------------------------------------------------------
+    async def discover(self) -> None:
+        f = self.facts
+        models = await self._get_json("/v1/models")
+        max_model_len = None
+        for card in (models or {}).get("data") or []:
+            if isinstance(card, dict):
+                f.models.append(str(card.get("id")))
+                if isinstance(card.get("max_model_len"), int):
+                    max_model_len = card["max_model_len"]
+        info = await self._get_json("/server_info") or await self._get_json("/get_server_info") or {}
+        ctx_flag = info.get("context_length") if isinstance(info.get("context_length"), int) else None
+        pool = info.get("max_total_num_tokens") if isinstance(info.get("max_total_num_tokens"), int) else None
+        if pool is None:
+            for st in info.get("internal_states") or []:
+                cap = ((st or {}).get("memory_usage") or {}).get("token_capacity")
+                if isinstance(cap, int):
+                    pool = cap
+                    break
+        if self.cfg.context_length:
+            f.context_length, f.context_source = self.cfg.context_length, "--context-length"
+        elif ctx_flag:
+            f.context_length, f.context_source = ctx_flag, "/server_info context_length"
+        elif max_model_len:
+            f.context_length, f.context_source = max_model_len, "/v1/models max_model_len"
+        if self.cfg.pool_tokens:
+            f.pool_tokens, f.pool_source = self.cfg.pool_tokens, "--pool-tokens"
+        elif pool:
+            f.pool_tokens, f.pool_source = pool, "/server_info max_total_num_tokens"
+        if models is None and not info:
+            raise KvfenceError(f"{self.cfg.url} answered neither /v1/models nor /server_info; is it running?")
+
+    # -- checks --------------------------------------------------------------------------------
+    def golden_prompts(self) -> list[str]:
+        topics = ["the alphabet", "prime numbers", "colours of the rainbow", "planets", "days of the week"]
+        return [f"kvfence golden {i}: list {topics[i % len(topics)]} in order." for i in range(self.cfg.golden)]
+
+    async def run(self) -> ProbeReport:
+        t0 = time.monotonic()
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=self.planned(),
+            desc="kvfence probe",
+            unit="req",
+            file=sys.stderr,
+            disable=not self.cfg.progress,
+            leave=False,
+        )
+        try:
+            await self.discover()
+            await self.calibrate()
+            golden = self.golden_prompts()
+            base = [await self.complete("golden-idle", p, None) for p in golden]
+            ctx, pool = self.facts.context_length, self.facts.pool_tokens
+            if ctx:
+                for target in (ctx - 1, ctx, ctx + 1):
+                    prompt, n = await self.prompt_of(f"boundary {target}", target)
+                    await self.complete("boundary", prompt, n, max_tokens=1)
+            if pool and ctx and pool < ctx:
+                for target in sorted({pool + 1, min(ctx - 1, pool + max(16, pool // 8))}):
+                    if target > pool:
+                        prompt, n = await self.prompt_of(f"pool {target}", target)
+                        await self.complete("over-pool", prompt, n, max_tokens=1)
+            await self.burst(golden, ctx, pool)
+            after = [await self.complete("golden-after", p, None) for p in golden]
+            findings = self.judge(golden, base, after)
+        finally:
+            self.bar.close()
+            await self.client.aclose()
+        return ProbeReport(
+            url=self.cfg.url,
+            model=self.cfg.model,
+            facts=self.facts,
+            replies=self.replies,
+            findings=findings,
+            requests_sent=self.budget.sent,
+            elapsed_s=time.monotonic() - t0,
+            stopped_early=self.budget.stopped,
+        )
+
+    def planned(self) -> int:
+        c = self.cfg
+        n = 2 + 3 * c.golden + 3 + 2 + c.canaries + c.aborts + c.overlength_in_burst
+        return min(n, c.max_requests)
+
+    async def burst(self, golden: list[str], ctx: int | None, pool: int | None) -> None:
+        """Canary requests, over-length prompts, mid-stream aborts and the golden set, all at once."""
+        tasks = []
+        limit = min(x for x in (ctx, pool) if x) if (ctx or pool) else None
+        spread = max(1, (limit // 2 - 24) if limit else 256)  # canary lengths vary across pages, well in limits
+        for i in range(self.cfg.canaries):
+            code = f"KVF{secrets.token_hex(6).upper()}"
+            pad = FILLER * ((4 + 37 * i) % spread)
+            prompt = f"{self.header(f'canary {i}')} The secret code is {code}. Repeat the secret code:{pad} {code}"
+            tasks.append(self.complete("canary", prompt, None, canary=code))
+        for i in range(self.cfg.aborts):
+            code = f"KVF{secrets.token_hex(6).upper()}"
+            prompt = f"{self.header(f'abort {i}')} The secret code is {code}. Write a long story about it."
+            tasks.append(self.abort_midstream("midstream-abort", prompt, code))
+        if limit:
+            for i in range(self.cfg.overlength_in_burst):
+                code = f"KVF{secrets.token_hex(6).upper()}"
+                target = limit + 1 + 7 * i
+                head = f"{self.header(f'long {i}')} The secret code is {code}."
+                k = max(0, round((target - self.base_tokens) / self.per_unit)) + 4
+                sent = round(self.base_tokens + self.per_unit * k)
+                tasks.append(self.complete("overlength-burst", head + FILLER * k, sent, canary=code, max_tokens=4))
+        for p in golden:
+            tasks.append(self.complete("golden-load", p, None))
+        order = list(range(len(tasks)))
+        order = order[::2] + order[1::2]  # interleave kinds
+        await asyncio.gather(*(tasks[i] for i in order))
+
+    # -- judgement -----------------------------------------------------------------------------
+    def judge(self, golden: list[str], base: list[Reply | None], after: list[Reply | None]) -> list[Finding]:
+        out: list[Finding] = []
+        ctx = self.facts.context_length
+        # Over-length / over-pool accepted, and prompt-token accounting.
+        for r in self.replies:
+            if r.status != 200 or r.sent_tokens is None:
+                continue
+            over_ctx = ctx is not None and r.sent_tokens > ctx
+            at_ctx = ctx is not None and r.sent_tokens == ctx
+            pool = self.facts.pool_tokens
+            over_pool = pool is not None and r.sent_tokens > pool
+            if r.check in ("boundary", "overlength-burst") and over_ctx:
+                out.append(
+                    Finding(
+                        "overlength-accepted",
+                        Severity.CRITICAL,
+                        r.check,
+                        f"a {r.sent_tokens}-token prompt (context {ctx}) got HTTP 200 "
+                        f"(usage.prompt_tokens={r.prompt_tokens})",
+                        "reject prompts above the context length with 400 on every side (router, prefill, decode)",
+                    )
+                )
+            elif r.check == "boundary" and at_ctx:
+                out.append(
+                    Finding(
+                        "context-filled-accepted",
+                        Severity.WARNING,
+                        r.check,
+                        f"a prompt of exactly the context length ({ctx} tokens) got HTTP 200; no room is left for "
+                        "a generated token",
+                        "reject prompts with prompt_tokens >= context length",
+                    )
+                )
+            elif over_pool and r.check in ("over-pool", "overlength-burst"):
+                out.append(
+                    Finding(
+                        "over-pool-accepted",
+                        Severity.CRITICAL,
+                        r.check,
+                        f"a {r.sent_tokens}-token prompt, larger than the {pool}-token KV pool, got HTTP 200",
+                        "keep context length <= KV pool on both sides, or reject such prompts with 400",
+                    )
+                )
+            if r.prompt_tokens is None:
+                continue
+            diff = abs(r.prompt_tokens - r.sent_tokens)
+            exact = self.has_tokenize and r.check in ("boundary", "over-pool")  # sized and verified by /tokenize
+            if (exact and diff > 0) or diff > max(2, r.sent_tokens // 50):
+                sig = " (placeholder signature: a 1-token stub was served)" if r.prompt_tokens <= 1 else ""
+                out.append(
+                    Finding(
+                        "prompt-tokens-mismatch",
+                        Severity.CRITICAL,
+                        r.check,
+                        f"sent {r.sent_tokens} prompt tokens, the reply counted "
+                        f"usage.prompt_tokens={r.prompt_tokens}{sig}",
+                        "the answer was computed from a different prompt than the one sent; do not trust it",
+                    )
+                )
+        for r in self.replies:
+            if r.check in ("boundary", "overlength-burst", "over-pool") and r.status >= 500:
+                out.append(
+                    Finding(
+                        "overlength-5xx",
+                        Severity.WARNING,
+                        r.check,
+                        f"a {r.sent_tokens}-token prompt failed with HTTP {r.status} instead of a 400",
+                        "validate prompt length before scheduling so clients get a clear 400",
+                    )
+                )
+        # Canary leak.
+        planted = {r.canary for r in self.replies if r.canary}
+        for r in self.replies:
+            for code in planted:
+                if code != r.canary and code in r.text:
+                    out.append(
+                        Finding(
+                            "canary-leak",
+                            Severity.CRITICAL,
+                            "canary",
+                            f"canary {code} planted in another request appeared in the output of a {r.check} request",
+                            "cross-request KV leak: stop serving, audit the deployment and logs "
+                            "(kvfence audit sglang / logs)",
+                        )
+                    )
+        # Golden drift.
+        load = [r for r in self.replies if r.check == "golden-load"]
+        by_prompt_load = {}
+        for r in load:
+            by_prompt_load.setdefault(r.text, r)
+        for i, b in enumerate(base):
+            if b is None or b.status != 200:
+                continue
+            a = after[i] if i < len(after) else None
+            if a is not None and a.status == 200 and a.text != b.text:
+                out.append(
+                    Finding(
+                        "golden-drift-after-load",
+                        Severity.WARNING,
+                        "golden-after",
+                        f"golden prompt {i} answered differently idle before and after the burst (temperature 0)",
+                        "check for state left behind by the burst (aborts, over-length prompts)",
+                    )
+                )
+        base_texts = [b.text for b in base if b is not None and b.status == 200]
+        drift = [r for r in load if r.status == 200 and r.text not in base_texts]
+        if drift and base_texts:
+            out.append(
+                Finding(
+                    "golden-drift-under-load",
+                    Severity.WARNING,
+                    "golden-load",
+                    f"{len(drift)} of {len(load)} golden answers changed under load at temperature 0",
+                    "some kernels are not batch-invariant; if the drift is large or shows foreign text, treat it "
+                    "as a leak",
+                )
+            )
+        if ctx is None:
+            out.append(
+                Finding(
+                    "boundary-skipped",
+                    Severity.INFO,
+                    "boundary",
+                    "context length unknown: boundary and over-pool checks skipped",
+                    "pass --context-length (and --pool-tokens)",
+                )
+            )
+        if self.budget.stopped:
+            out.append(
+                Finding(
+                    "probe-truncated",
+                    Severity.INFO,
+                    "probe",
+                    f"stopped early: {self.budget.stopped}; some checks ran partially",
+                    "raise --max-requests or --time-budget",
+                )
+            )
+        # One finding per (rule, check, message); more than two of a kind fold into one with a count.
+        seen, unique = set(), []
+        for f in out:
+            key = (f.rule, f.role, f.message)
+            if key not in seen:
+                seen.add(key)
+                unique.append(f)
+        groups: dict[tuple[str, str], list[Finding]] = {}
+        for f in unique:
+            groups.setdefault((f.rule, f.role), []).append(f)
+        folded = []
+        for fs in groups.values():
+            if len(fs) <= 2:
+                folded += fs
+            else:
+                first = fs[0]
+                msg = f"{len(fs)} replies; first: {first.message}"
+                folded.append(Finding(first.rule, first.severity, first.role, msg, first.fix))
+        return folded
+
+
+def run_probe(cfg: ProbeConfig) -> ProbeReport:
+    check_target(cfg.url, cfg.allow_remote)
+    return asyncio.run(Prober(cfg).run())

@@ -1,0 +1,94 @@
+"""`kvfence probe URL --model NAME`: bounded black-box test of a serving endpoint for KV-leak signatures.
+
+What it knows: the command line, the progress bar on stderr, the summary table and JSON report,
+and the exit code (0 clean, 1 warnings, 2 critical). What it does not know: the checks; they live
+in kvfence.audit.probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvfence.audit import findings as fnd
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "probe",
+        help="black-box probe of an OpenAI-compatible server: over-length prompts, canaries, aborts, drift",
+        description="Probe an OpenAI-compatible server (loopback only unless --i-am-authorised) with prompts at "
+        "the context length -1/0/+1, prompts above the KV pool, planted canaries, mid-stream aborts and bursts. "
+        "Reports any 200 to an over-length prompt, usage.prompt_tokens that does not match what was sent, "
+        "canaries in foreign outputs, and temperature-0 golden drift. Exit code: 0 clean, 1 warnings, 2 critical.",
+    )
+    p.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--model", required=True, help="model name to send in requests")
+    p.add_argument("--context-length", type=int, help="context length (else /server_info or /v1/models)")
+    p.add_argument("--pool-tokens", type=int, help="KV pool size in tokens (else /server_info)")
+    p.add_argument("--max-requests", type=int, default=200, help="hard cap on requests sent (default 200)")
+    p.add_argument("--time-budget", type=float, default=120.0, help="wall-clock budget in seconds (default 120)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight during the burst (default 8)")
+    p.add_argument("--request-timeout", type=float, default=60.0, help="per-request timeout in seconds")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of golden/canary requests")
+    p.add_argument("--golden", type=int, default=4, help="golden prompts (each sent idle, under load, idle)")
+    p.add_argument("--canaries", type=int, default=8, help="canary requests in the burst")
+    p.add_argument("--aborts", type=int, default=4, help="mid-stream aborts in the burst")
+    p.add_argument("--api-key", help="bearer token for the server")
+    p.add_argument(
+        "--i-am-authorised",
+        "--i-am-authorized",
+        dest="allow_remote",
+        action="store_true",
+        help="allow a non-loopback target you are authorised to test",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
+    p.add_argument("--report", metavar="PATH", help="also write the JSON report to PATH")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfence.audit.probe import ProbeConfig, run_probe
+
+    cfg = ProbeConfig(
+        url=args.url,
+        model=args.model,
+        context_length=args.context_length,
+        pool_tokens=args.pool_tokens,
+        max_requests=args.max_requests,
+        time_budget_s=args.time_budget,
+        concurrency=args.concurrency,
+        request_timeout_s=args.request_timeout,
+        max_tokens=args.max_tokens,
+        golden=args.golden,
+        canaries=args.canaries,
+        aborts=args.aborts,
+        allow_remote=args.allow_remote,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
+    report = run_probe(cfg)
+    code = fnd.exit_code(report.findings)
+    doc = {"tool": "kvfence probe", "exit_code": code, **report.to_dict()}
+    if args.report:
+        Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+    if args.json:
+        print(fnd.dumps(doc))
+        return code
+    f = report.facts
+    print(
+        f"target {report.url} model {report.model}: context {f.context_length or '?'} ({f.context_source}), "
+        f"pool {f.pool_tokens or '?'} ({f.pool_source}), tokens counted by {f.counter}"
+    )
+    print(
+        f"{report.requests_sent} requests in {report.elapsed_s:.1f} s"
+        + (f"; {report.stopped_early}" if report.stopped_early else "")
+    )
+    print()
+    print(fnd.render_table(["CHECK", "SENT", "200", "4XX", "OTHER", "RESULT"], report.summary_rows()))
+    print()
+    print(fnd.findings_table(report.findings))
+    print()
+    print(fnd.summary_line(report.findings))
+    return code
