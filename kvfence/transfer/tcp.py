@@ -172,13 +172,27 @@ class TcpReceiver:
                 n -= k
 
         def fill(views: list[memoryview] | None, nbytes: int) -> None:
-            left = nbytes
+            # scatter-read straight into the page's views: one syscall fills many of them
+            bufs, left = [], nbytes
             for v in views or ():
                 k = min(len(v), left)
                 if k <= 0:
                     break
-                _recv_exact_into(conn.sock, v[:k])
+                bufs.append(v[:k])
                 left -= k
+            i = 0
+            while i < len(bufs):
+                got = conn.sock.recvmsg_into(bufs[i : i + _IOV_MAX])[0]
+                if got == 0:
+                    raise ConnectionResetError("peer closed the connection mid-frame")
+                while got > 0:
+                    n = len(bufs[i])
+                    if got >= n:
+                        got -= n
+                        i += 1
+                    else:
+                        bufs[i] = bufs[i][got:]
+                        got = 0
             discard(left)
 
         try:

@@ -1,0 +1,25 @@
+"""The handoff benchmark runs end to end on tiny sizes and registers as `bench handoff`."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvfence.bench.handoff import format_table, register, run_handoff_bench
+
+
+def test_bench_runs_on_tiny_sizes_and_reports_ratios() -> None:
+    r = run_handoff_bench(
+        num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, repeats=1, verbose=False
+    )
+    assert r["total_bytes"] == 16 * 2 * 2 * 4 * 2 * 16 * 2
+    assert all(v > 0 for v in r["gb_per_s"].values())
+    assert r["tcp_vs_raw"] > 0 and r["verify_vs_transfer"] > 0
+    table = format_table(r)
+    assert "raw socket copy (baseline)" in table and "x raw throughput" in table
+
+
+def test_register_adds_a_handoff_parser() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="bench"))
+    args = parser.parse_args(["handoff", "--num-pages", "8", "--repeats", "1"])
+    assert args.bench == "handoff" and args.num_pages == 8 and callable(args.func)
