@@ -9,6 +9,7 @@ against transformers' generate, for batch 1 and a batch of 8 mixed-length prompt
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,3 +305,29 @@ def test_load_weights_refuses_missing_and_unknown_tensors_and_skips_mtp_layers()
     bad = {**state, "model.norm.weight": torch.ones(3)}
     with pytest.raises(ModelLoadError, match="shape"):
         DeepseekV3ForCausalLM(hf.config, torch.float32).load_weights(bad.items())
+
+
+def test_layout_from_config_json_dict_equals_layout_from_transformers_config(pair: Pair, tmp_path: Path) -> None:
+    """Operator tools read config.json as plain JSON; the layout (and its fingerprint) must not depend on that."""
+    pair.hf.config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    from_dict = pair.cls.kv_layout(raw, PAGE_SIZE, torch.bfloat16)
+    from_config = pair.cls.kv_layout(pair.config, PAGE_SIZE, torch.bfloat16)
+    assert from_dict == from_config
+    assert from_dict.fingerprint == from_config.fingerprint
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3", "glm_moe_dsa"])
+def test_engine_serves_mla_models_like_transformers_greedy(variant: str, tmp_path: Path) -> None:
+    from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.sampling_params import SamplingParams
+
+    hf = make_hf_model(variant)
+    hf.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    engine = LLMEngine(EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(page_size=PAGE_SIZE, max_total_tokens=256)))
+    batch = prompts(9, [5, 9, 3, 12])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
+    outs = engine.generate(batch, params)
+    assert [o.token_ids for o in outs] == [hf_generate(hf, p, 6) for p in batch]

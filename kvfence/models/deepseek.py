@@ -41,10 +41,12 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, dtype: torch.dtype, rotary: Rotary, sparse_mlp: bool, indexer: bool) -> None:
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype, rotary: Rotary, interleaved: bool, sparse_mlp: bool, indexer: bool
+    ) -> None:
         super().__init__()
         c = hf_config
-        self.self_attn = MLAttention(c, dtype, rotary)
+        self.self_attn = MLAttention(c, dtype, rotary, interleaved)
         if indexer:
             self.self_attn.indexer = Indexer(c, dtype)  # checkpoint name: self_attn.indexer.*
         self.mlp = MoE(c, dtype) if sparse_mlp else GatedMLP(c.hidden_size, c.intermediate_size, dtype)
@@ -97,6 +99,7 @@ class _MLAForCausalLM(nn.Module):
                     c,
                     dtype,
                     self.rotary,
+                    self.rope_interleaved(c),
                     sparse_mlp=self._is_sparse_mlp(i),
                     indexer=self.has_indexer and self.indexer_types[i] == "full",
                 )
@@ -108,6 +111,11 @@ class _MLAForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def rope_interleaved(hf_config: Any) -> bool:
+        """DeepSeek-V3 checkpoints say whether their rope pairs are interleaved (default yes)."""
+        return bool(getattr(hf_config, "rope_interleave", True))
 
     def _is_sparse_mlp(self, layer: int) -> bool:
         types = getattr(self.config, "mlp_layer_types", None)
@@ -229,3 +237,8 @@ class GlmMoeDsaForCausalLM(_MLAForCausalLM):
     architecture = "GlmMoeDsaForCausalLM"
     config_class = "GlmMoeDsaConfig"
     has_indexer = True
+
+    @staticmethod
+    def rope_interleaved(hf_config: Any) -> bool:
+        """GLM-5 always pairs rope features interleaved, whatever the config says."""
+        return True

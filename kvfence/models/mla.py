@@ -127,7 +127,7 @@ class Query(NamedTuple):
 class MLAttention(nn.Module):
     """One layer's MLA. Parameter names follow the Hugging Face checkpoints."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, rotary: Rotary) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, rotary: Rotary, interleaved: bool) -> None:
         super().__init__()
         c = hf_config
         self.num_heads = c.num_attention_heads
@@ -137,7 +137,7 @@ class MLAttention(nn.Module):
         self.qk_rope_head_dim = c.qk_rope_head_dim
         self.v_head_dim = c.v_head_dim
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
-        self.interleaved = bool(getattr(c, "rope_interleave", True))
+        self.interleaved = interleaved  # rope pair layout of this checkpoint family
         self.scale = rotary.softmax_scale(self.qk_head_dim)
         bias = bool(getattr(c, "attention_bias", False))
         H, R = self.num_heads, self.kv_lora_rank
