@@ -41,6 +41,8 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: MLA (+ indexer on DSA "full" layers), then a dense MLP or the MoE. Names follow HF."""
+
     def __init__(
         self, hf_config: Any, dtype: torch.dtype, rotary: Rotary, interleaved: bool, sparse_mlp: bool, indexer: bool
     ) -> None:
@@ -55,7 +57,8 @@ class DecoderLayer(nn.Module):
 
 
 class _MLAForCausalLM(nn.Module):
-    """Shared body; subclasses say whether the architecture has a DSA indexer."""
+    """Shared body of both architectures; a subclass names its architecture and config class and says
+    whether it has a DSA indexer. Parameters are laid out under HF names (model.layers.{i}.self_attn...)."""
 
     architecture: str = ""
     config_class: str = ""
