@@ -12,8 +12,8 @@ What it does not know: which pages belong to which request, manifests, digests, 
 session ids and buffer addresses (that is the transport built on top, kvfence/transfer/mooncake.py). It moves
 bytes one way (local -> peer) and checks nothing about their content.
 
-Measured on the 2-core CPU machines (docs/mooncake.md): 1.2-1.9 GB/s for entries of 256 KiB and up, 0.85 GB/s at
-64 KiB, 0.3 GB/s at 16 KiB, 65 MB/s at 4 KiB -- so coalescing contiguous pages matters more than anything else.
+Measured between two processes on the 2-core CPU machines (docs/mooncake.md): about 0.9-1.4 GB/s for large
+entries, 0.7-0.8 GB/s for 64 KiB entries, 0.17-0.3 GB/s for 16 KiB entries -- so merging adjacent pages matters.
 """
 
 from __future__ import annotations
@@ -359,8 +359,8 @@ class MooncakeEndpoint:
         """Register a contiguous CPU tensor's bytes; the endpoint keeps the tensor alive until `unregister`."""
         if tensor.device.type != "cpu":
             raise KvfenceError(f"this Mooncake build registers CPU memory only; got a tensor on {tensor.device}")
-        if not tensor.is_contiguous():
-            raise KvfenceError("only contiguous tensors can be registered")
+        if not tensor.is_contiguous() or tensor.numel() == 0:
+            raise KvfenceError("only contiguous, non-empty tensors can be registered")
         region = Region(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self._register_range(region)
         self._keepalive[region.addr] = tensor
