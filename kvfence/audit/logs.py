@@ -53,8 +53,6 @@ _RARE: list[tuple[bytes, str, bytes | tuple[bytes, ...]]] = [
         "context_reject",
         (b"The input (", b"[http_server] Error: The input (", b"Error: The input ("),
     ),
-    (b"Time Stats(", "time_stats", b"Req Time Stats("),
-    (b"ReqTimeStats(", "time_stats", b"ReqTimeStats("),
     (b"] Receive: obj=", "receive", b"Receive: obj="),
     (b"] Finish: obj=", "finish", b"Finish: obj="),
     (b"transfer failed for request", "transfer_failed", (b"Prefill transfer failed", b"Decode transfer failed")),
@@ -71,8 +69,9 @@ _TOO_LONG_RE = re.compile(r"Input length \((\d+) tokens\) exceeds the maximum al
 _TRUNC_RE = re.compile(r"len\(req\.origin_input_ids\)=(\d+), max_req_input_len=(\d+)")
 _DCAP_RE = re.compile(r"Request (\S+) exceeds the maximum number of tokens: (\d+) > (\d+)")
 _CTX_REJECT_RE = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
-_TS_RE = re.compile(
-    r"Time ?Stats\(rid=([^,]+), (?:bootstrap_room=(\w+), )?input[ _]len=(\d+).*?output[ _]len=(\d+).*?type=(\w+)\)"
+_TS_LINE_RE = re.compile(
+    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]\n]*\] Req ?Time ?Stats\(rid=([^,\n]+), (?:bootstrap_room=(\w+), )?"
+    r"input[ _]len=(\d+), [^\n]*?output[ _]len=(\d+)[^\n]*?type=(\w+)\)"
 )
 _FIN_ID_RE = re.compile(r"'id': '([^']+)'")
 _FIN_REASON_RE = re.compile(r"'finish_reason': \{'type': '(\w+)'")
@@ -214,7 +213,6 @@ class _Scanner:
         # prefill side
         self.p_rid_room: dict[str, str] = {}
         self.p_stub_rids: set[str] = set()  # too-long rid later processed with input len 1
-        self.p_input_len: dict[str, int] = {}
         self.too_long: list[RequestNote] = []
         # decode side
         self.d_rooms: dict[str, DecodeOutcome] = {}
@@ -278,7 +276,7 @@ class _Scanner:
         for ls, kind, le, ms in events:
             if kind in ("server_args", "startup"):
                 if run.counted:
-                    self.scan_batches(chunk, seg_start, ls)
+                    self.scan_bulk(chunk, seg_start, ls, side, run)
                 seg_start = ls
                 run = self.start_run(run, side, kind, chunk[ls:le].decode("utf-8", "replace"), ms - ls)
                 continue
@@ -287,38 +285,59 @@ class _Scanner:
             line = chunk[ls:le].decode("utf-8", "replace")
             self.handle(kind, line, ms - ls, side, run)
         if run.counted:
-            self.scan_batches(chunk, seg_start, len(chunk))
+            self.scan_bulk(chunk, seg_start, len(chunk), side, run)
         return run
 
+    def scan_bulk(self, chunk: bytes, start: int, end: int, side: str, run: Run) -> None:
+        """The frequent line kinds of one segment: batch lines (vectorised) and request time stats."""
+        self.scan_batches(chunk, start, end)
+        if chunk.find(b"Time Stats(", start, end) < 0 and chunk.find(b"ReqTimeStats(", start, end) < 0:
+            return
+        text = chunk[start:end].decode("utf-8", "replace")
+        for ts, rid, room_s, in_len, out_len, typ in _TS_LINE_RE.findall(text):
+            if not self.in_range(ts):
+                continue
+            self.lines_matched += 1
+            room = room_s if room_s and room_s != "None" else None
+            self._time_stats(rid, room, int(in_len), int(out_len), typ, ts, side, run)
+
     def scan_batches(self, chunk: bytes, start: int, end: int) -> None:
-        since, until, wlen = self.since, self.until, self.wlen
-        windows = self.windows
-        n = 0
-        for m in _BATCH_RE.finditer(chunk, start, end):
-            ts = m.group(1)
-            if since is not None and ts < since:
+        """Aggregate Prefill/Decode batch lines of chunk[start:end] per window, vectorised with numpy."""
+        import numpy as np
+
+        rows = _BATCH_RE.findall(chunk, start, end)
+        if not rows:
+            return
+        ts, p_seq, p_tok, p_use, _, _, d_use = (np.array(c) for c in zip(*rows, strict=True))
+        keep = np.ones(len(ts), dtype=bool)
+        if self.since is not None:
+            keep &= ts >= self.since
+        if self.until is not None:
+            keep &= ts.astype(f"S{len(self.until)}") <= self.until
+        self.lines_matched += int(keep.sum())
+        is_p = p_seq != b""
+        keys = ts.astype(f"S{self.wlen}")
+        for sel, prefill in ((keep & is_p, True), (keep & ~is_p, False)):
+            if not sel.any():
                 continue
-            if until is not None and ts[: len(until)] > until:
-                continue
-            n += 1
-            key = ts[:wlen].decode()
-            w = windows.get(key)
-            if w is None:
-                w = windows[key] = Window()
-            seqs = m.group(2)
-            if seqs is not None:
-                w.prefill_batches += 1
-                w.prefill_seqs += int(seqs)
-                w.prefill_tokens += int(m.group(3))
-                u = float(m.group(4))
-                if u > w.prefill_max_usage:
-                    w.prefill_max_usage = u
-            else:
-                w.decode_batches += 1
-                u = float(m.group(7))
-                if u > w.decode_max_usage:
-                    w.decode_max_usage = u
-        self.lines_matched += n
+            uniq, inv = np.unique(keys[sel], return_inverse=True)
+            counts = np.bincount(inv, minlength=len(uniq))
+            usage = (p_use if prefill else d_use)[sel].astype(np.float64)
+            max_use = np.zeros(len(uniq))
+            np.maximum.at(max_use, inv, usage)
+            if prefill:
+                seqs = np.bincount(inv, weights=p_seq[sel].astype(np.int64), minlength=len(uniq))
+                toks = np.bincount(inv, weights=p_tok[sel].astype(np.int64), minlength=len(uniq))
+            for j, key in enumerate(uniq.tolist()):
+                w = self.win(key.decode())
+                if prefill:
+                    w.prefill_batches += int(counts[j])
+                    w.prefill_seqs += int(seqs[j])
+                    w.prefill_tokens += int(toks[j])
+                    w.prefill_max_usage = max(w.prefill_max_usage, float(max_use[j]))
+                else:
+                    w.decode_batches += int(counts[j])
+                    w.decode_max_usage = max(w.decode_max_usage, float(max_use[j]))
 
     # -- runs ----------------------------------------------------------------------------------
     def start_run(self, run: Run, side: str, kind: str, line: str, ms: int) -> Run:
@@ -366,11 +385,11 @@ class _Scanner:
             return
         msg = line[ms:]
         self.lines_matched += 1
+        w = self.win(ts)
         rid_m = _RID_RE.search(msg)
         rid = rid_m.group(1) if rid_m else None
         room_m = _ROOM_RE.search(msg)
         room = room_m.group(1) if room_m else None
-        w = self.win(ts)
         if kind == "too_long":
             if not self.once(kind + side, rid, None):
                 return
@@ -404,29 +423,6 @@ class _Scanner:
             w.context_rejects += 1
             detail = f"input {m.group(1)} tokens > context {m.group(2)}" if m else msg[:120]
             self.notes.append(RequestNote(side, rid, room, ts, "over_context", detail, "rejected (400)"))
-        elif kind == "time_stats":
-            m = _TS_RE.search(msg)
-            if not m:
-                return
-            rid, room_s, in_len, out_len, typ = m.group(1), m.group(2), int(m.group(3)), int(m.group(4)), m.group(5)
-            room = room_s if room_s and room_s != "None" else None
-            if typ == "prefill" or side == "prefill":
-                if room:
-                    self.p_rid_room[rid] = room
-                if in_len == 1:
-                    self.p_stub_rids.add(rid)
-                self.p_input_len[rid] = in_len
-                if run.pool_tokens and in_len > run.pool_tokens:
-                    self.notes.append(
-                        RequestNote(side, rid, room, ts, "over_pool_served", f"input {in_len} > pool {run.pool_tokens}")
-                    )
-            else:
-                out = self._decode_outcome(rid, room, ts, run)
-                if out_len > 0 and not out.failed:
-                    if not out.completed:
-                        w.decode_requests += 1
-                    out.completed = True
-                    out.output_len = out_len
         elif kind == "receive":
             if side == "prefill" and rid and room:
                 self.p_rid_room[rid] = room
@@ -505,6 +501,25 @@ class _Scanner:
             self.notes.append(
                 RequestNote(side, rid, room, ts, "deferred_release_timeout", msg[:200], "pages released undrained")
             )
+
+    def _time_stats(
+        self, rid: str, room: str | None, in_len: int, out_len: int, typ: str, ts: str, side: str, run: Run
+    ) -> None:
+        if typ == "prefill" or side == "prefill":
+            if room:
+                self.p_rid_room[rid] = room
+            if in_len == 1:
+                self.p_stub_rids.add(rid)
+            if run.pool_tokens and in_len > run.pool_tokens:
+                note = RequestNote(side, rid, room, ts, "over_pool_served", f"input {in_len} > pool {run.pool_tokens}")
+                self.notes.append(note)
+        else:
+            out = self._decode_outcome(rid, room, ts, run)
+            if out_len > 0 and not out.failed:
+                if not out.completed:
+                    self.win(ts).decode_requests += 1
+                out.completed = True
+                out.output_len = out_len
 
     def _decode_outcome(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
         if room is None and rid is not None:
