@@ -9,14 +9,17 @@ an assertion). It is fast enough to run many scheduling scenarios in a second.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import Request, RequestStatus
 from kvfence.engine.sampling_params import SamplingParams
@@ -25,6 +28,7 @@ from kvfence.errors import InvalidRequestError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
+from kvfence.models.attention import paged_attention
 
 PAGE = 4
 
@@ -399,3 +403,90 @@ def test_engine_requests_join_and_leave_between_steps() -> None:
     e.step()
     outs = {o.request_id: o for o in e.step()}
     assert outs["b"].finished and not e.has_unfinished_requests()
+
+
+# --- the forward batch the runner builds: vectorised layout == per-sequence reference -------------------
+
+
+def _reference_layout(chunks: list[SeqChunk], page_size: int) -> dict[str, torch.Tensor]:
+    """The per-sequence definition of a forward's layout (what build_forward_batch must vectorise)."""
+    B, Q = len(chunks), max(len(c.token_ids) for c in chunks)
+    K = max(c.start + len(c.token_ids) for c in chunks)
+    ids, pos, slot_map, logits_rows = [], [], [], []
+    q_index, q_valid = torch.zeros(B, Q, dtype=torch.long), torch.zeros(B, Q, dtype=torch.bool)
+    kv_slots, mask = torch.zeros(B, K, dtype=torch.long), torch.zeros(B, Q, K, dtype=torch.bool)
+    for b, c in enumerate(chunks):
+        slots = [p * page_size + o for p in c.page_table for o in range(page_size)]
+        row0, n, total = len(ids), len(c.token_ids), c.start + len(c.token_ids)
+        ids += c.token_ids
+        pos += range(c.start, total)
+        slot_map += slots[c.start : total]
+        kv_slots[b, :total] = torch.tensor(slots[:total])
+        for i in range(n):
+            q_index[b, i], q_valid[b, i] = row0 + i, True
+            mask[b, i, : c.start + i + 1] = True
+        mask[b, n:, 0] = True
+        logits_rows += {"last": [row0 + n - 1], "all": list(range(row0, row0 + n)), "none": []}[c.logits]
+    return {
+        "input_ids": torch.tensor(ids),
+        "positions": torch.tensor(pos),
+        "slot_mapping": torch.tensor(slot_map),
+        "q_index": q_index,
+        "q_valid": q_valid,
+        "kv_slots": kv_slots,
+        "attn_mask": mask[:, None],
+        "logits_index": torch.tensor(logits_rows, dtype=torch.long),
+    }
+
+
+_chunk_spec = st.tuples(
+    st.integers(0, 40), st.integers(1, 20), st.integers(0, 2), st.sampled_from(["last", "all", "none"])
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    specs=st.lists(_chunk_spec, min_size=1, max_size=5), page_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99)
+)
+def test_forward_batch_matches_the_per_sequence_reference(
+    specs: list[tuple[int, int, int, str]], page_size: int, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool_pages = torch.randperm(400, generator=g).tolist()
+    chunks = []
+    for start, n, extra_pages, logits in specs:
+        need = -(-(start + n) // page_size) + extra_pages  # page tables may hold more pages than needed
+        table, pool_pages = pool_pages[:need], pool_pages[need:]
+        chunks.append(SeqChunk(torch.randint(0, 1000, (n,), generator=g).tolist(), start, table, logits))
+    fb = build_forward_batch(chunks, page_size)
+    for name, want in _reference_layout(chunks, page_size).items():
+        assert torch.equal(getattr(fb, name), want), name
+    # the fast mask forms mean the same as the boolean mask
+    if fb.mask_mode == "bias":
+        assert torch.equal(fb.attn_bias == 0, fb.attn_mask)
+    elif fb.mask_mode == "none":
+        assert bool(fb.attn_mask.all())
+    elif fb.mask_mode == "causal":
+        Q = fb.attn_mask.shape[-1]
+        assert torch.equal(fb.attn_mask, torch.ones(Q, Q, dtype=torch.bool).tril().expand_as(fb.attn_mask))
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [SeqChunk([1], 9, [3, 1, 4]), SeqChunk([2], 9, [5, 9, 2])],  # equal decode: no mask
+        [SeqChunk([1], 9, [3, 1, 4]), SeqChunk([2], 3, [5])],  # ragged decode
+        [SeqChunk([1, 2, 3], 0, [7]), SeqChunk([4, 5, 6], 0, [8])],  # equal fresh prompts: causal
+        [SeqChunk([1, 2, 3, 4, 5], 6, [3, 1, 4]), SeqChunk([2], 3, [5])],  # chunk after context + decode
+    ],
+)
+def test_paged_attention_fast_paths_equal_the_boolean_mask_path(chunks: list[SeqChunk]) -> None:
+    fb = build_forward_batch(chunks, 4)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    q = torch.randn(fb.num_tokens, 4, 8, generator=g)
+    slow = dataclasses.replace(fb, mask_mode="mask", kv_pages=None)
+    got = paged_attention(q, k_cache, v_cache, fb, 0.3)
+    want = paged_attention(q, k_cache, v_cache, slow, 0.3)
+    assert got.shape == (fb.num_tokens, 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -13,9 +13,11 @@ what the model stores per slot (that is the model's `KVLayout`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -40,6 +42,11 @@ class ForwardBatch:
     attn_mask: torch.Tensor  # [B, 1, Q, K] bool, True where query may attend key
     logits_index: torch.Tensor  # [N] int64, rows of T whose logits are returned
     is_decode: bool  # every sequence contributes exactly one token
+    # Fast paths for attention (optional: a batch made without them uses kv_slots / attn_mask).
+    page_size: int = 0  # tokens per page, when kv_pages is set
+    kv_pages: torch.Tensor | None = None  # [B, P] int64, pages covering each context (P = ceil(K / page_size))
+    mask_mode: str = "mask"  # "mask": attn_mask; "none": every key visible; "causal": top-left causal (Q == K)
+    attn_bias: torch.Tensor | None = None  # [B, 1, Q, K] float32, 0 / -inf form of attn_mask (mask_mode "bias")
 
     @property
     def num_tokens(self) -> int:
@@ -51,59 +58,76 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
+    """Lay out one forward. Vectorised with numpy: it runs once per engine step, on the critical path."""
     assert chunks, "empty batch"
     B = len(chunks)
-    Q = max(len(c.token_ids) for c in chunks)
-    K = max(c.start + len(c.token_ids) for c in chunks)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    logits_rows: list[int] = []
-    q_index = torch.zeros(B, Q, dtype=torch.long)
-    q_valid = torch.zeros(B, Q, dtype=torch.bool)
-    kv_slots = torch.zeros(B, K, dtype=torch.long)
-    kv_lens = torch.zeros(B, dtype=torch.long)
-    pos_k = torch.arange(K)
-    for b, c in enumerate(chunks):
-        n = len(c.token_ids)
-        assert n > 0, "a sequence must contribute at least one token"
-        total = c.start + n
+    ns = np.fromiter((len(c.token_ids) for c in chunks), np.int64, B)  # [B] new tokens per sequence
+    starts = np.fromiter((c.start for c in chunks), np.int64, B)  # [B]
+    assert (ns > 0).all(), "a sequence must contribute at least one token"
+    totals = starts + ns  # [B] context length after the chunk
+    for c, total in zip(chunks, totals.tolist(), strict=True):
         assert len(c.page_table) * page_size >= total, (
             f"page table of {len(c.page_table)} pages cannot hold {total} tokens at page size {page_size}"
         )
-        pages = torch.as_tensor(c.page_table, dtype=torch.long)
-        slots = pages.repeat_interleave(page_size) * page_size + torch.arange(page_size).repeat(len(c.page_table))
-        row0 = len(input_ids)
-        input_ids.extend(c.token_ids)
-        positions.extend(range(c.start, total))
-        slot_mapping.extend(slots[c.start : total].tolist())
-        q_index[b, :n] = torch.arange(row0, row0 + n)
-        q_valid[b, :n] = True
-        kv_slots[b, :total] = slots[:total]
-        kv_lens[b] = total
+    T, Q, K = int(ns.sum()), int(ns.max()), int(totals.max())
+    P = -(-K // page_size)  # pages that cover the longest context
+    kv_pages = np.array([(list(c.page_table[:P]) + [0] * P)[:P] for c in chunks], dtype=np.int64)  # [B, P]
+    slots = (kv_pages[:, :, None] * page_size + np.arange(page_size)).reshape(B, P * page_size)[:, :K]  # [B, K]
+    k_pos = np.arange(K)
+    kv_slots = np.where(k_pos[None, :] < totals[:, None], slots, 0)  # [B, K]
+
+    row0 = np.cumsum(ns) - ns  # [B] first row of T of each sequence
+    seq = np.repeat(np.arange(B), ns)  # [T] sequence of each row
+    positions = starts[seq] + np.arange(T) - row0[seq]  # [T]
+    slot_mapping = slots[seq, positions]  # [T]
+    q_pos = np.arange(Q)
+    q_valid = q_pos[None, :] < ns[:, None]  # [B, Q]
+    q_index = np.where(q_valid, row0[:, None] + q_pos[None, :], 0)  # [B, Q]
+    input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, T)
+
+    logits_rows: list[int] = []
+    for c, r0, n in zip(chunks, row0.tolist(), ns.tolist(), strict=True):
         if c.logits == "last":
-            logits_rows.append(row0 + n - 1)
+            logits_rows.append(r0 + n - 1)
         elif c.logits == "all":
-            logits_rows.extend(range(row0, row0 + n))
+            logits_rows.extend(range(r0, r0 + n))
         else:
             assert c.logits == "none", c.logits
+
     # query i of sequence b sits at absolute position start_b + i; it sees keys 0..start_b+i
-    starts = torch.as_tensor([c.start for c in chunks], dtype=torch.long)
-    q_pos = starts[:, None] + torch.arange(Q)[None, :]  # [B, Q]
-    mask = pos_k[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
-    mask &= pos_k[None, None, :] < kv_lens[:, None, None]
+    q_abs = starts[:, None] + q_pos[None, :]  # [B, Q]
+    mask = k_pos[None, None, :] <= q_abs[:, :, None]  # [B, Q, K]
+    mask &= k_pos[None, None, :] < totals[:, None, None]
     mask &= q_valid[:, :, None]
     mask[:, :, 0] |= ~q_valid  # padding rows attend one key so softmax stays finite; they are dropped
+
+    attn_bias = None
+    if Q == 1 and (totals == K).all():
+        mask_mode = "none"  # decode of equally long contexts: every key is visible
+    elif (starts == 0).all() and (ns == Q).all():
+        mask_mode = "causal"  # fresh prompts of equal length: plain causal, Q == K
+    else:
+        mask_mode = "bias"
+        attn_bias = torch.from_numpy(np.where(mask, np.float32(0), np.float32("-inf"))[:, None, :, :])
+
     dev = torch.device(device)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
     return ForwardBatch(
-        input_ids=torch.as_tensor(input_ids, dtype=torch.long, device=dev),
-        positions=torch.as_tensor(positions, dtype=torch.long, device=dev),
-        slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long, device=dev),
-        q_index=q_index.to(dev),
-        q_valid=q_valid.to(dev),
-        kv_slots=kv_slots.to(dev),
-        kv_lens=kv_lens.to(dev),
-        attn_mask=mask[:, None, :, :].to(dev),
+        input_ids=t(input_ids),
+        positions=t(positions),
+        slot_mapping=t(slot_mapping),
+        q_index=t(q_index),
+        q_valid=t(q_valid),
+        kv_slots=t(kv_slots),
+        kv_lens=t(totals),
+        attn_mask=t(mask[:, None, :, :]),
         logits_index=torch.as_tensor(logits_rows, dtype=torch.long, device=dev),
         is_decode=Q == 1,
+        page_size=page_size,
+        kv_pages=t(kv_pages),
+        mask_mode=mask_mode,
+        attn_bias=None if attn_bias is None else attn_bias.to(dev),
     )

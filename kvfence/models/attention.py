@@ -21,6 +21,21 @@ def store_kv(cache: torch.Tensor, new: torch.Tensor, fb: ForwardBatch) -> None:
     cache.index_copy_(0, fb.slot_mapping, new.to(cache.dtype))
 
 
+def _gather_context(cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """cache: [S, *shape] -> each sequence's context [B, K, *shape].
+
+    Whole pages are copied when the batch lists them (a few large copies instead of one
+    small copy per slot), then cut to K; otherwise slot by slot.
+    """
+    if fb.kv_pages is None or not fb.page_size:
+        return cache[fb.kv_slots]
+    B, P = fb.kv_pages.shape
+    K = fb.kv_slots.shape[1]
+    pages = cache.view(-1, fb.page_size, *cache.shape[1:])  # [num_pages, page_size, *shape]
+    ctx = pages.index_select(0, fb.kv_pages.view(-1))  # [B * P, page_size, *shape]
+    return ctx.view(B, P * fb.page_size, *cache.shape[1:])[:, :K]  # [B, K, *shape]
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch, scale: float
 ) -> torch.Tensor:
@@ -29,14 +44,30 @@ def paged_attention(
     q: [T, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] (already holding this
     forward's K/V). Returns [T, H, Dv].
     """
-    H = q.shape[1]
+    T, H, _ = q.shape
     Hkv = k_cache.shape[1]
-    qp = q[fb.q_index].transpose(1, 2)  # [B, H, Q, D]
-    k = k_cache[fb.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
-    v = v_cache[fb.kv_slots].transpose(1, 2)  # [B, Hkv, K, Dv]
+    k = _gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
+    v = _gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
+    if fb.is_decode:
+        qp = q[:, :, None, :]  # [B, H, 1, D]: with one token per sequence, row b is sequence b
+    else:
+        qp = q[fb.q_index].transpose(1, 2)  # [B, H, Q, D]
+    # A boolean mask sends CPU SDPA down a slow path; the batch says when none is needed
+    # (equal-length decode, equal-length fresh prompts) and otherwise gives an additive one.
+    mask, causal = None, False
+    if fb.mask_mode == "bias":
+        mask = fb.attn_bias.to(k.dtype)  # [B, 1, Q, K]
+    elif fb.mask_mode == "causal":
+        causal = True
+    elif fb.mask_mode == "mask":
+        mask = fb.attn_mask  # [B, 1, Q, K] bool
+    else:
+        assert fb.mask_mode == "none", fb.mask_mode
     # GQA: SDPA maps query head h to KV head h // (H // Hkv) itself; copying K/V H // Hkv times
     # (repeat_interleave) costs more than the attention on CPU at long contexts.
     out = F.scaled_dot_product_attention(
-        qp.to(k.dtype), k, v, attn_mask=fb.attn_mask, scale=scale, enable_gqa=Hkv != H
+        qp.to(k.dtype), k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=Hkv != H
     )  # [B, H, Q, Dv]
+    if fb.is_decode:
+        return out[:, :, 0].to(q.dtype)  # [T, H, Dv]
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
