@@ -83,7 +83,7 @@ def test_prefill_keeps_source_pages_until_decode_verdict() -> None:
     wait_for(lambda: handle.status == SendStatus.AWAITING_VERDICT and handle.sender_done)
     assert pre.poll() == PrefillState.AWAITING_ACK
     assert p_alloc.pages_of("r") == src, "source pages are held while decode has not verified"
-    assert dec.poll() == DecodeState.READY
+    wait_for(lambda: dec.poll() == DecodeState.READY)  # once the receiver thread has applied `done`
     wait_for(lambda: pre.poll() == PrefillState.RELEASED and pre.released)
     assert sorted(pre.released_pages) == sorted(src) and p_alloc.num_free == N
     assert [s for s, _ in pre.history] == ["prefilling", "sending", "awaiting_ack", "released"]

@@ -23,11 +23,12 @@ safety rules live in one place:
   `max_inflight_bytes` un-acknowledged (a single chunk larger than the bound is sent
   alone), so one transfer cannot flood the receiver (invariant 7).
 - A receive slot is `settled` once no write from this transfer can land any more: the
-  sender's last frame arrived, the connection closed, or decode closed the slot and the
+  sender's last frame arrived, the connection closed, or decode closed the slot, the
   transport is two-sided (every write passes through `ReceiverCore.receive_page`, which
-  drops writes to a closed slot under the slot's lock). A one-sided transport (RDMA,
-  Mooncake) sets `one_sided=True`: there a closed slot is settled only by the sender's
-  last frame, the connection closing, or the quarantine deadline in `disagg.handoff`.
+  drops writes to a closed slot and counts the ones in progress) and no write is in
+  progress. A one-sided transport (RDMA, Mooncake) sets `one_sided=True`: there a closed
+  slot is settled only by the sender's last frame, the connection closing, or the
+  quarantine deadline in `disagg.handoff`.
 
 What it does not know: sockets (`transfer.tcp`) or queues (`transfer.local`), whether
 the landed pages are right (`integrity.verify`), or what to do with an ending
@@ -109,12 +110,15 @@ class ReceiveSlot:
         self.bytes_received = 0
         self.first_frame_at: float | None = None
         self.complete_at: float | None = None
-        self.lock = threading.Lock()  # held while a page is written; closing takes it too
+        self.writing = 0  # page writes in progress (a transport thread is filling a destination page)
+        self.lock = threading.Lock()  # guards the fields above; never held while bytes are read
 
     @property
     def settled(self) -> bool:
         """No write of this transfer can land in `dest_pages` any more."""
-        return self.sender_final or self.link_closed or (self.closed and not self.one_sided)
+        if self.sender_final or self.link_closed:
+            return True
+        return self.closed and not self.one_sided and self.writing == 0
 
 
 class ReceiverCore:
@@ -160,7 +164,7 @@ class ReceiverCore:
         slot = self._slots.get(request_id)
         if slot is None:
             return
-        with slot.lock:  # waits for a page write in progress
+        with slot.lock:  # no page write starts after this; one in progress is counted in `writing`
             already = slot.closed
             slot.closed = True
             link = slot.link
@@ -239,7 +243,15 @@ class ReceiverCore:
                 p = self.faults.point("stale_page", rid)
                 stale = p is not None and p.page == index and self.faults.hit("stale_page", rid) is not None
             views = self.page_bytes.views(slot.dest_pages[index]) if accepting and inside and not stale else None
-            fill(views, nbytes)
+            if views is not None:
+                slot.writing += 1  # closing now cannot settle the slot until this write ends
+        try:
+            fill(views, nbytes)  # outside the lock: a stalled sender never blocks decode's abort()
+        finally:
+            with slot.lock:
+                if views is not None:
+                    slot.writing -= 1
+        with slot.lock:
             slot.bytes_received += nbytes
             if slot.closed:
                 return
