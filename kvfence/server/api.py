@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -188,6 +188,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return obj
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 _UNION_HINTS = {
     "prompt": "must be a non-empty string, a list of token ids, a list of strings or a list of token-id lists",
     "stop": "must be a non-empty string or a list of at most 16 non-empty strings",
@@ -200,7 +201,7 @@ def _validation_error(e: ValidationError) -> ApiError:
     loc = [str(x) for x in first["loc"]]
     top = loc[0] if loc else None
     # the path without pydantic's union-branch names ("str", "list[int]", ...)
-    param = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool"))
+    param = ".".join(x for x in loc if (x.isidentifier() or x.isdigit()) and x not in _TYPE_NAMES)
     if top in _UNION_HINTS and first["type"] not in ("missing",):
         message = f"{top}: {_UNION_HINTS[top]}"
     else:

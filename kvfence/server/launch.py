@@ -21,7 +21,9 @@ _GRACEFUL_SHUTDOWN_S = 3
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket on host:port (port 0 -> any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on accepted sockets of such a listener,
+    # and without it every small response waits ~40 ms for a delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
