@@ -14,6 +14,7 @@ engine resolves those), nor anything about HTTP, routing or transfers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfence.errors import CapacityConfigError, KvfenceError
 
@@ -128,3 +129,66 @@ def check_scheduler_fits(context_length: int, scheduler: SchedulerConfig) -> Non
             f"with chunked prefill off, max_num_batched_tokens {scheduler.max_num_batched_tokens} must be at least "
             f"the context length {context_length}; set --chunked-prefill-size or lower --context-length"
         )
+
+
+# --- command-line flags shared by every command that builds an engine ---------------------------------
+
+
+def add_engine_arguments(parser: Any) -> None:
+    """Add --model, --dtype, --page-size, --max-total-tokens, ... to an argparse parser."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="local Hugging Face model directory (default: the built-in tiny model, created on first use)",
+    )
+    g.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="weights and KV cache dtype")
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default: 16)")
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"KV pool capacity in tokens (default: max(context length, {DEFAULT_MIN_POOL_TOKENS}))",
+    )
+    g.add_argument("--context-length", type=int, default=None, metavar="N", help="serve at most N tokens per request")
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=512,
+        metavar="N",
+        help="longest prefill chunk in tokens; 0 turns chunking off (default: 512)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests per step (default: 64)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, metavar="N", help="tokens per step (default: 2048)"
+    )
+
+
+def engine_config_from_args(args: Any, model_dir: str, seed: int = 0) -> EngineConfig:
+    """An EngineConfig from the flags of `add_engine_arguments` (model_dir already resolved)."""
+    chunk = args.chunked_prefill_size
+    return EngineConfig(
+        model=ModelConfig(model_dir=model_dir, dtype=args.dtype, device=args.device),
+        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill_size=None if chunk == 0 else chunk,
+        ),
+        context_length=args.context_length,
+        seed=seed,
+    )
+
+
+def resolve_model_dir(model: str | None, log: Any = None) -> str:
+    """--model, or the built-in default model (built on first use, which `log` is told about)."""
+    if model is not None:
+        return model
+    from kvfence.models.default import default_model_dir, ensure_default_model
+
+    if log is not None and not (default_model_dir() / "config.json").is_file():
+        log(f"building the built-in default model in {default_model_dir()} (first use only)")
+    return str(ensure_default_model())

@@ -1,0 +1,207 @@
+"""`kvfence bench offline`: engine throughput against transformers, same model, same machine, same run.
+
+What it knows: how to make N requests of random prompt token ids (fixed lengths,
+greedy, ignore_eos so every request produces exactly --output-len tokens) and time
+them end to end through
+  - kvfence:        `LLMEngine.generate` (continuous batching over the paged pool);
+  - generate:       transformers `model.generate` on the same checkpoint, one padded
+                    batch of N (left padding; all prompts have the same length), or
+                    one request after another when N == 1;
+  - generate_batch: transformers continuous batching (`model.generate_batch`) with a
+                    KV cache sized for the workload;
+then print output and total (prompt + output) tokens per second, the ratio of ours
+to each baseline, and how many requests produced the same greedy tokens as ours.
+Each system first runs a small warm-up that is not timed.
+
+What it does not know: serving (see `bench serve`); these are offline numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
+from kvfence.errors import KvfenceError
+
+BASELINES = ("generate", "generate_batch")
+
+
+@dataclass
+class Result:
+    system: str
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    outputs: list[list[int]]
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def run_kvfence(engine: Any, prompts: list[list[int]], output_len: int) -> Result:
+    from kvfence.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    engine.generate([p[:8] for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    done = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    outs = [c.token_ids for c in done]
+    return Result("kvfence", dt, len(prompts), sum(map(len, prompts)), sum(map(len, outs)), outs)
+
+
+def _hf_model(model_dir: str, dtype: torch.dtype, attn: str) -> Any:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn)
+    return model.eval()
+
+
+def run_hf_generate(model: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> Result:
+    """transformers generate: one left-padded batch of N, or request by request when N == 1."""
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+    batch = torch.tensor(prompts)
+    with torch.inference_mode():
+        warm = {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4}
+        model.generate(batch[:2, :8], attention_mask=torch.ones_like(batch[:2, :8]), **warm)
+        t0 = time.perf_counter()
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)  # equal lengths: no padding
+        dt = time.perf_counter() - t0
+    outs = out[:, batch.shape[1] :].tolist()
+    return Result("transformers generate", dt, len(prompts), batch.numel(), sum(map(len, outs)), outs)
+
+
+def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> Result:
+    """transformers continuous batching, its KV cache sized for this workload (256-token blocks)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # CPU memory-probe chatter
+    block = 256
+    per_request = -(-(len(prompts[0]) + output_len) // block)
+    cb = ContinuousBatchingConfig(
+        page_size=block, num_blocks=len(prompts) * per_request + 4, max_batch_tokens=2048, use_cuda_graph=False
+    )
+    gc = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+    with torch.inference_mode():
+        warm = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+        model.generate_batch([p[:8] for p in prompts[:2]], generation_config=warm, continuous_batching_config=cb)
+        t0 = time.perf_counter()
+        res = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+        dt = time.perf_counter() - t0
+    outs = [list(r.generated_tokens) for r in res.values()]  # in input order
+    failed = [r.error for r in res.values() if r.error]
+    if failed or len(outs) != len(prompts):
+        raise KvfenceError(f"transformers generate_batch failed: {failed[:1] or 'missing results'}")
+    return Result("transformers generate_batch", dt, len(prompts), sum(map(len, prompts)), sum(map(len, outs)), outs)
+
+
+def format_table(results: list[Result], ours: Result) -> str:
+    rows = [("system", "requests", "seconds", "output tok/s", "total tok/s", "ours / this", "same tokens")]
+    for r in results:
+        same = sum(a == b for a, b in zip(r.outputs, ours.outputs, strict=True))
+        rows.append(
+            (
+                r.system,
+                str(r.num_requests),
+                f"{r.seconds:.2f}",
+                f"{r.output_tps:,.1f}",
+                f"{r.total_tps:,.1f}",
+                "-" if r is ours else f"{ours.output_tps / r.output_tps:.2f}x",
+                "-" if r is ours else f"{same}/{r.num_requests}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfence.engine.llm_engine import LLMEngine
+
+    for name, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len)):
+        if value <= 0:
+            raise KvfenceError(f"{name} must be positive, got {value}")
+    if args.output_len <= 0:
+        raise KvfenceError(f"--output-len must be positive, got {args.output_len}")
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise KvfenceError(f"unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)} (or none)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        print(f"kvfence: {msg}", file=sys.stderr, flush=True)
+
+    model_dir = resolve_model_dir(args.model, log)
+    engine = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
+    vocab = engine.vocab_size or 1000
+    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    n, i, o = args.num_prompts, args.input_len, args.output_len
+    print(
+        f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
+        f"model {model_dir}; torch threads {torch.get_num_threads()}"
+    )
+    log("running kvfence")
+    ours = run_kvfence(engine, prompts, o)
+    results = [ours]
+    del engine
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    pad_id = 0
+    if "generate" in baselines:
+        log("running transformers generate")
+        results.append(run_hf_generate(_hf_model(model_dir, dtype, "sdpa"), prompts, o, pad_id))
+    if "generate_batch" in baselines:
+        log("running transformers generate_batch")
+        results.append(run_hf_generate_batch(_hf_model(model_dir, dtype, "sdpa"), prompts, o, pad_id))
+    print(format_table(results, ours))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `offline` to the `kvfence bench` subcommands."""
+    p = subparsers.add_parser(
+        "offline",
+        help="offline generation throughput: kvfence vs transformers generate / generate_batch",
+        description="Run N random-token requests of fixed prompt and output lengths (greedy, ignore_eos) through "
+        "the kvfence engine and through transformers on the same model in the same run, and print tokens/s "
+        "with the ratio ours / baseline.",
+        epilog="example: kvfence bench offline --num-prompts 32 --input-len 128 --output-len 128",
+    )
+    p.add_argument("--num-prompts", type=int, default=32, metavar="N", help="requests (default: 32)")
+    p.add_argument("--input-len", type=int, default=128, metavar="L", help="prompt tokens each (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, metavar="L", help="output tokens each (default: 128)")
+    p.add_argument(
+        "--baselines",
+        default="generate,generate_batch",
+        metavar="LIST",
+        help="comma-separated: generate, generate_batch, or none (default: both)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
+    p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: torch's choice)")
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
