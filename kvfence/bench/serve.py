@@ -1,0 +1,978 @@
+"""`kvfence bench serve`: an online serving benchmark against OpenAI-compatible servers.
+
+What it knows: how to build a reproducible request list (random token-id prompts drawn
+from the server's vocabulary, or random words; fixed or uniform lengths; one seed), how
+to send it to each target at a Poisson request rate (or all at once) under an optional
+concurrency cap, streaming every request, and how to summarise what the client saw, with
+the metric definitions the SGLang / vLLM serving benchmarks use:
+
+  request throughput   completed requests / benchmark duration (first send -> last response)
+  input / output tok/s prompt tokens / generated tokens of completed requests, over that duration
+  TTFT                 send -> first token event
+  TPOT                 per request: (E2E - TTFT) / (output tokens - 1), requests with >= 2 tokens
+  ITL                  every gap between two successive token events, all requests pooled
+  E2E                  send -> end of the response
+  concurrency          sum of E2E / duration (average requests in flight)
+
+It prints one table with a column per target and the ratio of each target to the first
+(the baseline) measured in the same run, and can write JSON and a PNG of latency CDFs.
+It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`) on free
+loopback ports, one at a time so two servers never compete for the CPUs, using whatever
+modes `kvfence serve --help` offers at run time, and says which it skipped and why.
+
+What it does not know: the server's internals; everything here is measured from the
+client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvfence.bench.client import RequestResult, ServerFacts, check_target, read_server_facts, send_completion
+
+MAX_PROMPTS = 5000  # hard cap on requests per target
+MAX_DURATION_S = 3600.0  # hard cap on one target's run
+LAUNCH_KINDS = ("agg", "disagg", "disagg-noverify")
+
+# ---- what to send ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A token count: fixed ("128") or uniform over an inclusive range ("64:256")."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.low <= self.high, (self.low, self.high)
+
+    @classmethod
+    def parse(cls, text: str) -> LengthSpec:
+        try:
+            lo, _, hi = text.partition(":")
+            spec = cls(int(lo), int(hi) if hi else int(lo))
+        except (ValueError, AssertionError):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a length N or a range LOW:HIGH, 1 <= LOW <= HIGH"
+            ) from None
+        return spec
+
+    def sample(self, rng: random.Random) -> int:
+        return self.low if self.low == self.high else rng.randint(self.low, self.high)
+
+    def __str__(self) -> str:
+        return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int] | str  # token ids (exact length) or text (length known only from usage)
+    prompt_len: int  # tokens for id prompts; words for text prompts
+    output_len: int
+
+
+# A fixed word list for text prompts: common English words, so a BPE tokenizer gives about one token each.
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country problem "
+    "hand part place case week company system program question work government number night point home water room "
+    "mother area money story fact month lot right study book eye job word business issue side kind head house "
+    "service friend father power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war history party result "
+    "change morning reason research girl guy moment air teacher force education foot boy age policy process music "
+    "market sense nation plan college interest death experience effect use class control care field development "
+    "role effort rate heart drug show leader light voice wife police mind price report decision son view "
+    "relationship town road arm difference value building action model season society tax director position "
+    "player record paper space ground form event official matter center couple site project activity star table "
+    "need court oil situation cost industry figure street image phone data picture practice piece land product"
+).split()
+
+
+def special_token_ids(tokenizer_dir: str | os.PathLike[str] | None) -> frozenset[int]:
+    """Ids of the added/special tokens of a local tokenizer.json (empty when there is none to read)."""
+    if tokenizer_dir is None:
+        return frozenset()
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        return frozenset()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset(int(t["id"]) for t in data.get("added_tokens", []) if t.get("special", True))
+
+
+def vocab_size_of(model_dir: str | os.PathLike[str] | None) -> int | None:
+    """vocab_size from a local model's config.json (None when there is no such file or field)."""
+    if model_dir is None:
+        return None
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def build_requests(
+    num_prompts: int,
+    input_len: LengthSpec,
+    output_len: LengthSpec,
+    *,
+    seed: int,
+    vocab_size: int | None,
+    dataset: str = "random-ids",
+    exclude_ids: frozenset[int] = frozenset(),
+) -> list[BenchRequest]:
+    """The same list for every target of a run: lengths and contents depend only on the arguments."""
+    assert 1 <= num_prompts <= MAX_PROMPTS, num_prompts
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        n_in, n_out = input_len.sample(rng), output_len.sample(rng)
+        if dataset == "random-ids":
+            assert vocab_size and vocab_size > len(exclude_ids), "random-ids prompts need the vocabulary size"
+            ids: list[int] = []
+            while len(ids) < n_in:
+                t = rng.randrange(vocab_size)
+                if t not in exclude_ids:
+                    ids.append(t)
+            out.append(BenchRequest(ids, n_in, n_out))
+        elif dataset == "random-words":
+            out.append(BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(n_in)), n_in, n_out))
+        else:
+            raise ValueError(f"unknown dataset {dataset!r}")
+    return out
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (seconds after the start): a Poisson process at `request_rate` req/s, all 0 for inf."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed ^ 0x5EED)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
+# ---- targets: given URLs or servers we start ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeCapabilities:
+    """What `kvfence serve --help` offers in this build (found at run time, never assumed)."""
+
+    available: bool
+    reason: str  # why not, when not available
+    options: frozenset[str] = frozenset()
+    disagg_args: tuple[str, ...] | None = None  # flags that switch `kvfence serve` to disaggregated mode
+    noverify_args: tuple[str, ...] | None = None  # flags that switch KV verification off
+
+
+def detect_serve(python: str = sys.executable) -> ServeCapabilities:
+    try:
+        proc = subprocess.run([python, "-m", "kvfence", "serve", "--help"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return ServeCapabilities(False, f"`kvfence serve --help` did not run: {e}")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return ServeCapabilities(False, f"this build has no `kvfence serve` ({last})")
+    text = proc.stdout
+    options = frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", text))
+    disagg: tuple[str, ...] | None = None
+    for flag in ("--disagg", "--disaggregated", "--pd"):
+        if flag in options:
+            disagg = (flag,)
+            break
+    if disagg is None:
+        for flag in ("--mode", "--serving-mode", "--deployment"):
+            m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", text)
+            if m:
+                choice = next((c for c in m.group(1).split(",") if "disagg" in c or c.strip() == "pd"), None)
+                if choice:
+                    disagg = (flag, choice.strip())
+                    break
+    noverify = next((o for o in sorted(options) if re.fullmatch(r"--(no|disable|skip)-verif\w*", o)), None)
+    return ServeCapabilities(True, "", options, disagg, (noverify,) if noverify else None)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """pid and every live descendant (read from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def rss_bytes(pids: Sequence[int]) -> int | None:
+    """Sum of VmRSS over `pids` and their descendants, from /proc/<pid>/status; None when unreadable."""
+    total, seen = 0, False
+    for root in pids:
+        for pid in _descendants(root):
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        seen = True
+                        break
+            except (OSError, ValueError):
+                continue
+    return total if seen else None
+
+
+class Unavailable(Exception):
+    """This build cannot launch the requested deployment kind; the message says why."""
+
+
+@dataclass
+class LaunchedServer:
+    """A kvfence deployment this tool started: its URL, its processes, and the log they write."""
+
+    label: str
+    kind: str
+    url: str
+    how: str  # the command line or launcher used, for the report
+    procs: list[subprocess.Popen[bytes]]
+    log_path: Path
+    _launcher: Any = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self._launcher is not None:
+            self._launcher.stop(grace_s)
+            return
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                p.wait(timeout=5)
+
+    def __enter__(self) -> LaunchedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_ready(server: LaunchedServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = [p for p in server.procs if p.poll() is not None]
+        if dead:
+            server.stop()
+            raise RuntimeError(
+                f"{server.label}: server exited with code {dead[0].returncode} before it was ready\n"
+                f"--- {server.log_path} ---\n{server.log_tail()}"
+            )
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"{server.label}: {server.url}/health not ready within {timeout:.0f} s\n{server.log_tail()}")
+
+
+def launch_server(
+    kind: str,
+    *,
+    label: str | None = None,
+    model: str | None = None,
+    server_args: Sequence[str] = (),
+    caps: ServeCapabilities | None = None,
+    host: str = "127.0.0.1",
+    ready_timeout_s: float = 300.0,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> LaunchedServer:
+    """Start one kvfence deployment of `kind` (agg / disagg / disagg-noverify) on a free loopback port.
+
+    Raises `Unavailable` when this build cannot serve that kind (with the reason), and
+    RuntimeError when the server starts but dies or never answers /health.
+    """
+    assert kind in LAUNCH_KINDS, kind
+    caps = caps or detect_serve()
+    label = label or kind
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-"))
+    log_path = log_dir / f"{label}.log"
+    model_args = ["--model", str(model)] if model else []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(log_path, "wb")  # noqa: SIM115 - the children write to it until stop()
+    try:
+        if kind == "agg" or caps.disagg_args is not None:
+            if not caps.available:
+                raise Unavailable(caps.reason)
+            extra: list[str] = []
+            if kind != "agg":
+                extra += list(caps.disagg_args or ())
+            if kind == "disagg-noverify":
+                if caps.noverify_args is None:
+                    raise Unavailable("`kvfence serve --help` shows no flag that switches KV verification off")
+                extra += list(caps.noverify_args)
+            port = _free_port(host)
+            cmd = [sys.executable, "-m", "kvfence", "serve", *model_args, "--host", host, "--port", str(port)]
+            cmd += [*extra, *server_args]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            server = LaunchedServer(label, kind, f"http://{host}:{port}", shlex.join(cmd[1:]), [proc], log_path)
+        else:
+            server = _launch_disagg_workers(kind, label, host, model_args, server_args, log, log_path, caps)
+    finally:
+        log.close()
+    _wait_ready(server, ready_timeout_s)
+    return server
+
+
+def _launch_disagg_workers(
+    kind: str,
+    label: str,
+    host: str,
+    model_args: list[str],
+    server_args: Sequence[str],
+    log: Any,
+    log_path: Path,
+    caps: ServeCapabilities,
+) -> LaunchedServer:
+    """Disaggregated mode through kvfence.disagg.launcher when `kvfence serve` has no flag for it."""
+    try:
+        from kvfence.disagg.launcher import LaunchConfig, Launcher
+    except ImportError as e:
+        why = caps.reason or "`kvfence serve --help` shows no disaggregated mode"
+        raise Unavailable(f"{why}, and kvfence.disagg.launcher is not importable ({e})") from None
+    decode_args: tuple[str, ...] = ()
+    if kind == "disagg-noverify":
+        decode_args = ("--no-verify",)
+    config = LaunchConfig(host=host, common_args=(*model_args, *server_args), decode_args=decode_args)
+    launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
+    how = "kvfence.disagg.launcher: " + " | ".join(
+        shlex.join(launcher.command(r)[1:]) for r in ("router", "prefill", "decode")
+    )
+    launcher.start()
+    procs = [launcher.procs[r] for r in ("router", "prefill", "decode")]
+    return LaunchedServer(label, kind, launcher.base_url, how, procs, log_path, _launcher=launcher)
+
+
+# ---- running one target --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    input_len: LengthSpec = LengthSpec(32, 32)
+    output_len: LengthSpec = LengthSpec(32, 32)
+    dataset: str = "random-ids"
+    seed: int = 0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    max_duration_s: float = 300.0
+    request_timeout_s: float = 300.0
+    warmup: int = 2
+    model: str | None = None  # served model name; else the first of /v1/models
+    tokenizer_dir: str | None = None  # for the special ids random prompts leave out
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.num_prompts <= MAX_PROMPTS, f"--num-prompts must be in [1, {MAX_PROMPTS}]"
+        assert 0 < self.max_duration_s <= MAX_DURATION_S, f"--max-duration must be in (0, {MAX_DURATION_S:.0f}]"
+        assert self.request_rate > 0, "--request-rate must be > 0 (inf = all at once)"
+        assert self.max_concurrency is None or self.max_concurrency >= 1
+        assert self.dataset in ("random-ids", "random-words"), self.dataset
+
+
+@dataclass
+class TargetRun:
+    label: str
+    url: str
+    kind: str  # "url", "agg", "disagg", ...
+    how: str = ""
+    eos_mode: str = "none"  # "ignore_eos" | "min_tokens" | "none": how output lengths were forced
+    results: list[RequestResult] = field(default_factory=list)
+    not_sent: int = 0  # stopped by --max-duration before their send time
+    cancelled: int = 0  # in flight when --max-duration ran out
+    duration_s: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _body(cfg: BenchConfig, model: str, req: BenchRequest, eos_mode: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if eos_mode == "ignore_eos":
+        body["ignore_eos"] = True
+    elif eos_mode == "min_tokens":
+        body["min_tokens"] = req.output_len
+    return body
+
+
+def _rejects_field(r: RequestResult, name: str) -> bool:
+    return r.status == 400 and (name in r.error_message or r.error_code in ("unsupported_value", "invalid_value"))
+
+
+async def _warmup(
+    client: httpx.AsyncClient, url: str, cfg: BenchConfig, model: str, req: BenchRequest
+) -> tuple[str, list[RequestResult]]:
+    """Send the warm-up requests and find how to force output lengths: ignore_eos, min_tokens, or neither."""
+    modes = ["ignore_eos", "min_tokens", "none"] if cfg.ignore_eos else ["none"]
+    results: list[RequestResult] = []
+    mode = "none"
+    for mode in modes:
+        r = await send_completion(client, url, _body(cfg, model, req, mode), kind="warmup", prompt_len=req.prompt_len)
+        results.append(r)
+        if not (mode != "none" and _rejects_field(r, mode)):
+            break
+    for _ in range(max(0, cfg.warmup - 1)):
+        results.append(
+            await send_completion(client, url, _body(cfg, model, req, mode), kind="warmup", prompt_len=req.prompt_len)
+        )
+    return mode, results
+
+
+async def run_target(
+    label: str, url: str, requests: list[BenchRequest], cfg: BenchConfig, model: str, kind: str = "url"
+) -> TargetRun:
+    """Send `requests` to one target at the configured rate and concurrency; summarise what came back."""
+    run = TargetRun(label, url, kind)
+    n_conn = min(cfg.max_concurrency or len(requests), len(requests), 1024)
+    limits = httpx.Limits(max_connections=n_conn + 4, max_keepalive_connections=n_conn + 4)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        run.eos_mode, warm = await _warmup(client, url, cfg, model, requests[0])
+        if not any(r.ok for r in warm):
+            bad = warm[-1]
+            raise RuntimeError(
+                f"{label}: warm-up failed ({bad.status} {bad.error_code}: {bad.error_message}); not benchmarking"
+            )
+        offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.seed)
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        results: list[RequestResult | None] = [None] * len(requests)
+        last_end = [0.0]
+
+        async def one(i: int, req: BenchRequest) -> None:
+            body = _body(cfg, model, req, run.eos_mode)
+            if sem is None:
+                r = await send_completion(client, url, body, kind="bench", prompt_len=req.prompt_len)
+            else:
+                async with sem:
+                    r = await send_completion(client, url, body, kind="bench", prompt_len=req.prompt_len)
+            results[i] = r
+            last_end[0] = max(last_end[0], time.perf_counter())
+
+        start = time.perf_counter()
+        deadline = start + cfg.max_duration_s
+        tasks: list[asyncio.Task[None]] = []
+        for i, (req, offset) in enumerate(zip(requests, offsets, strict=True)):
+            if start + offset >= deadline:
+                run.not_sent = len(requests) - i
+                break
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, req)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            run.cancelled = len(pending)
+        run.results = [r for r in results if r is not None]
+        run.duration_s = max(last_end[0], start) - start
+    run.summary = summarize(run)
+    return run
+
+
+# ---- numbers ---------------------------------------------------------------------------------------------------
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None, "std": None}
+    a = np.asarray(values, dtype=np.float64) * 1e3
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "std": float(a.std()),
+    }
+
+
+def _error_key(r: RequestResult) -> str:
+    if r.status is None:
+        return r.error_code or "no_response"
+    if r.status == 200:
+        return f"200/{r.error_code or 'incomplete_stream'}"
+    return f"{r.status}/{r.error_code}" if r.error_code else str(r.status)
+
+
+def summarize(run: TargetRun) -> dict[str, Any]:
+    ok = [r for r in run.results if r.ok]
+    failed = [r for r in run.results if not r.ok]
+    duration = run.duration_s
+    input_tokens = sum(r.prompt_tokens_reported if r.prompt_tokens_reported is not None else r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    e2e = [r.latency for r in ok if r.latency is not None]
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    return {
+        "sent": len(run.results),
+        "completed": len(ok),
+        "failed": len(failed),
+        "not_sent": run.not_sent,
+        "cancelled": run.cancelled,
+        "errors": dict(Counter(_error_key(r) for r in failed)),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "output_len_as_requested": sum(1 for r in ok if r.output_tokens == r.max_tokens),
+        "request_throughput": per_s(len(ok)),
+        "input_throughput": per_s(input_tokens),
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+        "concurrency": per_s(sum(e2e)),
+        "ttft_ms": _stats_ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _stats_ms([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _stats_ms([g for r in ok for g in r.itl]),
+        "e2e_ms": _stats_ms(e2e),
+        "integrity": dict(Counter(r.integrity_status for r in run.results if r.integrity is not None)),
+    }
+
+
+# (row title, path into the summary, format, higher is better)
+_ROWS: list[tuple[str, tuple[str, ...], str, bool]] = [
+    ("completed / sent", (), "", True),
+    ("duration (s)", ("duration_s",), "{:.2f}", False),
+    ("request throughput (req/s)", ("request_throughput",), "{:.2f}", True),
+    ("input throughput (tok/s)", ("input_throughput",), "{:.1f}", True),
+    ("output throughput (tok/s)", ("output_throughput",), "{:.1f}", True),
+    ("total throughput (tok/s)", ("total_token_throughput",), "{:.1f}", True),
+    ("mean concurrency", ("concurrency",), "{:.2f}", True),
+]
+for _metric, _title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+    for _stat in ("mean", "median", "p90", "p99"):
+        _ROWS.append((f"{_title} {_stat} (ms)", (_metric, _stat), "{:.1f}", False))
+
+
+def _lookup(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    v: Any = summary
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+    return v
+
+
+def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+    """other / baseline for every numeric row of the table (None where either side has no number)."""
+    out: dict[str, float | None] = {}
+    for title, path, _, _ in _ROWS:
+        if not path:
+            continue
+        a, b = _lookup(base, path), _lookup(other, path)
+        out[title] = (b / a) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+    return out
+
+
+def format_table(runs: Sequence[TargetRun], skipped: Sequence[tuple[str, str]] = ()) -> str:
+    """One row per metric, one column per target, then one `target/baseline` ratio column per other target."""
+    if not runs:
+        lines = ["no target was benchmarked"]
+    else:
+        base = runs[0]
+        heads = [r.label for r in runs] + [f"{r.label}/{base.label}" for r in runs[1:]]
+        rows: list[list[str]] = []
+        for title, path, fmt, _ in _ROWS:
+            if not path:
+                cells = [f"{r.summary['completed']}/{r.summary['sent'] + r.summary['not_sent']}" for r in runs]
+                rows.append([title, *cells, *["" for _ in runs[1:]]])
+                continue
+            cells = []
+            for r in runs:
+                v = _lookup(r.summary, path)
+                cells.append("-" if v is None else fmt.format(v))
+            for r in runs[1:]:
+                q = ratios(base.summary, r.summary)[title]
+                cells.append("-" if q is None else f"{q:.2f}x")
+            rows.append([title, *cells])
+        width0 = max(len(r[0]) for r in rows)
+        widths = [max(len(h), *(len(row[i + 1]) for row in rows)) for i, h in enumerate(heads)]
+        lines = []
+        for r in runs:
+            s = r.summary
+            errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"
+            integ = ", ".join(f"{k}: {v}" for k, v in sorted(s["integrity"].items())) or "no records"
+            lines.append(f"[{r.label}] {r.url}  {r.how}".rstrip())
+            lines.append(
+                f"    output lengths forced by: {r.eos_mode}; as requested: {s['output_len_as_requested']}/"
+                f"{s['completed']}; errors: {errors}; integrity: {integ}"
+            )
+        lines.append("")
+        lines.append("  ".join([f"{'metric':<{width0}}", *(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))]))
+        lines.append("-" * (width0 + sum(w + 2 for w in widths)))
+        for row in rows:
+            cells = (f"{c:>{w}}" for c, w in zip(row[1:], widths, strict=True))
+            lines.append("  ".join([f"{row[0]:<{width0}}", *cells]))
+    for label, reason in skipped:
+        lines.append(f"skipped {label}: {reason}")
+    return "\n".join(lines)
+
+
+def to_json(cfg: BenchConfig, runs: Sequence[TargetRun], skipped: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    base = runs[0].summary if runs else None
+    return {
+        "tool": "kvfence bench serve",
+        "config": {
+            "num_prompts": cfg.num_prompts,
+            "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+            "max_concurrency": cfg.max_concurrency,
+            "input_len": str(cfg.input_len),
+            "output_len": str(cfg.output_len),
+            "dataset": cfg.dataset,
+            "seed": cfg.seed,
+            "temperature": cfg.temperature,
+            "ignore_eos": cfg.ignore_eos,
+        },
+        "baseline": runs[0].label if runs else None,
+        "targets": [
+            {
+                "label": r.label,
+                "url": r.url,
+                "kind": r.kind,
+                "how": r.how,
+                "eos_mode": r.eos_mode,
+                "summary": r.summary,
+                "ratios_vs_baseline": ratios(base, r.summary) if base is not None else {},
+                "requests": [x.to_dict() for x in r.results],
+            }
+            for r in runs
+        ],
+        "skipped": [{"label": label, "reason": reason} for label, reason in skipped],
+    }
+
+
+def write_plot(runs: Sequence[TargetRun], path: str | os.PathLike[str]) -> None:
+    """PNG: CDFs of TTFT, ITL and E2E latency per target, and bars of output / request throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [
+        (axes[0][0], "TTFT (ms)", lambda r: [x.ttft for x in r.results if x.ok and x.ttft is not None]),
+        (axes[0][1], "ITL (ms)", lambda r: [g for x in r.results if x.ok for g in x.itl]),
+        (axes[1][0], "E2E latency (ms)", lambda r: [x.latency for x in r.results if x.ok and x.latency is not None]),
+    ]
+    for ax, title, values in panels:
+        for r in runs:
+            v = np.sort(np.asarray(values(r), dtype=np.float64) * 1e3)
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=r.label)
+        ax.set_xlabel(title)
+        ax.set_ylabel("fraction of requests" if "ITL" not in title else "fraction of gaps")
+        ax.set_title(f"{title.split(' (')[0]} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax = axes[1][1]
+    x = np.arange(len(runs))
+    out_tp = [r.summary["output_throughput"] for r in runs]
+    req_tp = [r.summary["request_throughput"] for r in runs]
+    ax.bar(x - 0.2, out_tp, 0.4, label="output tok/s")
+    ax2 = ax.twinx()
+    ax2.bar(x + 0.2, req_tp, 0.4, color="tab:orange", label="req/s")
+    ax.set_xticks(x, [r.label for r in runs])
+    ax.set_ylabel("output tokens / s")
+    ax2.set_ylabel("requests / s")
+    ax.set_title("throughput")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper right")
+    fig.suptitle("kvfence bench serve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- the whole run ---------------------------------------------------------------------------------------------
+
+
+def _parse_url_arg(text: str, i: int) -> tuple[str, str]:
+    label, sep, url = text.partition("=")
+    if sep and not label.startswith(("http:", "https:")) and "/" not in label:
+        return label, url
+    return f"url{i}", text
+
+
+def run_bench(
+    cfg: BenchConfig,
+    urls: Sequence[tuple[str, str]] = (),
+    launch: Sequence[str] = (),
+    *,
+    model_dir: str | None = None,
+    server_args: Sequence[str] = (),
+    ready_timeout_s: float = 300.0,
+    log: Any = None,
+) -> tuple[list[TargetRun], list[tuple[str, str]]]:
+    """Benchmark every given URL, then every kind in `launch` (started and stopped one at a time).
+
+    Returns the runs (the first is the baseline) and the (label, reason) of targets skipped.
+    """
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    targets: list[tuple[str, str | None, str]] = [
+        (label, check_target(url, cfg.allow_remote), "url") for label, url in urls
+    ]
+    targets += [(kind, None, kind) for kind in launch]
+    runs: list[TargetRun] = []
+    skipped: list[tuple[str, str]] = []
+    requests: list[BenchRequest] | None = None
+    model = cfg.model
+    caps = detect_serve() if launch else None
+    tokenizer_dir = cfg.tokenizer_dir or model_dir
+    for label, url, kind in targets:
+        server: LaunchedServer | None = None
+        try:
+            if url is None:
+                say(f"[{label}] starting a kvfence {kind} deployment ...")
+                try:
+                    server = launch_server(
+                        kind, model=model_dir, server_args=server_args, caps=caps, ready_timeout_s=ready_timeout_s
+                    )
+                except Unavailable as e:
+                    skipped.append((label, str(e)))
+                    say(f"[{label}] skipped: {e}")
+                    continue
+                url = server.url
+            facts = asyncio.run(_facts(url, model))
+            model = facts.model
+            if requests is None:
+                requests = _requests_for(cfg, facts, tokenizer_dir, say)
+            say(f"[{label}] {len(requests)} requests to {url} (model {model}) ...")
+            run = asyncio.run(run_target(label, url, requests, cfg, model, kind))
+            run.how = server.how if server is not None else ""
+            runs.append(run)
+        except (RuntimeError, httpx.HTTPError, ValueError) as e:
+            skipped.append((label, f"failed: {e}".splitlines()[0]))
+            say(f"[{label}] failed: {e}")
+        finally:
+            if server is not None:
+                server.stop()
+    return runs, skipped
+
+
+async def _facts(url: str, model: str | None) -> ServerFacts:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        return await read_server_facts(client, url, model)
+
+
+def _requests_for(cfg: BenchConfig, facts: ServerFacts, tokenizer_dir: str | None, say: Any) -> list[BenchRequest]:
+    dataset = cfg.dataset
+    vocab = facts.vocab_size or vocab_size_of(tokenizer_dir)
+    if dataset == "random-ids" and not vocab:
+        say("the server does not report its vocabulary size (/server_info api.vocab_size) and no --tokenizer/--model")
+        say("directory gives one; using random words")
+        dataset = "random-words"
+    limit = facts.max_request_tokens or facts.context_length
+    if limit and dataset == "random-ids" and cfg.input_len.high + cfg.output_len.high > limit:
+        raise ValueError(
+            f"--input-len {cfg.input_len} + --output-len {cfg.output_len} can exceed the server's limit of "
+            f"{limit} tokens per request"
+        )
+    return build_requests(
+        cfg.num_prompts,
+        cfg.input_len,
+        cfg.output_len,
+        seed=cfg.seed,
+        vocab_size=vocab,
+        dataset=dataset,
+        exclude_ids=special_token_ids(tokenizer_dir),
+    )
+
+
+# ---- command line --------------------------------------------------------------------------------------------
+
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError("--request-rate must be > 0 (or inf)")
+    return v
+
+
+def _launch_list(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in LAUNCH_KINDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown kind(s) {bad}; choose from {', '.join(LAUNCH_KINDS)}")
+    return kinds
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", action="append", default=[], metavar="[LABEL=]URL", help="target base URL (repeatable)")
+    p.add_argument(
+        "--launch",
+        type=_launch_list,
+        default=[],
+        metavar="KINDS",
+        help=f"start kvfence servers one at a time on free loopback ports: comma list of {', '.join(LAUNCH_KINDS)}",
+    )
+    p.add_argument("--model", dest="model_dir", help="model directory for --launch (default: the server's default)")
+    p.add_argument("--server-args", default="", help="extra arguments for every launched server (one quoted string)")
+    p.add_argument("--launch-timeout", type=float, default=300.0, help="seconds a launched server may take to start")
+    p.add_argument("--model-name", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--tokenizer", help="tokenizer directory, to keep special tokens out of random prompts")
+    p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
+    p.add_argument(
+        "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second; inf = all at once"
+    )
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no cap)")
+    p.add_argument("--input-len", type=LengthSpec.parse, default=LengthSpec(32, 32), help="N or LOW:HIGH tokens")
+    p.add_argument("--output-len", type=LengthSpec.parse, default=LengthSpec(32, 32), help="N or LOW:HIGH tokens")
+    p.add_argument("--dataset", choices=["random-ids", "random-words"], default="random-ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured")
+    p.add_argument("--max-duration", type=float, default=300.0, help=f"seconds per target (max {MAX_DURATION_S:.0f})")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results (every request) as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="write latency CDFs and throughput bars (matplotlib)")
+    p.add_argument(
+        "--i-am-authorised",
+        "--i-am-authorized",
+        dest="allow_remote",
+        action="store_true",
+        help="allow a non-loopback target you are authorised to load",
+    )
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvfence.errors import KvfenceError
+
+    if not args.url and not args.launch:
+        raise KvfenceError("give at least one --url or --launch")
+    try:
+        cfg = BenchConfig(
+            num_prompts=args.num_prompts,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            dataset=args.dataset,
+            seed=args.seed,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            max_duration_s=args.max_duration,
+            request_timeout_s=args.request_timeout,
+            warmup=max(1, args.warmup),
+            model=args.model_name,
+            tokenizer_dir=args.tokenizer,
+            allow_remote=args.allow_remote,
+        )
+        urls = [_parse_url_arg(u, i) for i, u in enumerate(args.url)]
+        for _, u in urls:
+            check_target(u, args.allow_remote)
+    except (AssertionError, ValueError) as e:
+        raise KvfenceError(str(e)) from None
+    runs, skipped = run_bench(
+        cfg,
+        urls,
+        args.launch,
+        model_dir=args.model_dir,
+        server_args=shlex.split(args.server_args),
+        ready_timeout_s=args.launch_timeout,
+    )
+    print(format_table(runs, skipped))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(to_json(cfg, runs, skipped), indent=1), encoding="utf-8")
+    if args.plot and runs:
+        write_plot(runs, args.plot)
+    if not runs:
+        return 2
+    return 1 if any(r.summary["failed"] or r.summary["cancelled"] for r in runs) else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `serve` (and `soak`, when not there yet) to the `kvfence bench` subcommands."""
+    if "serve" not in subparsers.choices:
+        p = subparsers.add_parser(
+            "serve",
+            help="online serving benchmark: TTFT / TPOT / ITL / throughput against OpenAI-compatible servers",
+            description="Stream a reproducible set of requests to each target (--url, or servers started with "
+            "--launch) at a Poisson rate and report request/token throughput, TTFT, TPOT, ITL and E2E latency "
+            "(mean/median/p90/p99), errors by status, and each target's ratio to the first. Loopback only unless "
+            "--i-am-authorised. Exit code 0 when every request completed, 1 when some failed, 2 when nothing ran.",
+        )
+        add_arguments(p)
+    from kvfence.bench import soak
+
+    soak.register(subparsers)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m kvfence.bench.serve")
+    add_arguments(parser)
+    raise SystemExit(parser.parse_args().func(parser.parse_args()))
