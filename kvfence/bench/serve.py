@@ -144,10 +144,10 @@ def build_requests(
 ) -> list[BenchRequest]:
     """The same list for every target of a run: lengths and contents depend only on the arguments."""
     assert 1 <= num_prompts <= MAX_PROMPTS, num_prompts
-    rng = random.Random(seed)
+    lengths, rng = random.Random(seed), random.Random(seed + 1)  # lengths do not depend on the contents
     out = []
     for _ in range(num_prompts):
-        n_in, n_out = input_len.sample(rng), output_len.sample(rng)
+        n_in, n_out = input_len.sample(lengths), output_len.sample(lengths)
         if dataset == "random-ids":
             assert vocab_size and vocab_size > len(exclude_ids), "random-ids prompts need the vocabulary size"
             ids: list[int] = []
@@ -189,14 +189,39 @@ class ServeCapabilities:
     noverify_args: tuple[str, ...] | None = None  # flags that switch KV verification off
 
 
+# `kvfence serve ARGS` through its own module, so a half-written sibling subcommand cannot break it.
+_SERVE_ENTRY = (
+    "import argparse, sys\n"
+    "from kvfence.commands import serve\n"
+    "from kvfence.errors import KvfenceError\n"
+    "parser = argparse.ArgumentParser(prog='kvfence')\n"
+    "serve.register(parser.add_subparsers(dest='command'))\n"
+    "args = parser.parse_args(['serve', *sys.argv[1:]])\n"
+    "try:\n"
+    "    sys.exit(int(args.func(args) or 0))\n"
+    "except KvfenceError as e:\n"
+    "    print(f'kvfence: error: {e}', file=sys.stderr)\n"
+    "    sys.exit(2)\n"
+)
+
+
+def serve_command(python: str = sys.executable) -> list[str]:
+    """The argv prefix that runs `kvfence serve` (what `python -m kvfence serve` runs)."""
+    return [python, "-c", _SERVE_ENTRY]
+
+
 def detect_serve(python: str = sys.executable) -> ServeCapabilities:
+    import importlib.util
+
+    if importlib.util.find_spec("kvfence.commands.serve") is None:
+        return ServeCapabilities(False, "this build has no `kvfence serve` (no kvfence.commands.serve module)")
     try:
-        proc = subprocess.run([python, "-m", "kvfence", "serve", "--help"], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([*serve_command(python), "--help"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return ServeCapabilities(False, f"`kvfence serve --help` did not run: {e}")
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return ServeCapabilities(False, f"this build has no `kvfence serve` ({last})")
+        return ServeCapabilities(False, f"`kvfence serve --help` failed ({last})")
     text = proc.stdout
     options = frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", text))
     disagg: tuple[str, ...] | None = None
@@ -368,10 +393,12 @@ def launch_server(
                     raise Unavailable("`kvfence serve --help` shows no flag that switches KV verification off")
                 extra += list(caps.noverify_args)
             port = _free_port(host)
-            cmd = [sys.executable, "-m", "kvfence", "serve", *model_args, "--host", host, "--port", str(port)]
-            cmd += [*extra, *server_args]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            server = LaunchedServer(label, kind, f"http://{host}:{port}", shlex.join(cmd[1:]), [proc], log_path)
+            args = [*model_args, "--host", host, "--port", str(port), *extra, *server_args]
+            proc = subprocess.Popen(
+                [*serve_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            how = "kvfence serve " + shlex.join(args)
+            server = LaunchedServer(label, kind, f"http://{host}:{port}", how, [proc], log_path)
         else:
             server = _launch_disagg_workers(kind, label, host, model_args, server_args, log, log_path, caps)
     finally:

@@ -1,0 +1,158 @@
+"""`kvfence bench serve`: request building, metric arithmetic, and a short real run against a launched server."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfence.bench import serve as bs
+from kvfence.bench.client import RequestResult, check_target
+
+# ---- no server -------------------------------------------------------------------------------------------------
+
+
+def test_length_spec_parses_fixed_and_ranges_and_refuses_nonsense() -> None:
+    assert bs.LengthSpec.parse("128") == bs.LengthSpec(128, 128)
+    spec = bs.LengthSpec.parse("4:9")
+    rng = random.Random(0)
+    draws = {spec.sample(rng) for _ in range(500)}
+    assert draws == set(range(4, 10))
+    for bad in ("0", "9:4", "x", "-3"):
+        with pytest.raises(Exception, match="LOW:HIGH"):
+            bs.LengthSpec.parse(bad)
+
+
+def test_requests_are_reproducible_exact_length_and_skip_special_ids() -> None:
+    kw = dict(seed=7, vocab_size=50, exclude_ids=frozenset(range(10)))
+    a = bs.build_requests(30, bs.LengthSpec(5, 20), bs.LengthSpec(3, 6), **kw)
+    b = bs.build_requests(30, bs.LengthSpec(5, 20), bs.LengthSpec(3, 6), **kw)
+    assert [(r.prompt, r.output_len) for r in a] == [(r.prompt, r.output_len) for r in b]
+    assert all(len(r.prompt) == r.prompt_len and 5 <= r.prompt_len <= 20 for r in a)
+    assert all(10 <= t < 50 for r in a for t in r.prompt)
+    words = bs.build_requests(
+        3, bs.LengthSpec(6, 6), bs.LengthSpec(1, 1), seed=0, vocab_size=None, dataset="random-words"
+    )
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 6 for r in words)
+
+
+def test_poisson_arrivals_have_the_requested_rate_and_inf_sends_at_once() -> None:
+    assert bs.arrival_offsets(5, math.inf, 0) == [0.0] * 5
+    t = bs.arrival_offsets(4000, 20.0, 1)
+    assert t == sorted(t) and t[0] == 0.0
+    mean_gap = t[-1] / (len(t) - 1)
+    assert 0.045 < mean_gap < 0.055  # 1 / 20 req/s
+
+
+def test_summary_follows_the_serving_benchmark_definitions() -> None:
+    def result(ttft: float, latency: float, n: int) -> RequestResult:
+        r = RequestResult(kind="bench", prompt_len=10, max_tokens=n, status=200, output_tokens=n, completed_stream=True)
+        r.ttft, r.latency = ttft, latency
+        r.itl = [(latency - ttft) / (n - 1)] * (n - 1)
+        return r
+
+    failed = RequestResult(kind="bench", prompt_len=10, max_tokens=4, status=400, error_code="context_length_exceeded")
+    run = bs.TargetRun("a", "http://127.0.0.1:1", "url", duration_s=2.0)
+    run.results = [result(0.1, 0.5, 5), result(0.3, 1.3, 11), failed]
+    s = bs.summarize(run)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["errors"] == {"400/context_length_exceeded": 1}
+    assert s["request_throughput"] == pytest.approx(1.0)  # 2 completed / 2 s
+    assert s["output_throughput"] == pytest.approx(8.0)  # 16 tokens / 2 s
+    assert s["input_throughput"] == pytest.approx(10.0)  # failed requests' prompts do not count
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # (0.5-0.1)/4 and (1.3-0.3)/10
+    assert s["ttft_ms"]["median"] == pytest.approx(200.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(100.0)
+    assert s["concurrency"] == pytest.approx(0.9)  # (0.5 + 1.3) / 2
+    other = dict(s, request_throughput=0.5)
+    assert bs.ratios(s, other)["request throughput (req/s)"] == pytest.approx(0.5)
+
+
+def test_targets_must_be_loopback_unless_authorised() -> None:
+    assert check_target("http://127.0.0.1:8000/", False) == "http://127.0.0.1:8000"
+    assert check_target("http://localhost:8000", False) == "http://localhost:8000"
+    with pytest.raises(ValueError, match="loopback"):
+        check_target("http://10.1.2.3:8000", False)
+    assert check_target("http://10.1.2.3:8000", True) == "http://10.1.2.3:8000"
+    with pytest.raises(ValueError, match="http"):
+        check_target("ftp://127.0.0.1", True)
+
+
+# ---- against a launched aggregated server --------------------------------------------------------------------------
+
+SERVER_ARGS = ("--context-length", "512", "--max-total-tokens", "4096")
+
+
+@pytest.fixture(scope="module")
+def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bs.LaunchedServer]:
+    caps = bs.detect_serve()
+    if not caps.available:
+        pytest.skip(f"no aggregated server to launch: {caps.reason}")
+    log_dir = tmp_path_factory.mktemp("bench-serve")
+    server = bs.launch_server(
+        "agg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, caps=caps, ready_timeout_s=120, log_dir=log_dir
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_bench_serve_cli_against_a_launched_server(
+    agg_server: bs.LaunchedServer, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bs.add_arguments(parser)
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = parser.parse_args(
+        [
+            *("--url", f"first={agg_server.url}", "--url", f"again={agg_server.url}"),
+            *("--num-prompts", "20", "--input-len", "8:32", "--output-len", "4:12", "--max-concurrency", "8"),
+            *("--request-rate", "200", "--tokenizer", str(tiny_llama_dir), "--warmup", "1"),
+            *("--json", str(out_json), "--plot", str(out_png)),
+        ]
+    )
+    assert args.func(args) == 0
+    table = capsys.readouterr().out
+    assert "TTFT p99 (ms)" in table and "again/first" in table and "20/20" in table
+
+    doc = json.loads(out_json.read_text())
+    assert doc["baseline"] == "first" and [t["label"] for t in doc["targets"]] == ["first", "again"]
+    for target in doc["targets"]:
+        s = target["summary"]
+        assert (s["completed"], s["failed"], s["cancelled"], s["not_sent"]) == (20, 0, 0, 0)
+        assert target["eos_mode"] == "ignore_eos"
+        requests = target["requests"]
+        assert [r["max_tokens"] for r in requests] == [
+            r.output_len
+            for r in bs.build_requests(
+                20, bs.LengthSpec(8, 32), bs.LengthSpec(4, 12), seed=0, vocab_size=None, dataset="random-words"
+            )
+        ]
+        # ignore_eos works on kvfence: every request returned exactly the tokens it asked for
+        assert all(r["output_tokens"] == r["max_tokens"] for r in requests)
+        assert s["output_len_as_requested"] == 20
+        assert s["total_output_tokens"] == sum(r["max_tokens"] for r in requests)
+        assert all(r["prompt_tokens_reported"] == r["prompt_len"] for r in requests)
+        assert all(0 < r["ttft"] <= r["latency"] for r in requests)
+        assert all(len(r["itl"]) <= r["output_tokens"] - 1 for r in requests)
+        assert s["ttft_ms"]["median"] <= s["e2e_ms"]["median"]
+        assert s["request_throughput"] == pytest.approx(20 / s["duration_s"])
+        assert s["output_throughput"] > 0 and s["input_throughput"] > 0
+    assert doc["targets"][1]["ratios_vs_baseline"]["request throughput (req/s)"] > 0
+    width, height = _png_size(out_png)
+    assert width >= 400 and height >= 300
