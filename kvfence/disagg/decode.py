@@ -51,14 +51,21 @@ class DecodeConfig:
 class _EngineReservations:
     """The allocator verbs `DecodeHandoff` uses, routed through the engine's reservation hooks.
 
-    `allocate` becomes `engine.reserve` for the router's expected length (so the engine
-    can later admit the request with `add_prefilled_request`), `quarantine` becomes
+    `allocate` becomes `engine.reserve` for the whole request: the router's expected
+    prompt length plus max_tokens (capped at the context length). The handoff gets the
+    first pages (the prompt's, which prefill fills); the rest stay with the request for
+    its output, so an admitted request never needs a page it cannot get and decode never
+    has to preempt (a verified request waiting for pages while holding its prompt's
+    pages could otherwise deadlock the batch). `quarantine` becomes
     `engine.release(quarantine=True)`.
     """
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.tokens: dict[str, int] = {}  # request id -> expected length, set before `start`
+        self.tokens: dict[str, int] = {}  # request id -> tokens to reserve, set before `start`
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.engine.resolved.page_size)
 
     def can_allocate(self, n: int) -> bool:
         return self.engine.allocator.can_allocate(n)
@@ -66,9 +73,9 @@ class _EngineReservations:
     def allocate(self, request_id: str, n: int) -> list[int]:
         pages = self.engine.reserve(request_id, self.tokens.pop(request_id))
         if pages is None:
-            raise MemoryError(f"decode: cannot reserve {n} pages for {request_id}")
-        assert len(pages) == n, (len(pages), n)
-        return pages
+            raise MemoryError(f"decode: cannot reserve pages for {request_id}")
+        assert len(pages) >= n, (len(pages), n)
+        return pages[:n]  # the prompt's pages, in logical order: what the transfer fills and verify checks
 
     def quarantine(self, request_id: str) -> list[int]:
         return self.engine.release(request_id, quarantine=True)
@@ -186,22 +193,22 @@ class DecodeWorker:
         """Reserve pages for queued requests, first come first served, while the pool has room."""
         while self.queued:
             inc = self.queued[0]
-            if not inc.handoff.can_start():
+            total = self._reserve_tokens(inc)
+            if not self._pages.can_allocate(self._pages.pages_for(total)):
                 if time.monotonic() - inc.received_at > self.config.deadline_s:
                     self.queued.popleft()
                     self._out(
                         P.RequestFailed(
                             inc.prepare.request_id,
                             self.role,
-                            f"timeout: no free KV pages for {inc.handoff.num_pages} pages within "
-                            f"{self.config.deadline_s:.0f}s",
+                            f"timeout: no free KV pages for {total} tokens within {self.config.deadline_s:.0f}s",
                         )
                     )
                     continue
                 return
             self.queued.popleft()
             rid = inc.prepare.request_id
-            self._pages.tokens[rid] = inc.prepare.expected_len
+            self._pages.tokens[rid] = total
             try:
                 pages = inc.handoff.start()
             except (KvfenceError, MemoryError) as e:
@@ -210,6 +217,10 @@ class DecodeWorker:
                 continue
             self.incoming[rid] = inc
             self._out(P.DecodeReserved(rid, self.receiver.address, len(pages)))
+
+    def _reserve_tokens(self, inc: _Incoming) -> int:
+        """Prompt + max_tokens, capped at the context length (the request can never hold more)."""
+        return min(inc.prepare.expected_len + inc.params.max_tokens, self.engine.resolved.context_length)
 
     def _abort(self, rid: str, reason: str) -> None:
         for inc in list(self.queued):
@@ -288,9 +299,7 @@ class DecodeWorker:
         record = h.record.to_dict() if h.record is not None else None
         self.counts["verified" if self.config.verify else "unverified"] += 1
         try:
-            self.engine.add_prefilled_request(
-                rid, inc.prepare.prompt_token_ids, inc.first_token, inc.params, page_table=h.pages
-            )
+            self.engine.add_prefilled_request(rid, inc.prepare.prompt_token_ids, inc.first_token, inc.params)
         except KvfenceError as e:
             self.engine.release(rid)
             self._out(P.RequestFailed(rid, self.role, f"cannot admit the request: {e}", integrity=record))

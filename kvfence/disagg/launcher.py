@@ -263,14 +263,19 @@ class InProcessDeployment:
                 try:
                     register(worker, channel, timeout=30)
                     run_worker(worker, channel, stop=self._stop, idle_wait_s=0.002)
-                except BaseException as e:  # surfaced by close() and the tests
+                except Exception as e:  # kept for the tests; a refused registration ends the thread
                     self.errors.append(e)
-                    raise
 
             t = threading.Thread(target=serve, name=f"kvfence-{worker.role}", daemon=True)
             t.start()
             self._threads.append(t)
-        self.router.wait_for_workers(timeout=30)
+        try:
+            self.router.wait_for_workers(timeout=30)
+        except BaseException:
+            self._stop.set()
+            for t in self._threads:
+                t.join(timeout=10)
+            raise
         self.router.start()
 
     def wait_idle(self, timeout: float = 10.0) -> bool:

@@ -308,8 +308,8 @@ class Router:
         if flight is None or flight.done:
             return
         self._abort_both(flight, "aborted by client")
-        record = self._finish(flight, self._router_record(flight, Reason.ABORTED, "aborted by client"))
-        chunk = P.Tokens(request_id, [], finished=True, finish_reason="abort", integrity=record)
+        self._finish(flight, self._router_record(flight, Reason.ABORTED, "aborted by client"))
+        chunk = P.Tokens(request_id, [], finished=True, finish_reason="abort")  # the stream ends with that record
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, chunk)
 
     def server_info(self) -> dict[str, Any]:

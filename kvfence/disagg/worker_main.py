@@ -154,7 +154,9 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode: admit handoffs WITHOUT verification (demonstration of what the checks protect; never serve)",
     )
-    p.add_argument("--inject-fault", default=None, help="comma-separated fault names (tests and demos only)")
+    p.add_argument(
+        "--inject-fault", default=None, help="tests and demos only: name[@request_id][#page],... (see kvfence.faults)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="router: HTTP host")
     p.add_argument("--port", type=int, default=None, help="router: HTTP port (required)")
     p.add_argument("--control-port", type=int, default=None, help="router: control-plane port (required)")
@@ -191,10 +193,9 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
     from kvfence.engine.llm_engine import LLMEngine
-    from kvfence.faults import FaultInjector
 
     engine = LLMEngine(engine_config_from_args(args, model_dir))
-    faults = FaultInjector.from_flag(args.inject_fault)
+    faults = parse_faults(args.inject_fault)
     worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
     identity = WorkerIdentity(
         worker_id=worker_id,
@@ -223,6 +224,29 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         ),
         faults=faults,
     )
+
+
+def parse_faults(value: str | None) -> Any:
+    """`--inject-fault name[@request_id][#page],...` -> a FaultInjector (None when absent)."""
+    from kvfence.faults import FaultInjector
+
+    if not value:
+        return None
+    injector = FaultInjector()
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        page = 0
+        if "#" in item:
+            item, page_text = item.split("#", 1)
+            page = int(page_text)
+        name, _, rid = item.partition("@")
+        try:
+            injector.enable(name, request_id=rid or None, page=page)
+        except ValueError as e:
+            raise KvfenceError(f"--inject-fault: {e}") from None
+    return injector
 
 
 class WorkerIdentity:
