@@ -147,11 +147,21 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back, then scaled (the order transformers uses)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32, cast back, then scaled (the order transformers uses)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, same result in fp32
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    xf = xf.to(x.dtype)
+    return xf if weight is None else weight * xf
+
+
+def _linear_residual(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + a @ w.T (+ b): one GEMM that accumulates into the residual when there is no bias."""
+    if b is None:
+        return torch.addmm(x, a, w.t())
+    return x + F.linear(a, w, b)
 
 
 class DecoderLayer(nn.Module):
@@ -191,27 +201,28 @@ class DecoderLayer(nn.Module):
         fb: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
-        # x: [T, E]; cos/sin: [T, 1, D/2]; k_cache/v_cache: [S, Hkv, D]
+        # x: [T, E]; cos/sin: [T, 1, D] (sin with the first half negated); k_cache/v_cache: [S, Hkv, D]
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         h = rms_norm(x, self.input_norm, self.eps)
         qkv = F.linear(h, self.qkv_w, self.qkv_b)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-        if self.qk_norm:
-            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, self.eps), rms_norm(qk[:, H:], self.k_norm, self.eps)], 1)
-        # RoPE on q and k heads at once, rotate-half convention: [T, H + Hkv, D]
-        x1, x2 = qk[..., : D // 2], qk[..., D // 2 :]
-        qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
+            w = torch.cat([self.q_norm.expand(H, D), self.k_norm.expand(Hkv, D)])  # [H + Hkv, D]
+            qk = rms_norm(qk, None, self.eps) * w
+        # RoPE on q and k heads at once, rotate-half convention:
+        # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = qk * cos + [x2, x1] * [-sin, sin]
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [T, H + Hkv, D]
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        x = x + F.linear(attn.reshape(T, H * D), self.o_w, self.o_b)
+        x = _linear_residual(x, attn.reshape(T, H * D), self.o_w, self.o_b)
         h = rms_norm(x, self.post_norm, self.eps)
         gu = F.linear(h, self.gate_up_w, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]) * gu[:, self.I :]  # [T, I]
-        return x + F.linear(act, self.down_w, self.down_b)
+        return _linear_residual(x, act, self.down_w, self.down_b)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -327,10 +338,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
         x = F.embedding(fb.input_ids, self.embed)  # [T, E]
         freqs = fb.positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] float32
-        cos = (freqs.cos() * self.rope_scale).to(self.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = (freqs.sin() * self.rope_scale).to(self.dtype)[:, None, :]
+        cos = freqs.cos() * self.rope_scale
+        sin = freqs.sin() * self.rope_scale
+        cos = torch.cat([cos, cos], -1).to(self.dtype)[:, None, :]  # [T, 1, D]
+        sin = torch.cat([-sin, sin], -1).to(self.dtype)[:, None, :]  # [T, 1, D]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
+            x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = rms_norm(x, self.norm, self.eps)
         return F.linear(x, self.lm_head).float()  # [N, vocab]
