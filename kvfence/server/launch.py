@@ -9,6 +9,7 @@ app, the engine or any setting beyond host/port/log level.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -44,9 +45,14 @@ def _config(app: Any, log_level: str) -> uvicorn.Config:
     )
 
 
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def run_server(app: Any, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), in this thread."""
+    """Serve until interrupted (SIGINT/SIGTERM), in this thread; prints the URL (the real port) to stderr."""
     sock = bind_socket(host, port)
+    print(f"kvfence: serving {url_of(host, sock.getsockname()[1])}", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
     finally:
@@ -70,8 +76,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return url_of(self.host, self.port)
 
     def _run(self) -> None:
         try:
