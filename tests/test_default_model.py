@@ -158,3 +158,25 @@ def test_vocab_override_smaller_than_tokenizer_is_refused(tmp_path: Path) -> Non
 def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="GPT2"):
         make_tiny_model(tmp_path / "m", "GPT2LMHeadModel")
+
+
+def test_default_model_serves_like_transformers(kvfence_cache_dir: Path) -> None:
+    """The built-in model through our loader and paged forward: greedy tokens equal transformers' generate."""
+    from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
+    from kvfence.kv.pool import KVPool
+    from kvfence.models.loader import load_model
+
+    d = ensure_default_model()
+    lm = load_model(d, progress=False)
+    prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Verify every page."}])
+    ref = transformers.LlamaForCausalLM.from_pretrained(d, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt) :].tolist()
+    pool = KVPool(lm.kv_layout(16), 4)
+    tokens: list[int] = []
+    chunk = SeqChunk(prompt, 0, [0, 1, 2, 3])
+    for _ in range(8):
+        tokens.append(int(lm.model(build_forward_batch([chunk], 16), pool)[0].argmax()))
+        chunk = SeqChunk([tokens[-1]], len(prompt) + len(tokens) - 1, [0, 1, 2, 3])
+    assert tokens == expected
