@@ -183,14 +183,15 @@ class DecodeHandoff:
         """Advance as far as the transfer allows; never blocks. Returns the state."""
         assert self.slot is not None, "poll() before start()"
         slot, now = self.slot, self.clock()
-        if self.state == D.WAITING and slot.status != SlotStatus.WAITING:
+        status = slot.status  # read once: the transport thread may move it on meanwhile
+        if self.state == D.WAITING and status != SlotStatus.WAITING:
             self._m.go(D.TRANSFERRING)
         if self.state in (D.WAITING, D.TRANSFERRING):
-            if slot.status == SlotStatus.COMPLETE:
+            if status == SlotStatus.COMPLETE:
                 self._verify()
-            elif slot.status == SlotStatus.SENDER_ABORTED:
+            elif status == SlotStatus.SENDER_ABORTED:
                 self._end(D.ABORTED, VerifyResult(False, Reason.ABORTED, f"prefill aborted: {slot.error}", 0, 0))
-            elif slot.status == SlotStatus.ERROR:
+            elif status == SlotStatus.ERROR:
                 self.receiver.abort(self.request_id, slot.error)
                 self._end(D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
             elif now - self._started_at > self.config.transfer_timeout_s:

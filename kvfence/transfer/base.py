@@ -237,7 +237,9 @@ class ReceiverCore:
             return
         with slot.lock:
             inside = 0 <= index < len(slot.dest_pages)
-            accepting = (not slot.closed or slot.one_sided) and slot.status != SlotStatus.ERROR
+            accepting = (
+                (not slot.closed or slot.one_sided) and not slot.sender_final and slot.status != SlotStatus.ERROR
+            )  # nothing lands after the sender's last frame: verification may already be reading
             stale = False
             if accepting and inside and not slot.closed and self.faults is not None:
                 p = self.faults.point("stale_page", rid)
