@@ -156,3 +156,27 @@ def test_bench_serve_cli_against_a_launched_server(
     assert doc["targets"][1]["ratios_vs_baseline"]["request throughput (req/s)"] > 0
     width, height = _png_size(out_png)
     assert width >= 400 and height >= 300
+
+
+@pytest.mark.slow
+def test_bench_serve_launches_each_kind_or_says_why_not(tiny_llama_dir: Path) -> None:
+    cfg = bs.BenchConfig(
+        num_prompts=12,
+        input_len=bs.LengthSpec(16, 16),
+        output_len=bs.LengthSpec(8, 8),
+        tokenizer_dir=str(tiny_llama_dir),
+    )
+    runs, skipped = bs.run_bench(cfg, launch=bs.LAUNCH_KINDS, model_dir=str(tiny_llama_dir), server_args=SERVER_ARGS)
+    labels = [r.label for r in runs] + [label for label, _ in skipped]
+    assert sorted(labels) == sorted(bs.LAUNCH_KINDS)
+    assert all(reason for _, reason in skipped)
+    for r in runs:
+        assert r.summary["completed"] == 12 and r.summary["total_output_tokens"] == 12 * 8
+    statuses = {r.label: set(r.summary["integrity"]) for r in runs}
+    if "disagg" in statuses:
+        assert statuses["disagg"] == {"verified"}
+    if "disagg-noverify" in statuses:
+        assert statuses["disagg-noverify"] == {"unverified"}
+    table = bs.format_table(runs, skipped)
+    for r in runs[1:]:
+        assert f"{r.label}/{runs[0].label}" in table

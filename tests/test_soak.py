@@ -102,3 +102,27 @@ def test_short_soak_leaves_the_server_clean(agg_server: bs.LaunchedServer) -> No
 def test_long_soak_16_clients_10_minutes(agg_server: bs.LaunchedServer) -> None:
     report = soak.run_soak(agg_server.url, clients=16, duration_s=600, pids=agg_server.pids, max_rss_growth_mb=256)
     _check(report)
+
+
+# ---- disaggregated (three processes: slower to start) --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_disagg_soak_is_clean_and_every_response_is_verified(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with bs.launch_server("disagg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, log_dir=tmp_path) as server:
+        report = soak.run_soak(server.url, clients=4, duration_s=10, pids=server.pids)
+    _check(report)
+    assert set(report.baseline_pages) == {"prefill", "decode"}
+    assert set(report.integrity) == {"verified"}
+
+
+@pytest.mark.slow
+def test_soak_fails_a_deployment_that_corrupts_kv_in_flight(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    args = (*SERVER_ARGS, "--inject-fault", "corrupt_byte")
+    with bs.launch_server("disagg", model=str(tiny_llama_dir), server_args=args, log_dir=tmp_path) as server:
+        report = soak.run_soak(server.url, clients=2, duration_s=5, pids=server.pids)
+    assert not report.ok
+    assert report.integrity_failures and {r["reason"] for r in report.integrity_failures} == {"digest_mismatch"}
+    assert report.five_xx > 0
+    assert report.overlength_unexpected == []  # admission still refuses over-length prompts
+    assert report.final_pages == report.baseline_pages  # failed handoffs still give their pages back

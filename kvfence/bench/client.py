@@ -117,6 +117,19 @@ def _error_of(body: bytes) -> tuple[str | None, str]:
         return None, body[:300].decode("utf-8", "replace")
 
 
+def _error_integrity(body: bytes) -> dict[str, Any] | None:
+    """The integrity record kvfence attaches to a failed generation: {"kvfence": {"integrity": [record, ...]}}."""
+    try:
+        records = (json.loads(body).get("kvfence") or {}).get("integrity")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(records, dict):
+        return records
+    if isinstance(records, list):
+        return next((r for r in records if isinstance(r, dict)), None)
+    return None
+
+
 def _take_integrity(result: RequestResult, obj: dict[str, Any], choice: dict[str, Any] | None) -> None:
     for holder in (choice or {}, obj):
         record = (holder.get("kvfence") or {}).get("integrity")
@@ -146,7 +159,9 @@ async def send_completion(
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
-                result.error_code, result.error_message = _error_of(await resp.aread())
+                raw = await resp.aread()
+                result.error_code, result.error_message = _error_of(raw)
+                result.integrity = _error_integrity(raw)
                 result.error_code = result.error_code or f"http_{resp.status_code}"
                 result.latency = time.perf_counter() - t0
                 return result
