@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,19 @@ def test_client_disconnect_returns_pages_to_baseline(served: tuple[str, Any], mo
     metrics = httpx.get(url + "/metrics").text
     assert 'kvfence_kv_pages_used{role="aggregated"} 0.0' in metrics
     assert "kvfence_requests_aborted_total 1.0" in metrics
+
+
+def test_concurrent_requests_all_complete_and_free_their_pages(served: tuple[str, Any]) -> None:
+    url, _ = served
+
+    def one(i: int) -> dict[str, Any]:
+        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 8 + i, "ignore_eos": True, "seed": i}
+        return httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert [r["usage"]["completion_tokens"] for r in results] == [8 + i for i in range(8)]
+    assert stats(url)["roles"]["aggregated"]["pages_used"] == 0
 
 
 def test_over_pool_request_refused_before_the_engine(served: tuple[str, Any], oai: openai.OpenAI) -> None:

@@ -159,3 +159,18 @@ def test_metrics_count_requests_tokens_and_integrity(base_url: str, client: open
     assert _metric(text, "kvfence_time_per_output_token_seconds_count") >= 1
     assert _metric(text, 'kvfence_kv_pages_total{role="aggregated"}') == 64
     assert _metric(text, 'kvfence_kv_transfers_total{result="failed"}') == 1
+
+
+def test_engine_registry_is_appended_to_metrics() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    engine = FakeEngine()
+    engine.metrics_registry = CollectorRegistry()
+    Counter("kvfence_handoff_verified", "handoffs verified", registry=engine.metrics_registry).inc(3)
+    server = serve(engine)
+    try:
+        text = httpx.get(server.url + "/metrics").text
+        assert _metric(text, "kvfence_handoff_verified_total") == 3
+        assert "kvfence_requests_total" in text
+    finally:
+        server.stop()

@@ -266,11 +266,11 @@ class AsyncLLMEngine:
                     self._step_errors += 1
                     self._last_error = f"{type(e).__name__}: {e}"
                     self._fail_all(e)
+            self._take_snapshot()  # before delivering: a client that saw its last token sees its pages freed
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     self._deliver(stream, _chunk(out))
-            self._take_snapshot()
             if not outputs and engine.has_unfinished_requests():
                 with self._cond:  # nothing could run (e.g. waiting for pages): do not spin
                     if not self._inbox and not self._stopping:

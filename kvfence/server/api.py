@@ -286,7 +286,10 @@ def _seed_for(seed: int | None, index: int) -> int | None:
 class OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.metrics = Metrics(engine.stats)
+        extra = getattr(engine, "metrics_registry", None) or getattr(
+            getattr(engine, "integrity_metrics", None), "registry", None
+        )
+        self.metrics = Metrics(engine.stats, [extra] if extra is not None else [])
         self.started = time.time()
 
     # -- request -> choices -----------------------------------------------------------------------------------------

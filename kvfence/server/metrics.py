@@ -10,7 +10,9 @@ end), and a collector that reads the engine's live numbers at scrape time from
      "num_running": int, "num_waiting": int,
      "transfers": {result: count, ...}}          # PD mode; e.g. {"ok": 12, "failed": 1}
 
-Missing keys are simply not exported. What it does not know: where the numbers come
+Missing keys are simply not exported. Registries the EngineClient exposes (attribute
+`metrics_registry`, or `integrity_metrics.registry` as the PD router has) are
+appended to the same page. What it does not know: where the numbers come
 from, or HTTP (the app serves `render()` at GET /metrics).
 """
 
@@ -72,7 +74,9 @@ class _EngineStatsCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], extra: list[CollectorRegistry] | None = None) -> None:
+        """`extra`: registries the EngineClient owns (e.g. the router's handoff counters), rendered after ours."""
+        self.extra = list(extra or [])
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -117,4 +121,4 @@ class Metrics:
             self.integrity.labels(str(record.get("status", "unknown"))).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(generate_latest(r) for r in [self.registry, *self.extra])
