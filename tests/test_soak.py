@@ -101,6 +101,7 @@ def test_short_soak_leaves_the_server_clean(agg_server: bs.LaunchedServer) -> No
 @pytest.mark.timeout(1200)
 def test_long_soak_16_clients_10_minutes(agg_server: bs.LaunchedServer) -> None:
     report = soak.run_soak(agg_server.url, clients=16, duration_s=600, pids=agg_server.pids, max_rss_growth_mb=256)
+    print(report.format())  # with -s: the numbers of the long run
     _check(report)
 
 

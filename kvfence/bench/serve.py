@@ -187,6 +187,7 @@ class ServeCapabilities:
     options: frozenset[str] = frozenset()
     disagg_args: tuple[str, ...] | None = None  # flags that switch `kvfence serve` to disaggregated mode
     noverify_args: tuple[str, ...] | None = None  # flags that switch KV verification off
+    roles: tuple[str, ...] = ()  # choices of --role, when it has one
 
 
 # `kvfence serve ARGS` through its own module, so a half-written sibling subcommand cannot break it.
@@ -238,7 +239,9 @@ def detect_serve(python: str = sys.executable) -> ServeCapabilities:
                     disagg = (flag, choice.strip())
                     break
     noverify = next((o for o in sorted(options) if re.fullmatch(r"--(no|disable|skip)-verif\w*", o)), None)
-    return ServeCapabilities(True, "", options, disagg, (noverify,) if noverify else None)
+    m = re.search(r"--role\s+\{([^}]*)\}", text)
+    roles = tuple(r.strip() for r in m.group(1).split(",")) if m else ()
+    return ServeCapabilities(True, "", options, disagg, (noverify,) if noverify else None, roles)
 
 
 def _free_port(host: str) -> int:
@@ -425,10 +428,19 @@ def _launch_disagg_workers(
         raise Unavailable(f"{why}, and kvfence.disagg.launcher is not importable ({e})") from None
     decode_args: tuple[str, ...] = ()
     if kind == "disagg-noverify":
+        help_text = subprocess.run(
+            [sys.executable, "-m", "kvfence.disagg.worker_main", "--help"], capture_output=True, text=True, timeout=120
+        ).stdout
+        if "--no-verify" not in help_text:
+            raise Unavailable(
+                "neither `kvfence serve` nor kvfence.disagg.worker_main has a flag to switch verification off"
+            )
         decode_args = ("--no-verify",)
     config = LaunchConfig(host=host, common_args=(*model_args, *server_args), decode_args=decode_args)
     launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
-    how = "kvfence.disagg.launcher: " + " | ".join(
+    why = f"`kvfence serve` roles {', '.join(caps.roles)}" if caps.roles else "no `kvfence serve`"
+    why += " start one process each, no single-command disaggregated mode"
+    how = f"kvfence.disagg.launcher ({why}): " + " | ".join(
         shlex.join(launcher.command(r)[1:]) for r in ("router", "prefill", "decode")
     )
     launcher.start()
@@ -1002,4 +1014,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m kvfence.bench.serve")
     add_arguments(parser)
-    raise SystemExit(parser.parse_args().func(parser.parse_args()))
+    ns = parser.parse_args()
+    raise SystemExit(ns.func(ns))
