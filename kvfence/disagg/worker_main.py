@@ -287,11 +287,10 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
 
 
 def _run_router(args: argparse.Namespace, model_dir: str) -> int:
-    import uvicorn
-
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
+    from kvfence.server.launch import run_server
 
     if args.port is None or args.control_port is None:
         raise KvfenceError("router: --port and --control-port are required (the launcher picks free ones)")
@@ -311,8 +310,7 @@ def _run_router(args: argparse.Namespace, model_dir: str) -> int:
         tokenizer = Tokenizer.from_dir(Path(model_dir))
         settings = ApiSettings(served_model_name=router.model_name, server_args=router.server_info())
         app = build_app(router, tokenizer, settings)
-        logger.info("router: serving http://%s:%d", args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        run_server(app, args.host, args.port, log_level="warning")
     finally:
         router.close()
     return 0

@@ -1,0 +1,232 @@
+"""Disaggregated serving across real processes: KV over TCP, control over zmq, HTTP through the API app.
+
+Two set-ups: (1) prefill and decode as child processes (`python -m kvfence.disagg.worker_main`)
+registered with a `Router` in this process, so tests see token ids and choose request ids
+(fault targeting); (2) the launcher's three processes behind HTTP, used as a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+from kvfence.disagg import protocol as P
+from kvfence.disagg.launcher import LaunchConfig, Launcher, free_port
+from kvfence.disagg.router import Router, RouterConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.sampling_params import SamplingParams
+
+CTX = "256"
+
+
+def reference(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    engine = LLMEngine(EngineConfig(ModelConfig(str(model_dir)), CacheConfig(16, 8192), context_length=int(CTX)))
+    return engine.generate(prompts, params)
+
+
+def requests_mix(n: int, seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.choice([1, 16, 17, 40, 90, rng.randrange(1, 150)])
+        prompt = [rng.randrange(10, 2000) for _ in range(length)]
+        out.append((f"m{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, ignore_eos=True)))
+    return out
+
+
+class WorkerProcesses:
+    """Prefill + decode child processes registered with a Router (ZmqHub) living in this process."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None) -> None:
+        self.hub = P.ZmqHub("127.0.0.1", 0)
+        self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
+        common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
+        common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
+        fault_args = ["--inject-fault", faults] if faults else []
+        self.procs = {
+            "prefill": [*common, "--role", "prefill", "--max-total-tokens", "1024", *fault_args],
+            "decode": [*common, "--role", "decode", "--max-total-tokens", "2048", "--handoff-port", str(free_port())],
+        }
+        self.logs = {role: open(log_dir / f"{role}.log", "wb") for role in self.procs}  # noqa: SIM115
+        self.popen = {
+            role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT)
+            for role, cmd in self.procs.items()
+        }
+        self.router.wait_for_workers(timeout=180)
+        self.router.start()
+
+    def close(self) -> None:
+        self.router.close()  # sends Shutdown
+        for p in self.popen.values():
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in self.logs.values():
+            f.close()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcesses]:
+    w = WorkerProcesses(tiny_llama_dir, tmp_path_factory.mktemp("workers"), faults="corrupt_byte@bad#1")
+    yield w
+    w.close()
+    assert {role: p.returncode for role, p in w.popen.items()} == {"prefill": 0, "decode": 0}
+
+
+def _run(router: Router, reqs: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[Any]]:
+    async def one(rid: str, prompt: list[int], sp: SamplingParams) -> list[Any]:
+        return [c async for c in router.generate(rid, prompt, sp)]
+
+    async def main() -> list[list[Any]]:
+        return await asyncio.gather(*[one(*r) for r in reqs])
+
+    return {r[0]: chunks for r, chunks in zip(reqs, asyncio.run(main()), strict=True)}
+
+
+def _wait_pools_free(router: Router, timeout: float = 10.0) -> dict[str, Any]:
+    """Worker stats (published every 250 ms) once both pools are fully free."""
+    deadline = time.monotonic() + timeout
+    roles: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        roles = router.stats()["roles"]
+        if roles and all(r["pages_free"] == r["pages_total"] and r["pages_quarantined"] == 0 for r in roles.values()):
+            return roles
+        time.sleep(0.1)
+    raise AssertionError(f"pools not back to baseline: {roles}")
+
+
+def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesses, tiny_llama_dir: Path) -> None:
+    from kvfence.models.tokenizer import Tokenizer
+    from kvfence.server.api import ApiSettings, build_app
+    from kvfence.server.launch import ServerThread
+
+    app = build_app(workers.router, Tokenizer.from_dir(tiny_llama_dir), ApiSettings(workers.router.model_name))
+    reqs = requests_mix(4, seed=3)
+    with ServerThread(app) as server:
+
+        async def main() -> list[dict[str, Any]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+                async def one(prompt: list[int], sp: SamplingParams) -> dict[str, Any]:
+                    body = {"model": workers.router.model_name, "prompt": prompt, "max_tokens": sp.max_tokens}
+                    r = await client.post("/v1/completions", json={**body, "temperature": 0, "ignore_eos": True})
+                    assert r.status_code == 200, r.text
+                    return r.json()
+
+                return await asyncio.gather(*[one(p, sp) for _, p, sp in reqs])
+
+        got = asyncio.run(main())
+        # a request that fits neither pool is refused with 400 before any worker sees it
+        too_long = {"model": workers.router.model_name, "prompt": [3] * 200, "max_tokens": 100}
+        r = httpx.post(f"{server.url}/v1/completions", json=too_long, timeout=30)
+        assert r.status_code == 400 and "256" in r.text
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+    for body, ref in zip(got, want, strict=True):
+        choice = body["choices"][0]
+        assert choice["text"] == ref.text and body["usage"]["completion_tokens"] == len(ref.token_ids)
+        assert choice["kvfence"]["integrity"]["status"] == "verified"
+    assert 'kvfence_kv_capacity_tokens{role="decode"} 2048.0' in metrics
+
+
+def test_worker_processes_over_tcp_match_aggregated_and_catch_a_corrupt_byte(
+    workers: WorkerProcesses, tiny_llama_dir: Path
+) -> None:
+    reqs = requests_mix(12, seed=1)
+    bad = ("bad", [5] * 40, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    got = _run(workers.router, [*reqs, bad])
+    want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+    for (rid, _, _), ref in zip(reqs, want, strict=True):
+        assert [t for c in got[rid] for t in c.token_ids] == ref.token_ids, rid
+        assert got[rid][-1].integrity["status"] == "verified"
+    last = got["bad"][-1]
+    assert last.finish_reason == "error" and last.integrity["reason"] == "digest_mismatch", last
+    roles = _wait_pools_free(workers.router)
+    assert roles["prefill"]["pages_total"] == 64 and roles["decode"]["pages_total"] == 128
+    assert workers.router.integrity_counts["rejected"] == 1
+
+
+@pytest.mark.slow
+def test_fifty_concurrent_requests_over_tcp_match_aggregated(workers: WorkerProcesses, tiny_llama_dir: Path) -> None:
+    reqs = requests_mix(50, seed=2)
+    got = _run(workers.router, reqs)
+    want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+    for (rid, _, _), ref in zip(reqs, want, strict=True):
+        assert [t for c in got[rid] for t in c.token_ids] == ref.token_ids, rid
+    _wait_pools_free(workers.router)
+
+
+# -- the launcher: three processes behind HTTP -----------------------------------------------------------------
+
+
+def test_launcher_stops_everything_when_one_child_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = Launcher(LaunchConfig())
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    dies = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"]
+    monkeypatch.setattr(launcher, "command", lambda role: dies if role == "decode" else sleeper)
+    launcher.start()
+    t0 = time.monotonic()
+    assert launcher.watch() == 1
+    assert time.monotonic() - t0 < 15
+    assert {r: p.returncode for r, p in launcher.procs.items()} == {
+        "router": -signal.SIGTERM,
+        "prefill": -signal.SIGTERM,
+        "decode": 3,
+    }
+
+
+def test_launcher_passes_each_role_its_ports_explicitly() -> None:
+    launcher = Launcher(LaunchConfig(prefill_args=("--max-total-tokens", "512")))
+    p = launcher.ports
+    assert len({p.http, p.control, p.handoff}) == 3
+    router, prefill, decode = (launcher.command(r) for r in ("router", "prefill", "decode"))
+    assert ["--port", str(p.http)] == router[router.index("--port") : router.index("--port") + 2]
+    assert f"tcp://127.0.0.1:{p.control}" in prefill and f"tcp://127.0.0.1:{p.control}" in decode
+    assert str(p.handoff) in decode and "512" in prefill and "512" not in decode
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    log = open(tmp_path_factory.mktemp("launcher") / "deployment.log", "wb")  # noqa: SIM115
+    config = LaunchConfig(
+        common_args=("--model", str(tiny_llama_dir), "--context-length", CTX, "--log-level", "WARNING"),
+        prefill_args=("--max-total-tokens", "512"),
+        decode_args=("--max-total-tokens", "1024"),
+    )
+    launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
+    launcher.start()
+    try:
+        launcher.wait_ready(180)
+        yield launcher
+    finally:
+        launcher.stop()
+        log.close()
+
+
+@pytest.mark.slow
+def test_launched_deployment_serves_http_and_goes_down_together(launched: Launcher, tiny_llama_dir: Path) -> None:
+    body = {"model": tiny_llama_dir.name, "prompt": [5] * 30, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{launched.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ref = reference(tiny_llama_dir, [[5] * 30], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])[0]
+    assert r.json()["choices"][0]["text"] == ref.text
+    assert r.json()["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
+    metrics = httpx.get(f"{launched.base_url}/metrics", timeout=10).text
+    assert 'kvfence_kv_capacity_tokens{role="prefill"} 512.0' in metrics
+    os.kill(launched.procs["decode"].pid, signal.SIGKILL)
+    assert launched.watch() == 1  # noticed the death and stopped the others
+    assert all(p.poll() is not None for p in launched.procs.values())
+    assert launched.procs["decode"].returncode == -signal.SIGKILL
