@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfence.integrity.canary import canary_offsets, check_canaries, compute_canaries
-from kvfence.integrity.digest import bytes_digest, page_digest, page_digests, run_digest, token_hash
+from kvfence.integrity.digest import PageBytes, bytes_digest, page_digest, page_digests, run_digest, token_hash
 from kvfence.integrity.manifest import HandoffManifest, ManifestError, build_manifest, pages_for_tokens
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import CoverageBitmap, Expectation, Reason, VerifyResult, verify_handoff
@@ -47,6 +47,18 @@ def test_page_digest_equals_digest_of_read_page_bytes() -> None:
     pool = filled_pool(GQA, 4)
     assert page_digest(pool, 2) == bytes_digest(pool.read_page(2))
     assert run_digest(pool, [1, 3]) == bytes_digest(pool.read_page(1) + pool.read_page(3))
+
+
+@pytest.mark.parametrize("layout", [GQA, DSA], ids=["gqa", "dsa"])
+def test_page_bytes_views_are_the_pool_page_memoryviews_and_share_memory(layout: KVLayout) -> None:
+    pool = filled_pool(layout, 3)
+    pb = PageBytes(pool)
+    assert [bytes(v) for v in pb.views(2)] == [bytes(v) for v in pool.page_memoryviews(2)]
+    before = pool.read_page(2)
+    pb.views(2)[-1][0] ^= 0xFF  # writing through the view changes the pool: no copy
+    after = pool.read_page(2)
+    off = layout.bytes_per_page - len(pb.views(2)[-1])  # the last slice starts here
+    assert after[off] == before[off] ^ 0xFF and after[:off] == before[:off]
 
 
 @pytest.mark.parametrize("layout", [GQA, DSA], ids=["gqa", "dsa"])
