@@ -190,6 +190,7 @@ def test_allow_context_above_pool_caps_requests(tiny_llama_dir: Path) -> None:
         assert ok.usage.completion_tokens == 4
 
 
+@pytest.mark.slow  # ~10-20 s: a fresh interpreter imports torch and loads the model
 def test_kvfence_serve_subprocess(tiny_llama_dir: Path) -> None:
     cmd = [sys.executable, "-m", "kvfence", "serve", "--model", str(tiny_llama_dir), *FLAGS, "--port", "0"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
