@@ -54,6 +54,7 @@ class WorkerProcesses:
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
         common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
+        common += ["--exit-with-parent"]
         fault_args = ["--inject-fault", faults] if faults else []
         self.procs = {
             "prefill": [*common, "--role", "prefill", "--max-total-tokens", "1024", *fault_args],
@@ -186,6 +187,20 @@ def test_launcher_stops_everything_when_one_child_exits(monkeypatch: pytest.Monk
         "prefill": -signal.SIGTERM,
         "decode": 3,
     }
+
+
+def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify_flag() -> None:
+    from kvfence.cli import build_parser
+    from kvfence.disagg.worker_main import launch_command_args
+
+    argv = ["serve", "--disagg", "--model", "m", "--prefill-max-total-tokens", "512"]
+    args = build_parser().parse_args([*argv, "--decode-max-total-tokens", "1024", "--no-verify", "--page-size", "32"])
+    common, prefill, decode = launch_command_args(args)
+    assert ("--model", "m") == common[common.index("--model") : common.index("--model") + 2]
+    assert "32" in common and "--no-verify" not in common
+    assert prefill == ("--max-total-tokens", "512") and decode == ("--max-total-tokens", "1024", "--no-verify")
+    roles = build_parser().parse_args(["serve", "--role", "decode", "--handoff-port", "5"])
+    assert roles.role == "decode" and roles.handoff_port == 5
 
 
 def test_launcher_passes_each_role_its_ports_explicitly() -> None:

@@ -9,8 +9,9 @@ unless --allow-context-above-pool turns the pool into a hard per-request limit),
 how to build and run the aggregated role (one process: engine thread + API).
 
 Roles are looked up in `ROLE_RUNNERS` (role -> function(args) -> exit code); the
-disaggregated roles (prefill, decode, router) register there with their own extra
-flags. What it does not know: how those roles work.
+disaggregated roles (prefill, decode, router) come from `kvfence.disagg.worker_main`
+with their own extra flags, and `--disagg` starts one of each on loopback. What it
+does not know: how those roles work.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_server_arguments(p)
     add_engine_arguments(p)
+    from kvfence.disagg.worker_main import add_disagg_arguments
+
+    add_disagg_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -135,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     if args.max_body_bytes <= 0:
         raise KvfenceError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    runner = ROLE_RUNNERS.get(args.role)
+    from kvfence.disagg.worker_main import ROLE_RUNNERS as DISAGG_RUNNERS
+    from kvfence.disagg.worker_main import run_launch
+
+    if getattr(args, "disagg", False):
+        return run_launch(args)
+    runner = {**ROLE_RUNNERS, **DISAGG_RUNNERS}.get(args.role)
     if runner is None:
         raise KvfenceError(
             f"--role {args.role} is not available from `kvfence serve` yet; "

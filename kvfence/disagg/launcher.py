@@ -72,7 +72,7 @@ class Launcher:
     # -- command lines --------------------------------------------------------
     def command(self, role: str) -> list[str]:
         c, p = self.config, self.ports
-        base = [c.python, "-m", "kvfence.disagg.worker_main", "--role", role, *c.common_args]
+        base = [c.python, "-m", "kvfence.disagg.worker_main", "--role", role, "--exit-with-parent", *c.common_args]
         router_addr = f"tcp://{c.host}:{p.control}"
         if role == "router":
             return [*base, "--host", c.host, "--port", str(p.http), "--control-port", str(p.control), *c.router_args]

@@ -124,106 +124,54 @@ def run_worker(
         worker.close()
 
 
-# -- building workers -------------------------------------------------------------------------------------
+# -- flags ----------------------------------------------------------------------------------------------
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-tokens", type=int, default=None, help="this role's KV pool size in tokens")
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-
-
-def add_disagg_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", choices=ROLES, required=True)
-    p.add_argument("--router-address", default=None, help="workers: the router's control address, tcp://host:port")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--handoff-host", default="127.0.0.1", help="decode: data-plane listen host")
-    p.add_argument("--handoff-port", type=int, default=None, help="decode: data-plane listen port (required)")
-    p.add_argument("--transport", default="tcp", choices=["tcp", "mooncake"])
-    p.add_argument("--handoff-deadline-s", type=float, default=60.0, help="seconds a KV handoff may take")
-    p.add_argument("--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long")
-    p.add_argument(
+def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the disaggregated roles, on top of `kvfence serve`'s server and engine flags."""
+    g = p.add_argument_group("disaggregated serving (--role prefill|decode|router, or --disagg for all three)")
+    g.add_argument(
+        "--disagg",
+        action="store_true",
+        help="start a router, a prefill and a decode worker (one process each, free loopback ports); "
+        "--role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
+    )
+    g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
+    g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
+    g.add_argument("--worker-id", default=None, help="workers: name to register with (default: role + random)")
+    g.add_argument("--handoff-host", default="127.0.0.1", help="decode: data-plane listen host")
+    g.add_argument("--handoff-port", type=int, default=None, metavar="N", help="decode: data-plane listen port")
+    g.add_argument("--transport", default="tcp", choices=["tcp"], help="KV data plane (default: tcp)")
+    g.add_argument("--handoff-deadline-s", type=float, default=60.0, help="seconds a KV handoff may take (default 60)")
+    g.add_argument(
+        "--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long (default 300)"
+    )
+    g.add_argument("--strict-kv", action="store_true", help="poison KV pages when they are quarantined or freed")
+    g.add_argument(
         "--no-verify",
         action="store_true",
-        help="decode: admit handoffs WITHOUT verification (demonstration of what the checks protect; never serve)",
+        help="decode: admit handoffs WITHOUT verifying them -- only to demonstrate what the checks protect against",
     )
-    p.add_argument(
-        "--inject-fault", default=None, help="tests and demos only: name[@request_id][#page],... (see kvfence.faults)"
+    g.add_argument(
+        "--inject-fault",
+        default=None,
+        metavar="SPEC",
+        help="tests/demos: name[@request_id][#page],... (kvfence.faults)",
     )
-    p.add_argument("--host", default="127.0.0.1", help="router: HTTP host")
-    p.add_argument("--port", type=int, default=None, help="router: HTTP port (required)")
-    p.add_argument("--control-port", type=int, default=None, help="router: control-plane port (required)")
-    p.add_argument("--allow-context-above-pool", action="store_true")
-    p.add_argument("--log-level", default="INFO")
+    g.add_argument("--prefill-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: prefill pool")
+    g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
+    g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
 
 
-def engine_config_from_args(args: argparse.Namespace, model_dir: str) -> Any:
-    from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+def build_parser() -> argparse.ArgumentParser:
+    from kvfence.commands.serve import add_server_arguments
+    from kvfence.config import add_engine_arguments
 
-    return EngineConfig(
-        model=ModelConfig(model_dir=model_dir, dtype=args.dtype),
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-        ),
-        context_length=args.context_length,
-        seed=args.seed,
-    )
-
-
-def resolve_model_dir(args: argparse.Namespace) -> str:
-    if args.model:
-        return str(args.model)
-    from kvfence.models.default import ensure_default_model
-
-    return str(ensure_default_model())
-
-
-def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
-    """The prefill or decode worker the flags describe (engine, transport, faults)."""
-    from kvfence.disagg.decode import DecodeConfig, DecodeWorker
-    from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
-    from kvfence.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(engine_config_from_args(args, model_dir))
-    faults = parse_faults(args.inject_fault)
-    worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
-    identity = WorkerIdentity(
-        worker_id=worker_id,
-        model_name=args.served_model_name or Path(model_dir).name,
-        model_fingerprint=model_fingerprint(model_dir),
-        settings={"model_dir": model_dir, "transport": args.transport, "dtype": args.dtype},
-    )
-    if args.role == "prefill":
-        return PrefillWorker(
-            engine,
-            identity,
-            PrefillConfig(transport=args.transport, deadline_s=args.handoff_deadline_s),
-            faults=faults,
-        )
-    if args.handoff_port is None:
-        raise KvfenceError("decode: --handoff-port is required (the launcher picks a free one)")
-    return DecodeWorker(
-        engine,
-        identity,
-        DecodeConfig(
-            transport=args.transport,
-            listen_host=args.handoff_host,
-            listen_port=args.handoff_port,
-            deadline_s=args.handoff_deadline_s,
-            verify=not args.no_verify,
-        ),
-        faults=faults,
-    )
+    p = argparse.ArgumentParser(prog="python -m kvfence.disagg.worker_main", description=__doc__.split("\n")[0])
+    add_server_arguments(p)
+    add_engine_arguments(p)
+    add_disagg_arguments(p)
+    return p
 
 
 def parse_faults(value: str | None) -> Any:
@@ -247,6 +195,9 @@ def parse_faults(value: str | None) -> Any:
         except ValueError as e:
             raise KvfenceError(f"--inject-fault: {e}") from None
     return injector
+
+
+# -- building workers -------------------------------------------------------------------------------------
 
 
 class WorkerIdentity:
@@ -283,17 +234,71 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
     )
 
 
-# -- roles ------------------------------------------------------------------------------------------------
+def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
+    """The prefill or decode worker the flags describe (engine with its own pool, transport, faults)."""
+    from kvfence.config import engine_config_from_args
+    from kvfence.disagg.decode import DecodeConfig, DecodeWorker
+    from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
+    from kvfence.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
+    faults = parse_faults(args.inject_fault)
+    identity = WorkerIdentity(
+        worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
+        model_name=args.served_model_name or Path(model_dir).name,
+        model_fingerprint=model_fingerprint(model_dir),
+        settings={"model_dir": model_dir, "transport": args.transport, "verify": not args.no_verify},
+    )
+    if args.role == "prefill":
+        config = PrefillConfig(transport=args.transport, deadline_s=args.handoff_deadline_s, strict=args.strict_kv)
+        return PrefillWorker(engine, identity, config, faults=faults)
+    if args.handoff_port is None:
+        raise KvfenceError("decode: --handoff-port is required (the launcher picks a free one and passes it)")
+    if args.no_verify:
+        logger.warning("decode: --no-verify: KV handoffs are admitted WITHOUT verification (demonstration only)")
+    return DecodeWorker(
+        engine,
+        identity,
+        DecodeConfig(
+            transport=args.transport,
+            listen_host=args.handoff_host,
+            listen_port=args.handoff_port,
+            deadline_s=args.handoff_deadline_s,
+            verify=not args.no_verify,
+            strict=args.strict_kv,
+        ),
+        faults=faults,
+    )
 
 
-def _run_router(args: argparse.Namespace, model_dir: str) -> int:
+# -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
+
+
+def _exit_with_parent() -> None:
+    """Watch our parent; when it is gone (the launcher was killed), stop this process like Ctrl-C would."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        logger.error("parent process %d is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kvfence-parent-watch", daemon=True).start()
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kvfence.config import resolve_model_dir
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
     from kvfence.server.launch import run_server
 
-    if args.port is None or args.control_port is None:
-        raise KvfenceError("router: --port and --control-port are required (the launcher picks free ones)")
+    if args.control_port is None:
+        raise KvfenceError("router: --control-port is required (the port workers register on)")
+    if args.exit_with_parent:
+        _exit_with_parent()
+    model_dir = resolve_model_dir(args.model)
     hub = P.ZmqHub(args.host, args.control_port)
     router = Router(
         hub,
@@ -308,18 +313,23 @@ def _run_router(args: argparse.Namespace, model_dir: str) -> int:
         router.wait_for_workers()
         router.start()
         tokenizer = Tokenizer.from_dir(Path(model_dir))
-        settings = ApiSettings(served_model_name=router.model_name, server_args=router.server_info())
-        app = build_app(router, tokenizer, settings)
-        run_server(app, args.host, args.port, log_level="warning")
+        settings = ApiSettings(
+            served_model_name=router.model_name,
+            max_body_bytes=args.max_body_bytes,
+            server_args=router.server_info(),
+        )
+        run_server(build_app(router, tokenizer, settings), args.host, args.port, args.log_level)
     finally:
         router.close()
     return 0
 
 
-def _run_worker_process(args: argparse.Namespace, model_dir: str) -> int:
+def run_worker_role(args: argparse.Namespace) -> int:
+    from kvfence.config import resolve_model_dir
+
     if not args.router_address:
-        raise KvfenceError(f"{args.role}: --router-address is required")
-    worker = build_worker(args, model_dir)
+        raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
+    worker = build_worker(args, resolve_model_dir(args.model))
     channel = P.ZmqChannel(args.router_address, worker.registration().worker_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -327,29 +337,78 @@ def _run_worker_process(args: argparse.Namespace, model_dir: str) -> int:
     try:
         register(worker, channel)
         logger.info("%s: registered with %s", args.role, args.router_address)
-        run_worker(worker, channel, stop=stop, orphan_check=True)
+        run_worker(worker, channel, stop=stop, orphan_check=args.exit_with_parent)
     finally:
         channel.close()
     return 0
 
 
+def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(common, prefill, decode) flags for the three processes of `--disagg`, from this process's flags."""
+    common: list[str] = []
+    for flag, value in (
+        ("--model", args.model),
+        ("--served-model-name", args.served_model_name),
+        ("--dtype", args.dtype),
+        ("--device", args.device),
+        ("--page-size", args.page_size),
+        ("--context-length", args.context_length),
+        ("--chunked-prefill-size", args.chunked_prefill_size),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--seed", args.seed),
+        ("--log-level", args.log_level),
+        ("--handoff-deadline-s", args.handoff_deadline_s),
+        ("--request-timeout-s", args.request_timeout_s),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--inject-fault", args.inject_fault),
+    ):
+        if value is not None:
+            common += [flag, str(value)]
+    for flag, on in (("--allow-context-above-pool", args.allow_context_above_pool), ("--strict-kv", args.strict_kv)):
+        if on:
+            common.append(flag)
+    prefill, decode = [], []
+    if (n := args.prefill_max_total_tokens or args.max_total_tokens) is not None:
+        prefill += ["--max-total-tokens", str(n)]
+    if (n := args.decode_max_total_tokens or args.max_total_tokens) is not None:
+        decode += ["--max-total-tokens", str(n)]
+    if args.no_verify:
+        decode.append("--no-verify")
+    return tuple(common), tuple(prefill), tuple(decode)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`--disagg`: router + prefill + decode as child processes; the router's HTTP port is --port."""
+    from kvfence.config import resolve_model_dir
+    from kvfence.disagg.launcher import LaunchConfig, launch
+
+    if args.model is None:  # build the default model once here, not three times in parallel
+        args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
+    common, prefill, decode = launch_command_args(args)
+    return launch(
+        LaunchConfig(host=args.host, http_port=args.port, common_args=common, prefill_args=prefill, decode_args=decode)
+    )
+
+
+ROLE_RUNNERS = {"prefill": run_worker_role, "decode": run_worker_role, "router": run_router}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvfence.disagg.worker_main", description=__doc__.split("\n")[0])
-    add_disagg_args(p)
-    add_engine_args(p)
+    p = build_parser()
     args = p.parse_args(argv)
+    if not args.disagg and args.role not in ROLE_RUNNERS:
+        p.error(f"--role must be one of {', '.join(ROLE_RUNNERS)} (or pass --disagg to start all three)")
+    role = "launcher" if args.disagg else args.role
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format=f"[%(asctime)s {args.role}] %(levelname)s %(name)s: %(message)s",
+        level=args.log_level.upper(),
+        format=f"[%(asctime)s {role}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:
-        model_dir = resolve_model_dir(args)
-        if args.role == "router":
-            return _run_router(args, model_dir)
-        return _run_worker_process(args, model_dir)
+        return run_launch(args) if args.disagg else ROLE_RUNNERS[args.role](args)
     except KvfenceError as e:
-        print(f"kvfence {args.role}: error: {e}", file=sys.stderr)
+        print(f"kvfence {role}: error: {e}", file=sys.stderr)
         return 2
 
 
