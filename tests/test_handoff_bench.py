@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from kvfence.bench.handoff import format_table, register, run_handoff_bench
 
 
-def test_bench_runs_on_tiny_sizes_and_reports_ratios() -> None:
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_bench_runs_on_tiny_sizes_and_reports_ratios(processes: bool) -> None:
     r = run_handoff_bench(
-        num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, repeats=1, verbose=False
-    )
+        num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, num_pages=16, repeats=1, processes=processes,
+        verbose=False,
+    )  # fmt: skip
     assert r["total_bytes"] == 16 * 2 * 2 * 4 * 2 * 16 * 2
+    assert r["mode"] == ("two processes" if processes else "two threads")
     assert all(v > 0 for v in r["gb_per_s"].values())
     assert r["tcp_vs_raw"] > 0 and r["verify_vs_transfer"] > 0
     table = format_table(r)
@@ -21,5 +26,5 @@ def test_bench_runs_on_tiny_sizes_and_reports_ratios() -> None:
 def test_register_adds_a_handoff_parser() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="bench"))
-    args = parser.parse_args(["handoff", "--num-pages", "8", "--repeats", "1"])
-    assert args.bench == "handoff" and args.num_pages == 8 and callable(args.func)
+    args = parser.parse_args(["handoff", "--num-pages", "8", "--repeats", "1", "--threads"])
+    assert args.bench == "handoff" and args.num_pages == 8 and args.threads and callable(args.func)

@@ -1,16 +1,19 @@
 """Benchmark the KV handoff: our TCP transport vs a raw socket copy, and what verification costs.
 
 What it knows: how to build a prefill and a decode pool of a given layout, fill the
-source with random KV, and time, in the same run and over the same bytes:
-  - raw:      one `sendall` of the pages' bytes (already contiguous) into one `recv_into`
-              a preallocated buffer, over loopback, sender and receiver in two threads:
-              the best a socket can do, with no framing, page mapping or bookkeeping;
+source with random KV, and time, in the same run and over the same bytes, with the
+sender (prefill) in a child process and the receiver (decode) in this one (or both on
+threads of this process with --threads):
+  - raw:      one `sendall` of the pages' bytes (already contiguous) into `recv_into` a
+              preallocated buffer over loopback: the best a socket does, with no framing,
+              page mapping or bookkeeping;
   - kvfence:  `TcpSender` -> `TcpReceiver`: manifest frame, chunked page frames straight
               from the pool's views into the destination pages' views, chunk acks,
-              coverage bitmap; timed from `send()` to the slot being complete;
-  - manifest: per-page xxh3_64 digests + canaries on the prefill side;
+              coverage bitmap; timed from the send command to the slot being complete;
+  - manifest: per-page xxh3_64 digests + canaries on the prefill side (digests alone too);
   - verify:   `verify_handoff` on the decode side (digests recomputed + canaries);
-and print a table with GB/s and ratios. Every repeat takes the median of `repeats`.
+and print a table with GB/s and ratios; each figure is the median of `repeats` runs. At
+the end the destination pages must hold exactly the bytes the raw copy delivered.
 
 What it does not know: the network between real hosts; these are loopback numbers on
 the machine it runs on, and the ratio to the raw copy is the figure that carries over.
@@ -21,6 +24,7 @@ Run: python -m kvfence.bench.handoff   (the CLI registers it as `kvfence bench h
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import socket
 import statistics
 import threading
@@ -30,42 +34,110 @@ from typing import Any
 import torch
 
 from kvfence.integrity.digest import PageBytes, page_digests, token_hash
-from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.manifest import HandoffManifest, build_manifest
 from kvfence.integrity.verify import Expectation, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout, dtype_from_name
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import SlotStatus, TransferConfig
+from kvfence.transfer.base import SendHandle, SlotStatus, TransferConfig
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 
 
-def _raw_copy_seconds(payload: memoryview, sink: memoryview) -> float:
-    """One loopback TCP copy of `payload` into `sink` (sender thread -> receiver thread)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    done = threading.Event()
+def _make_layout(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str) -> KVLayout:
+    return KVLayout(
+        "LlamaForCausalLM",
+        num_layers,
+        (KVBufferSpec("k", (num_kv_heads, head_dim)), KVBufferSpec("v", (num_kv_heads, head_dim))),
+        page_size,
+        dtype_from_name(dtype),
+    )
 
-    def receive() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            got = 0
-            while got < len(sink):
-                k = conn.recv_into(sink[got:], len(sink) - got)
-                if k == 0:
-                    break
-                got += k
-        done.set()
 
-    t = threading.Thread(target=receive, daemon=True)
-    t.start()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _source_pool(layout: KVLayout, num_pages: int) -> KVPool:
+    src = KVPool(layout, num_pages)
+    g = torch.Generator().manual_seed(0)
+    for layer in src.tensors:
+        for t in layer.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return src
+
+
+class _Prefill:
+    """The sending side, in this process: raw copy, manifest, kvfence send."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig) -> None:
+        self.src = _source_pool(layout, num_pages)
+        self.pages = list(range(num_pages))
+        self.ids = list(range(num_pages * layout.page_size))
+        self.contiguous = bytearray(b"".join(b for p in self.pages for b in PageBytes(self.src).views(p)))
+        self.sender = TcpSender(self.src, cfg)
+        self.manifest: HandoffManifest | None = None
+        self.handle: SendHandle | None = None
+
+    def raw(self, port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(self.contiguous)
+
+    def manifest_for(self, rid: str, xid: str) -> tuple[bytes, float, float]:
+        """Build the manifest; returns (its bytes, digest-only seconds, manifest seconds)."""
         t0 = time.perf_counter()
-        s.sendall(payload)
-        done.wait()
-        elapsed = time.perf_counter() - t0
-    t.join()
-    listener.close()
-    return elapsed
+        page_digests(self.src, self.pages)
+        t1 = time.perf_counter()
+        self.manifest = build_manifest(rid, xid, self.ids, self.src, self.pages)
+        t2 = time.perf_counter()
+        return self.manifest.to_bytes(), t1 - t0, t2 - t1
+
+    def send(self, address: str) -> None:
+        assert self.manifest is not None
+        self.handle = self.sender.send(address, self.manifest, self.pages)
+
+    def wait(self) -> str:
+        assert self.handle is not None
+        self.handle.wait(30)
+        return self.handle.status.value
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _prefill_process(conn: Any, args: tuple) -> None:
+    """Child process: a `_Prefill` driven by (verb, *args) commands on a pipe."""
+    layout_desc, num_pages, cfg = args
+    prefill = _Prefill(KVLayout.from_description(layout_desc), num_pages, cfg)
+    conn.send("ready")
+    while True:
+        verb, *rest = conn.recv()
+        if verb == "quit":
+            prefill.close()
+            conn.send("bye")
+            return
+        conn.send(getattr(prefill, verb)(*rest))
+
+
+class _ChildPrefill:
+    """The same verbs as `_Prefill`, run in a child process (no GIL shared with the receiver)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_prefill_process, args=(child, (layout.describe(), num_pages, cfg)))
+        self.proc.start()
+        assert self.conn.recv() == "ready"
+
+    def __getattr__(self, verb: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.conn.send((verb, *args))
+            return self.conn.recv() if verb not in ("raw", "send") else None
+
+        return call
+
+    def done(self) -> Any:  # the reply of the last raw/send
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(("quit",))
+        self.conn.recv()
+        self.proc.join(10)
 
 
 def run_handoff_bench(
@@ -78,73 +150,81 @@ def run_handoff_bench(
     max_transfer_pages: int = 64,
     max_inflight_mb: int = 64,
     repeats: int = 5,
+    processes: bool = True,
     verbose: bool = True,
 ) -> dict[str, Any]:
-    """Time raw copy, kvfence TCP transfer, manifest and verification; returns the medians and ratios."""
-    layout = KVLayout(
-        "LlamaForCausalLM",
-        num_layers,
-        (KVBufferSpec("k", (num_kv_heads, head_dim)), KVBufferSpec("v", (num_kv_heads, head_dim))),
-        page_size,
-        dtype_from_name(dtype),
-    )
-    src, dst = KVPool(layout, num_pages), KVPool(layout, num_pages)
-    g = torch.Generator().manual_seed(0)
-    for layer in src.tensors:
-        for t in layer.values():
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    """Time raw copy, kvfence TCP transfer, manifest and verification; returns the medians and ratios.
+
+    processes=True: the sender (prefill) runs in a child process, the receiver (decode) here;
+    processes=False: both in this process, on threads (they then share the GIL).
+    """
+    layout = _make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype)
+    cfg = TransferConfig(max_transfer_pages=max_transfer_pages, max_inflight_bytes=max_inflight_mb << 20)
+    dst = KVPool(layout, num_pages)
     for layer in dst.tensors:
         for t in layer.values():
             t.fill_(1.0)  # touch every page so first-write page faults are not timed
     total = num_pages * layout.bytes_per_page
-    pages = list(range(num_pages))
-    dest = pages[::-1]  # a non-trivial page table
-    ids = list(range(num_pages * page_size))
-    expect_hash = token_hash(ids)
-
-    contiguous = bytearray(b"".join(b for p in pages for b in PageBytes(src).views(p)))
+    dest = list(range(num_pages))[::-1]  # a non-trivial page table
+    expect_hash = token_hash(list(range(num_pages * page_size)))
     sink = bytearray(total)
-    cfg = TransferConfig(max_transfer_pages=max_transfer_pages, max_inflight_bytes=max_inflight_mb << 20)
-    receiver, sender = TcpReceiver(dst), TcpSender(src, cfg)
+    prefill: Any = _ChildPrefill(layout, num_pages, cfg) if processes else _Prefill(layout, num_pages, cfg)
+    receiver = TcpReceiver(dst)
+    listener = socket.create_server(("127.0.0.1", 0))
 
     raw_s, tcp_s, digest_s, manifest_s, verify_s = [], [], [], [], []
     try:
         for r in range(repeats):
-            raw_s.append(_raw_copy_seconds(memoryview(contiguous), memoryview(sink)))
-
             t0 = time.perf_counter()
-            page_digests(src, pages)
-            digest_s.append(time.perf_counter() - t0)
+            if processes:
+                prefill.raw(listener.getsockname()[1])
+            else:
+                threading.Thread(target=prefill.raw, args=(listener.getsockname()[1],), daemon=True).start()
+            conn, _ = listener.accept()
+            with conn:
+                view, got = memoryview(sink), 0
+                while got < total:
+                    k = conn.recv_into(view[got:], total - got)
+                    assert k > 0, "raw sender closed early"
+                    got += k
+            raw_s.append(time.perf_counter() - t0)
+            if processes:
+                prefill.done()
 
             rid = f"bench-{r}"
-            t0 = time.perf_counter()
-            m = build_manifest(rid, f"x{r}", ids, src, pages)
-            manifest_s.append(time.perf_counter() - t0)
-
+            mbytes, d_s, m_s = prefill.manifest_for(rid, f"x{r}")
+            digest_s.append(d_s)
+            manifest_s.append(m_s)
+            m = HandoffManifest.from_bytes(mbytes)
             slot = receiver.expect(rid, dest)
             t0 = time.perf_counter()
-            handle = sender.send(receiver.address, m, pages)
+            prefill.send(receiver.address)
             while slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
-                time.sleep(0.0001)
+                time.sleep(0.0005)
             tcp_s.append(time.perf_counter() - t0)
             assert slot.status == SlotStatus.COMPLETE, (slot.status, slot.error)
+            if processes:
+                prefill.done()
 
             t0 = time.perf_counter()
-            res = verify_handoff(m, Expectation(rid, len(ids), expect_hash), layout, dest, slot.coverage, dst)
+            res = verify_handoff(m, Expectation(rid, m.num_tokens, expect_hash), layout, dest, slot.coverage, dst)
             verify_s.append(time.perf_counter() - t0)
             assert res.ok, res
             receiver.verdict(rid, True)
-            handle.wait(10)
+            assert prefill.wait() == "verified"
             receiver.forget(rid)
-        assert bytes(sink) == bytes(contiguous), "raw copy corrupted bytes"
+        landed = b"".join(dst.read_page(p) for p in dest)
+        assert landed == bytes(sink), "kvfence and the raw copy did not deliver the same bytes"
     finally:
-        sender.close()
+        prefill.close()
         receiver.close()
+        listener.close()
 
     med = {k: statistics.median(v) for k, v in
            dict(raw=raw_s, tcp=tcp_s, digest=digest_s, manifest=manifest_s, verify=verify_s).items()}  # fmt: skip
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     result = {
+        "mode": "two processes" if processes else "two threads",
         "layout": layout.describe(),
         "num_pages": num_pages,
         "bytes_per_page": layout.bytes_per_page,
@@ -168,7 +248,7 @@ def format_table(r: dict[str, Any]) -> str:
         f"KV handoff bench: {lay['architecture']} layout, {lay['num_layers']} layers x "
         f"{[b['name'] for b in lay['buffers']]} {lay['buffers'][0]['token_shape']} {lay['dtype']}, "
         f"page {lay['page_size']} tokens = {r['bytes_per_page'] / 1024:.0f} KiB, {r['num_pages']} pages = "
-        f"{r['total_bytes'] / 2**20:.0f} MiB; median of {r['repeats']}"
+        f"{r['total_bytes'] / 2**20:.0f} MiB; sender and receiver in {r['mode']}; median of {r['repeats']}"
     )
     rows = [
         ("raw socket copy (baseline)", "raw", "1.00"),
@@ -194,6 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-transfer-pages", type=int, default=64)
     p.add_argument("--max-inflight-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", action="store_true", help="run sender and receiver as threads of one process")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -207,6 +288,7 @@ def _run(args: argparse.Namespace) -> int:
         max_transfer_pages=args.max_transfer_pages,
         max_inflight_mb=args.max_inflight_mb,
         repeats=args.repeats,
+        processes=not args.threads,
     )
     return 0
 
