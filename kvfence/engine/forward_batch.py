@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ class ForwardBatch:
     kv_pages: torch.Tensor | None = None  # [B, P] int64, pages covering each context (P = ceil(K / page_size))
     mask_mode: str = "mask"  # "mask": attn_mask; "none": every key visible; "causal": top-left causal (Q == K)
     attn_bias: torch.Tensor | None = None  # [B, 1, Q, K] float32, 0 / -inf form of attn_mask (mask_mode "bias")
+    # The runner's per-layer copy of a steady decode batch's context (see engine.runner.DecodeContextCache):
+    # context_cache.context(flat_pool_view, fb) -> [B, Hkv, K, D]. None: attention gathers from the pool.
+    context_cache: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,26 +3,100 @@
 What it knows: how to turn the scheduler's chunks into a `ForwardBatch` (prefill
 chunks that do not reach the end of their prompt ask for no logits), run the model
 over the KV pool under `torch.inference_mode`, and hand the logits rows to the
-sampler. What it does not know: which requests should run, stop rules, or text.
+sampler. For a steady decode batch (the same requests as last step, each one token
+longer) it keeps a contiguous copy of the batch's context per layer, so a step
+appends one token instead of gathering every page again; the pool stays the only
+source of truth (the copy is rebuilt from it whenever the batch changes).
+
+What it does not know: which requests should run, stop rules, or text.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
+from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from kvfence.engine.request import Request
 from kvfence.engine.sampler import Sampler
 from kvfence.engine.scheduler import SchedulerOutput
 from kvfence.kv.pool import KVPool
+from kvfence.models.attention import gather_context
+
+DEFAULT_CONTEXT_CACHE_BYTES = 256 << 20
+
+
+class DecodeContextCache:
+    """Per-(layer, buffer) contiguous copies [B, Hkv, cap, D] of a decode batch's context.
+
+    Valid while the batch is the same Request objects in the same order, each exactly one
+    token longer than at the previous step; such a step appends each row's new token
+    (read back from the pool after the model stored it). Any other decode batch rebuilds
+    the copies from the pool; rows are zero past their length, so masking stays NaN-safe.
+    """
+
+    def __init__(self, bytes_per_token: int, max_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
+        self.bytes_per_token = bytes_per_token  # all layers and buffers of one token
+        self.max_bytes = max_bytes
+        self.requests: tuple[Request, ...] = ()
+        self.lens: torch.Tensor | None = None  # [B] context lengths the copies hold
+        self.cap = 0
+        self.bufs: dict[int, torch.Tensor] = {}  # data_ptr of a flat pool view -> [B, *shape[:1], cap, *shape[1:]]
+        self.num_rebuilds = 0
+
+    def invalidate(self) -> None:
+        self.requests, self.lens, self.bufs = (), None, {}
+
+    def prepare(self, requests: tuple[Request, ...], fb: ForwardBatch) -> bool:
+        """Before a decode forward: keep (append mode) or drop (rebuild) the copies; False: do not use them."""
+        K = int(fb.kv_slots.shape[1])
+        steady = (
+            self.lens is not None
+            and len(requests) == len(self.requests)
+            and all(a is b for a, b in zip(requests, self.requests, strict=True))
+            and K <= self.cap
+            and torch.equal(fb.kv_lens, self.lens + 1)
+        )
+        if not steady:
+            cap = -(-(K + 32) // 64) * 64  # room for a few dozen appends before the next rebuild
+            if len(requests) * cap * self.bytes_per_token > self.max_bytes:
+                self.invalidate()
+                return False
+            self.cap, self.bufs = cap, {}
+            self.num_rebuilds += 1
+        self.requests, self.lens = requests, fb.kv_lens
+        return True
+
+    def context(self, cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """cache: [S, H, D] flat pool view holding this step's K or V -> [B, H, K, D] (a view)."""
+        K = int(fb.kv_slots.shape[1])
+        buf = self.bufs.get(cache.data_ptr())
+        if buf is None:
+            ctx = gather_context(cache, fb)  # [B, K, H, D], zero past each length
+            buf = cache.new_zeros(ctx.shape[0], ctx.shape[2], self.cap, *ctx.shape[3:])  # [B, H, cap, D]
+            buf[:, :, :K] = ctx.transpose(1, 2)
+            self.bufs[cache.data_ptr()] = buf
+        else:
+            rows = torch.arange(buf.shape[0], device=buf.device)
+            buf[rows, :, fb.positions] = cache[fb.slot_mapping]  # [B, H, D]: each row's new token
+        return buf[:, :, :K]
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: torch.device | str = "cpu",
+        context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.page_size = pool.page_size
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.context_cache = DecodeContextCache(pool.layout.bytes_per_token, context_cache_bytes)
 
     def execute(self, output: SchedulerOutput) -> list[int | None]:
         """One forward over every scheduled chunk; a token per chunk that samples, None for the others."""
@@ -32,6 +106,10 @@ class ModelRunner:
             ids = req.token_ids[c.start : c.start + c.num_tokens]
             chunks.append(SeqChunk(ids, c.start, req.page_table, "last" if c.sample else "none"))
         fb = build_forward_batch(chunks, self.page_size, self.device)
+        if fb.is_decode and self.context_cache.prepare(tuple(c.request for c in output.chunks), fb):
+            fb = dataclasses.replace(fb, context_cache=self.context_cache)
+        else:
+            self.context_cache.invalidate()
         sampling = [c.request for c in output.chunks if c.sample]
         with torch.inference_mode():
             logits = self.model.forward(fb, self.pool)  # [N, V] float32, N = len(sampling)

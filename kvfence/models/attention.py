@@ -21,19 +21,28 @@ def store_kv(cache: torch.Tensor, new: torch.Tensor, fb: ForwardBatch) -> None:
     cache.index_copy_(0, fb.slot_mapping, new.to(cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """cache: [S, *shape] -> each sequence's context [B, K, *shape].
+def gather_context(cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """cache: [S, *shape] -> each sequence's context [B, K, *shape], zero past each sequence's length.
 
     Whole pages are copied when the batch lists them (a few large copies instead of one
-    small copy per slot), then cut to K; otherwise slot by slot.
+    small copy per slot), then cut to K; otherwise slot by slot. Positions past a
+    sequence's length (its last page's tail, padding pages) may hold anything, NaN
+    poison included, and a masked NaN still turns softmax @ V into NaN, so ragged
+    batches get them zeroed.
     """
     if fb.kv_pages is None or not fb.page_size:
-        return cache[fb.kv_slots]
-    B, P = fb.kv_pages.shape
-    K = fb.kv_slots.shape[1]
-    pages = cache.view(-1, fb.page_size, *cache.shape[1:])  # [num_pages, page_size, *shape]
-    ctx = pages.index_select(0, fb.kv_pages.view(-1))  # [B * P, page_size, *shape]
-    return ctx.view(B, P * fb.page_size, *cache.shape[1:])[:, :K]  # [B, K, *shape]
+        ctx = cache[fb.kv_slots]  # [B, K, *shape]
+    else:
+        B, P = fb.kv_pages.shape
+        K = fb.kv_slots.shape[1]
+        pages = cache.view(-1, fb.page_size, *cache.shape[1:])  # [num_pages, page_size, *shape]
+        ctx = pages.index_select(0, fb.kv_pages.view(-1))  # [B * P, page_size, *shape]
+        ctx = ctx.view(B, P * fb.page_size, *cache.shape[1:])[:, :K]  # [B, K, *shape]
+    if fb.mask_mode not in ("none", "causal"):  # some sequence is shorter than K
+        K = ctx.shape[1]
+        beyond = torch.arange(K, device=ctx.device)[None, :] >= fb.kv_lens[:, None]  # [B, K]
+        ctx = ctx.masked_fill(beyond.view(*beyond.shape, *([1] * (ctx.dim() - 2))), 0)
+    return ctx
 
 
 def paged_attention(
@@ -42,12 +51,18 @@ def paged_attention(
     """Causal attention of new queries over each sequence's context in the pool.
 
     q: [T, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] (already holding this
-    forward's K/V). Returns [T, H, Dv].
+    forward's K/V). Returns [T, H, Dv]. When the batch carries a `context_cache` (the
+    runner's copy of a steady decode batch's context, kept across steps), K/V come
+    from it instead of a fresh gather from the pool.
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
-    k = _gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
-    v = _gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
+    if fb.context_cache is not None:
+        k = fb.context_cache.context(k_cache, fb)  # [B, Hkv, K, D]
+        v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
+    else:
+        k = gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
+        v = gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
     if fb.is_decode:
         qp = q[:, :, None, :]  # [B, H, 1, D]: with one token per sequence, row b is sequence b
     else:

@@ -1,0 +1,301 @@
+"""LLMEngine on a tiny random Llama: greedy tokens equal transformers' generate, and every
+scheduling path (batching, chunked prefill, preemption, poisoned pages, prefill-only +
+prefilled handoff) gives the same tokens; sampling, stop strings, aborts and bad input.
+Pool conservation (`allocator.check()`, pages back to baseline) is checked after every scenario.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.errors import ContextLengthExceededError, InvalidRequestError
+from kvfence.models.loader import load_model
+
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir: Path) -> Any:
+    return load_model(tiny_llama_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir: Path) -> Any:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def make_engine(
+    loaded: Any,
+    *,
+    max_total_tokens: int | None = None,
+    page_size: int = 16,
+    context_length: int | None = None,
+    **sched: Any,
+) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(str(loaded.model_dir)),
+        cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens),
+        scheduler=SchedulerConfig(**sched),
+        context_length=context_length,
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)), generation_config=gc)
+    return out[0, len(prompt) :].tolist()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """Run to completion, checking conservation after every step and pages back to baseline at the end."""
+    free0 = engine.allocator.num_free
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+        engine.add_request(f"r{i}", sampling_params=sp, prompt_token_ids=p)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        engine.allocator.check()
+    assert engine.allocator.num_free == free0 == engine.allocator.num_pages
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 2000) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+LENGTHS = [5, 17, 33, 1, 64, 9, 40, 23]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model: Any) -> list[list[int]]:
+    """transformers generate, one prompt at a time: the oracle for every greedy test below."""
+    return [hf_greedy(hf_model, p, MAX_NEW) for p in prompts_of(LENGTHS)]
+
+
+# --- greedy equals transformers -------------------------------------------------------------------------
+
+
+def test_batch_of_one_matches_transformers_generate(loaded: Any, reference: list[list[int]]) -> None:
+    engine = make_engine(loaded)
+    for prompt, want in zip(prompts_of(LENGTHS)[:3], reference[:3], strict=True):
+        assert run(engine, [prompt], GREEDY) == [want]
+
+
+def test_batch_of_eight_mixed_lengths_matches_transformers_generate(loaded: Any, reference: list[list[int]]) -> None:
+    assert run(make_engine(loaded), prompts_of(LENGTHS), GREEDY) == reference
+
+
+def test_chunked_prefill_on_and_off_give_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
+    chunked = make_engine(loaded, chunked_prefill_size=8, max_num_batched_tokens=32)
+    whole = make_engine(loaded, chunked_prefill_size=None, max_num_batched_tokens=2048)
+    assert run(chunked, prompts_of(LENGTHS), GREEDY) == reference
+    assert run(whole, prompts_of(LENGTHS), GREEDY) == reference
+
+
+def test_forced_preemption_gives_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
+    # 16 pages of 8 tokens for 8 requests needing up to 10 pages each: preemption is unavoidable
+    engine = make_engine(loaded, max_total_tokens=128, page_size=8, context_length=128, chunked_prefill_size=32)
+    assert run(engine, prompts_of(LENGTHS), GREEDY) == reference
+    assert engine.stats().num_preemptions > 0
+
+
+def test_pages_full_of_nan_poison_change_nothing(loaded: Any, reference: list[list[int]]) -> None:
+    """Every slot attention reads was written for the reading request; stale/poisoned bytes never leak in."""
+    engine = make_engine(loaded, page_size=8, chunked_prefill_size=8, max_num_batched_tokens=40)
+    engine.pool.poison(range(engine.pool.num_pages))
+    assert run(engine, prompts_of(LENGTHS), GREEDY) == reference
+
+
+def test_requests_joining_mid_run_get_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
+    engine = make_engine(loaded, max_num_batched_tokens=48, chunked_prefill_size=16)
+    prompts = prompts_of(LENGTHS)
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:  # one new request every step, while others decode
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", sampling_params=GREEDY, prompt_token_ids=p)
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        engine.allocator.check()
+    assert [out[f"r{i}"] for i in range(len(prompts))] == reference
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+# --- disaggregation hooks: prefill-only on one engine, prefilled decode on another -----------------------
+
+
+def test_prefill_only_then_prefilled_decode_equals_aggregated(loaded: Any, reference: list[list[int]]) -> None:
+    prefill, decode = make_engine(loaded, page_size=8), make_engine(loaded, page_size=8)
+    decode.pool.poison(range(decode.pool.num_pages))  # any page not copied over would show up as NaN
+    prompts = prompts_of(LENGTHS)
+    for i, p in enumerate(prompts):
+        prefill.add_request(f"r{i}", sampling_params=GREEDY, prompt_token_ids=p, prefill_only=True)
+    firsts: dict[str, int] = {}
+    while prefill.has_unfinished_requests():
+        for o in prefill.step():
+            assert o.finished and o.finish_reason == "prefill_done" and len(o.new_token_ids) == 1
+            firsts[o.request_id] = o.new_token_ids[0]
+    assert prefill.stats().num_held == len(prompts)
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        src = prefill.held_pages(rid)
+        dst = decode.reserve(rid, len(p))
+        assert dst is not None and len(dst) == len(src) == -(-len(p) // 8)
+        for s, d in zip(src, dst, strict=True):
+            decode.pool.write_page(d, prefill.pool.read_page(s))
+        assert prefill.release(rid) == src
+        decode.add_prefilled_request(rid, p, firsts[rid], GREEDY, page_table=dst)
+    assert prefill.allocator.num_free == prefill.allocator.num_pages
+    out: dict[str, list[int]] = {}
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        decode.allocator.check()
+    assert [out[f"r{i}"] for i in range(len(prompts))] == reference
+    assert decode.allocator.num_free == decode.allocator.num_pages
+
+
+def test_reserve_refuses_when_the_pool_is_short_and_release_undoes_it(loaded: Any) -> None:
+    engine = make_engine(loaded, max_total_tokens=2048, page_size=16)  # 128 pages
+    assert engine.reserve("a", 2000) is not None  # 125 pages
+    assert engine.reserve("b", 100) is None  # 7 pages needed, 3 free
+    assert len(engine.release("a")) == 125 and engine.allocator.num_free == 128
+    engine.allocator.check()
+
+
+def test_prefilled_request_with_wrong_page_table_is_refused(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    pages = engine.reserve("a", 20)
+    with pytest.raises(InvalidRequestError, match="does not match"):
+        engine.add_prefilled_request("a", list(range(10, 30)), 5, GREEDY, page_table=list(reversed(pages)))
+    engine.release("a")
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+# --- sampling, stop strings, text -----------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(loaded: Any) -> None:
+    prompts = prompts_of([12, 30, 7])
+    kw = dict(temperature=0.9, top_p=0.95, top_k=50, max_tokens=16, ignore_eos=True)
+    sp = [SamplingParams(seed=s, **kw) for s in (1, 2, 3)]
+    batched = run(make_engine(loaded), prompts, sp)
+    alone = [run(make_engine(loaded), [p], [s])[0] for p, s in zip(prompts, sp, strict=True)]
+    assert batched == alone
+    other_seed = SamplingParams(seed=99, **kw)
+    assert run(make_engine(loaded), [prompts[0]], other_seed)[0] != alone[0]
+
+
+def test_text_deltas_join_to_the_decoded_tokens(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    (c,) = engine.generate(["the cache page is"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert len(c.token_ids) == 20 and c.finish_reason == "length"
+    assert c.text == loaded.tokenizer.decode(c.token_ids)
+
+
+def test_stop_string_is_cut_from_the_text_and_finishes_the_request(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    prompt = "the cache page is"
+    (full,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert len(stop) == 3
+    first = full.text.find(stop)
+    (c,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full.text[:first]
+    assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 20
+    assert loaded.tokenizer.decode(c.token_ids).startswith(c.text + stop)
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_stop_token_id_and_eos(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    (full,) = engine.generate(["hello there"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop_id = full.token_ids[5]
+    (c,) = engine.generate(["hello there"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))
+    k = full.token_ids.index(stop_id)
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id and c.token_ids == full.token_ids[: k + 1]
+    eos = next(iter(loaded.tokenizer.eos_token_ids))
+    engine.scheduler.eos_token_ids = frozenset([stop_id])  # pretend it is an eos token
+    (e,) = engine.generate(["hello there"], SamplingParams(temperature=0, max_tokens=12))
+    assert e.finish_reason == "stop" and e.token_ids == full.token_ids[: k + 1]
+    (i,) = engine.generate(["hello there"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert i.token_ids == full.token_ids and eos is not None
+
+
+# --- abort and bad input --------------------------------------------------------------------------------
+
+
+def test_abort_at_any_time_frees_pages(loaded: Any) -> None:
+    engine = make_engine(loaded, max_num_batched_tokens=32, chunked_prefill_size=16)
+    for i, p in enumerate(prompts_of([40, 40, 40, 5])):
+        engine.add_request(f"r{i}", sampling_params=GREEDY, prompt_token_ids=p)
+    engine.step()  # r0 mid-prefill, the rest waiting
+    assert engine.abort_request("r0") and engine.abort_request("r3")
+    engine.allocator.check()
+    for _ in range(5):
+        engine.step()
+    assert engine.abort_request("r1")  # decoding now
+    assert not engine.abort_request("r1") and not engine.abort_request("nope")
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        assert all(o.request_id == "r2" for o in outs)
+        engine.allocator.check()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+
+
+def test_bad_requests_raise_clear_errors(loaded: Any) -> None:
+    engine = make_engine(loaded, max_total_tokens=4096)
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        engine.add_request("a", "")
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        engine.add_request("a", prompt_token_ids=[])
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.add_request("a", "hi", SamplingParams(max_tokens=0))
+    with pytest.raises(ContextLengthExceededError, match="3000 tokens but the context length is 2048"):
+        engine.add_request("a", prompt_token_ids=[5] * 3000)
+    with pytest.raises(InvalidRequestError, match="do not fit in the KV pool of 4096 tokens"):
+        engine.add_request("a", prompt_token_ids=[5] * 100, sampling_params=SamplingParams(max_tokens=5000))
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request("a", prompt_token_ids=[5, 10**6])
+    engine.add_request("a", "hi")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", "hi")
+    engine.abort_request("a")
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_prompt_of_exactly_the_context_length_gets_one_token(loaded: Any) -> None:
+    engine = make_engine(loaded, context_length=64)
+    (c,) = engine.generate([[7] * 64], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(c.token_ids) == 1 and c.finish_reason == "length"
+
+
+def test_stats_count_requests_and_pages(loaded: Any) -> None:
+    engine = make_engine(loaded, max_total_tokens=1024, page_size=16, context_length=1024, max_num_seqs=1)
+    engine.add_request("a", prompt_token_ids=[5] * 20, sampling_params=GREEDY)
+    engine.add_request("b", prompt_token_ids=[5] * 20, sampling_params=GREEDY)
+    engine.step()
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.num_pages) == (1, 1, 64)
+    assert s.num_used_pages == 2 and s.num_free_pages == 62
