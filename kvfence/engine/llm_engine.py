@@ -286,23 +286,22 @@ class LLMEngine:
 
     def _make_output(self, req: Request) -> RequestOutput:
         state = self._outputs[req.request_id]
-        start = req.num_prompt_tokens + state.num_sent
-        new_ids = req.token_ids[start:]
+        ids = req.token_ids
+        new_ids = ids[req.num_prompt_tokens + state.num_sent :]
         state.num_sent += len(new_ids)
-        new_text = ""
-        if state.detok is not None:
-            new_text = self._text_delta(req, state, new_ids)
-        if req.is_finished:
+        new_text = self._text_delta(req, state, new_ids) if state.detok is not None else ""
+        finish_reason = req.finish_reason  # after _text_delta: a stop string may have finished it
+        if finish_reason is not None:
             del self._outputs[req.request_id]
         return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            stop_reason=req.stop_reason,
+            req.request_id,
+            new_ids,
+            new_text,
+            finish_reason is not None,
+            finish_reason,
+            req.num_prompt_tokens,
+            len(ids) - req.num_prompt_tokens,
+            req.stop_reason,
         )
 
     def _text_delta(self, req: Request, state: _OutputState, new_ids: list[int]) -> str:
@@ -360,7 +359,8 @@ class LLMEngine:
                 prompt_ids = self._tokenize(prompt, None) if isinstance(prompt, str) else self._tokenize(None, prompt)
                 self.add_request(rid, sampling_params=params, prompt_token_ids=prompt_ids)
                 results[rid] = Completion(rid, prompt_ids, [], "", "")
-            while len([c for c in results.values() if c.finish_reason]) < len(ids):
+            num_done = 0
+            while num_done < len(ids):
                 outs = self.step()
                 if not outs and not self.scheduler.running and self.scheduler.waiting:
                     raise KvfenceError(
@@ -375,6 +375,7 @@ class LLMEngine:
                     c.text += o.new_text
                     if o.finished:
                         c.finish_reason, c.stop_reason = o.finish_reason or "", o.stop_reason
+                        num_done += 1
         except BaseException:
             for rid in ids:
                 self.abort_request(rid)

@@ -29,7 +29,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED_"))
 
 
 class Request:
@@ -93,11 +96,11 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.is_finished else None
+        return self.status.value if self.status in _FINISHED else None
 
     def __repr__(self) -> str:
         return (
