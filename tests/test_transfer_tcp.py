@@ -167,3 +167,23 @@ def test_mooncake_backend_raises_a_clear_error() -> None:
     for cls in (MooncakeSender, MooncakeReceiver):
         with pytest.raises(KvfenceError, match=f"Mooncake backend not available: {expected}"):
             cls()
+
+
+def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -> None:
+    src, d_pool, d_alloc = seeded_pool(4), KVPool(LAYOUT, N), PageAllocator(N)
+    receiver = TcpReceiver(d_pool)
+    ids = list(range(8))
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec.start()
+    before = [d_pool.read_page(p) for p in dec.pages]
+    bpp = LAYOUT.bytes_per_page
+    with socket.create_connection(parse_address(receiver.address)) as s:
+        s.sendall(
+            _frame({"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, src, [0, 1]).to_bytes())
+        )
+        s.sendall(_frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp)))
+        assert s.recv(1) == b""  # the receiver hung up
+    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    assert dec.record.reason == "transfer_error"
+    assert [d_pool.read_page(p) for p in dec.pages] == before  # nothing of the oversized page was written
+    receiver.close()

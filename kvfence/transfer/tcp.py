@@ -44,6 +44,7 @@ from kvfence.transfer.base import (
 _PREFIX = struct.Struct("<II")
 _IOV_MAX = 512
 _SCRATCH = 1 << 20
+_MAX_CONTROL_PAYLOAD = 256 << 20  # a manifest of ~10M pages; anything larger is a broken peer
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -164,6 +165,7 @@ class TcpReceiver:
 
     def _conn_loop(self, conn: _Conn) -> None:
         scratch = memoryview(bytearray(_SCRATCH))  # per connection: discarded bytes land here
+        bpp = self.core.pool.layout.bytes_per_page
 
         def discard(n: int) -> None:
             while n > 0:
@@ -203,10 +205,15 @@ class TcpReceiver:
                 header, plen = got
                 if header.get("t") == "pages":
                     rid, xid = str(header["rid"]), str(header["xid"])
-                    for idx, nb in zip(header["idx"], header["nb"], strict=True):
+                    sizes = [int(nb) for nb in header["nb"]]
+                    if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
+                        raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
+                    for idx, nb in zip(header["idx"], sizes, strict=True):
                         self.core.receive_page(rid, xid, int(idx), int(nb), fill)
                     conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
                 else:
+                    if plen > _MAX_CONTROL_PAYLOAD:
+                        raise ValueError(f"{header.get('t')!r} frame of {plen} bytes is too large")
                     payload = _recv_exact(conn.sock, plen) if plen else b""
                     self.core.on_frame(conn, header, payload)
         except (ConnectionError, OSError, ValueError):
