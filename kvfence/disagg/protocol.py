@@ -378,7 +378,7 @@ class ZmqHub:
         self.closed = True
         with self._lock:
             self._flush()
-            self._sock.close(0)
+            self._sock.close(linger=1000)  # let queued messages (Shutdown) reach the workers
             self._ctx.term()
             self._wake_r.close()
             self._wake_w.close()

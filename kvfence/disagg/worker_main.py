@@ -340,6 +340,7 @@ def run_worker_role(args: argparse.Namespace) -> int:
         run_worker(worker, channel, stop=stop, orphan_check=args.exit_with_parent)
     finally:
         channel.close()
+    logger.info("%s: stopped", args.role)
     return 0
 
 
@@ -413,4 +414,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is closed by now; skip the interpreter's slow teardown of torch (seconds per process).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
