@@ -257,7 +257,7 @@ def test_tokenizer_matches_transformers(tiny_llama_dir: Path) -> None:
     ours = Tokenizer.from_dir(tiny_llama_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True)
     text = "Step 42: verify the digest (99%) of every page — naïve café ✓."
-    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert ours.encode(text) == theirs.encode(text)
     assert ours.decode(ours.encode(text)) == text
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -305,3 +305,22 @@ def test_stream_decoder_reassembles_multibyte_text(tiny_llama_dir: Path) -> None
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
     assert sum(1 for p in pieces if p == "") > 0  # some multi-byte characters span several byte tokens
+
+
+def test_post_processor_bos_on_plain_prompts_not_on_chat(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A tokenizer whose post-processor adds BOS (as Llama 3's does): plain encode gets one, chat gets one."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.processors import TemplateProcessing
+
+    d = copy_model(tiny_llama_dir, tmp_path / "m")
+    backend = Backend.from_file(str(d / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
+    backend.save(str(d / "tokenizer.json"))
+    ours = Tokenizer.from_dir(d)
+    theirs = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
+    assert ours.encode("hello world") == theirs.encode("hello world") == [1, *ours.encode("hello world", False)]
+    chat = ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat[0] == 1 and chat[1] != 1  # the template's BOS only
+    assert chat == list(
+        theirs.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False)
+    )

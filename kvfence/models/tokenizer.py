@@ -145,7 +145,9 @@ class Tokenizer:
         text = self.special_tokens.get("pad_token")
         return None if text is None else self.backend.token_to_id(text)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`. add_special_tokens applies the tokenizer's own post-processor (e.g. a Llama 3
+        BOS), as transformers does by default for a plain prompt; chat templates write their own."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
