@@ -130,6 +130,19 @@ def test_text_and_stop_strings_come_from_decode(loaded: Any) -> None:
     assert "".join(c.text for c in chunks) == ref.text and tokens(chunks) == ref.token_ids
 
 
+def test_seeded_sampling_matches_the_aggregated_engine(loaded: Any) -> None:
+    rng = random.Random(9)
+    reqs: list[Req] = [
+        (f"s{i}", prompt_of(rng, 10 + 13 * i), SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=100 + i))
+        for i in range(4)
+    ]
+    with deploy(loaded) as dep:
+        got = run(dep, reqs)
+        assert_baseline(dep)
+    want = reference(loaded, reqs)
+    assert all(tokens(got[rid]) == want[rid] for rid, _, _ in reqs)
+
+
 def test_one_record_per_request_logged_as_json(loaded: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="kvfence.integrity")
     with deploy(loaded) as dep:
@@ -241,7 +254,7 @@ def test_client_disconnect_mid_decode_frees_both_sides(loaded: Any) -> None:
 
 def test_router_abort_before_the_handoff_frees_both_sides(loaded: Any) -> None:
     with deploy(loaded) as dep:
-        # prefill holds its orders (never runs them) so the abort lands while decode waits for pages
+        # prefill holds its orders (never runs them): the abort lands while decode waits for the KV
         held: list[P.Message] = []
         real = dep.prefill.handle
         dep.prefill.handle = lambda m: held.append(m) if isinstance(m, P.PrefillOrder) else real(m)  # type: ignore[method-assign]

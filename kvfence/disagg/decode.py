@@ -304,8 +304,22 @@ class DecodeWorker:
             self.engine.release(rid)
             self._out(P.RequestFailed(rid, self.role, f"cannot admit the request: {e}", integrity=record))
             return
+        self._skip_first_draw(rid)
         self.running[rid] = _Running(record)
         self._out(P.HandoffSettled(rid, verified=True))
+
+    def _skip_first_draw(self, rid: str) -> None:
+        """A seeded request's generator has already made one draw on prefill (the first token).
+
+        The sampler takes one uniform draw per token from the request's own generator, so
+        advancing decode's fresh generator by one draw makes a seeded request produce the
+        same tokens as it would in one engine.
+        """
+        import torch
+
+        req = self.engine.scheduler.requests.get(rid)
+        if req is not None and req.generator is not None and req.sampling_params.seed is not None:
+            torch.rand((), generator=req.generator)
 
     def _end(self, rid: str, inc: _Incoming) -> None:
         """A handoff that failed or was aborted: report once, keep polling until its quarantine ends."""
