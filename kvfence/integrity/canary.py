@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 import xxhash
 
+from kvfence.integrity.digest import PageBytes
 from kvfence.kv.pool import KVPool
 
 CANARY_SAMPLES = 8  # sampled bytes per (page, layer, buffer)
@@ -59,18 +59,12 @@ def canary_offsets(
 
 def _gather(pool: KVPool, pages: Sequence[int], request_id: str, samples: int) -> np.ndarray:
     """Sampled bytes [P, num_slices * samples] of `pages` (logical order) in `pool`."""
-    layout = pool.layout
-    idx = torch.as_tensor(list(pages), dtype=torch.long)  # [P]
-    cols: list[torch.Tensor] = []
-    slice_index = 0
-    for layer in range(layout.num_layers):
-        for spec in layout.buffers:
-            t = pool.tensors[layer][spec.name]  # [num_pages, page_size, *token_shape]
-            flat = t.view(torch.uint8).view(t.shape[0], -1)  # [num_pages, slice_bytes]
-            offs = canary_offsets(request_id, slice_index, flat.shape[1], len(idx), samples)  # [P, K]
-            cols.append(flat[idx[:, None], torch.from_numpy(offs)])  # [P, K]
-            slice_index += 1
-    return torch.cat(cols, dim=1).cpu().numpy()  # [P, S * K]
+    rows = np.asarray(pages, dtype=np.int64)[:, None]  # [P, 1]
+    cols: list[np.ndarray] = []
+    for slice_index, flat in enumerate(PageBytes(pool).slices):  # flat: [num_pages, slice_bytes], layout order
+        offs = canary_offsets(request_id, slice_index, flat.shape[1], len(rows), samples)  # [P, K]
+        cols.append(flat[rows, offs])  # [P, K]
+    return np.concatenate(cols, axis=1)  # [P, S * K]
 
 
 def compute_canaries(pool: KVPool, pages: Sequence[int], request_id: str, samples: int = CANARY_SAMPLES) -> list[int]:
