@@ -783,6 +783,8 @@ def write_plot(runs: Sequence[TargetRun], path: str | os.PathLike[str]) -> None:
     ax.bar(x - 0.2, out_tp, 0.4, label="output tok/s")
     ax2 = ax.twinx()
     ax2.bar(x + 0.2, req_tp, 0.4, color="tab:orange", label="req/s")
+    ax.set_ylim(0, 1.3 * max(out_tp + [1e-9]))  # head room for the legends
+    ax2.set_ylim(0, 1.3 * max(req_tp + [1e-9]))
     ax.set_xticks(x, [r.label for r in runs])
     ax.set_ylabel("output tokens / s")
     ax2.set_ylabel("requests / s")
