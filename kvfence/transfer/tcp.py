@@ -136,6 +136,7 @@ class TcpReceiver:
         self._listener = socket.create_server((host, port))
         self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
         self._conns: list[_Conn] = []
+        self._threads: list[threading.Thread] = []
         self.closed = False
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfence-tcp-accept", daemon=True)
         self._accept_thread.start()
@@ -161,7 +162,9 @@ class TcpReceiver:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock)
             self._conns.append(conn)
-            threading.Thread(target=self._conn_loop, args=(conn,), name="kvfence-tcp-recv", daemon=True).start()
+            t = threading.Thread(target=self._conn_loop, args=(conn,), name="kvfence-tcp-recv", daemon=True)
+            self._threads.append(t)
+            t.start()
 
     def _conn_loop(self, conn: _Conn) -> None:
         scratch = memoryview(bytearray(_SCRATCH))  # per connection: discarded bytes land here
@@ -223,12 +226,20 @@ class TcpReceiver:
             self.core.link_closed(conn)
 
     def close(self) -> None:
+        """Stop listening, drop every connection (their slots settle) and wait for the threads to end."""
         if self.closed:
             return
         self.closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in the accept thread
+        except OSError:
+            pass
         self._listener.close()
         for conn in list(self._conns):
             conn.close()
+        self._accept_thread.join(timeout=5)
+        for t in list(self._threads):
+            t.join(timeout=5)
 
 
 class TcpSender:
@@ -240,6 +251,7 @@ class TcpSender:
         self.faults = faults
         self.core = SenderCore()
         self._conns: dict[str, _Conn] = {}
+        self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _connect(self, address: str) -> _Conn:
@@ -252,7 +264,9 @@ class TcpSender:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock)
             self._conns[address] = conn
-            threading.Thread(target=self._reader, args=(conn,), name="kvfence-tcp-acks", daemon=True).start()
+            t = threading.Thread(target=self._reader, args=(conn,), name="kvfence-tcp-acks", daemon=True)
+            self._readers.append(t)
+            t.start()
             return conn
 
     def _reader(self, conn: _Conn) -> None:
@@ -294,3 +308,5 @@ class TcpSender:
             conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             conn.close()
+        for t in self._readers:
+            t.join(timeout=5)
