@@ -64,7 +64,9 @@ def paged_attention(
         k = gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
         v = gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
     if fb.is_decode:
-        qp = q[:, :, None, :]  # [B, H, 1, D]: with one token per sequence, row b is sequence b
+        # one token per sequence, row b is sequence b; query heads grouped by their KV head (h // G),
+        # which is what enable_gqa would do, minus its overhead: [B, Hkv, G, D]
+        qp = q.reshape(T, Hkv, H // Hkv, q.shape[-1])
     else:
         qp = q[fb.q_index].transpose(1, 2)  # [B, H, Q, D]
     # A boolean mask sends CPU SDPA down a slow path; the batch says when none is needed
@@ -81,8 +83,8 @@ def paged_attention(
     # GQA: SDPA maps query head h to KV head h // (H // Hkv) itself; copying K/V H // Hkv times
     # (repeat_interleave) costs more than the attention on CPU at long contexts.
     out = F.scaled_dot_product_attention(
-        qp.to(k.dtype), k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=Hkv != H
-    )  # [B, H, Q, Dv]
+        qp.to(k.dtype), k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=Hkv != H and not fb.is_decode
+    )  # [B, H, Q, Dv] ([B, Hkv, G, Dv] for decode)
     if fb.is_decode:
-        return out[:, :, 0].to(q.dtype)  # [T, H, Dv]
+        return out.reshape(T, H, out.shape[-1]).to(q.dtype)  # [T, H, Dv]
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
