@@ -245,3 +245,18 @@ def test_launched_deployment_serves_http_and_goes_down_together(launched: Launch
     assert launched.watch() == 1  # noticed the death and stopped the others
     assert all(p.poll() is not None for p in launched.procs.values())
     assert launched.procs["decode"].returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_end_to_end_bench_runs_both_modes_and_reports_a_ratio(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from kvfence.disagg.bench_e2e import main as bench_main
+
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_llama_dir), "--num-requests", "4", "--input-len", "32", "--output-len", "4"]
+    assert bench_main([*argv, "--rounds", "2", "--context-length", "256", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["identical_tokens_on_vs_off"] is True
+    assert len(result["paired_ratios_on_over_off"]) == 2 and result["throughput_ratio_on_over_off"] > 0
+    assert {r["mode"] for r in result["rounds"]} == {"verify_on", "verify_off"}
