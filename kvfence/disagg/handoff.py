@@ -67,21 +67,21 @@ class PrefillState(str, Enum):
     FAILED = "failed"
 
 
-D, P = DecodeState, PrefillState
+_D, _P = DecodeState, PrefillState
 DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
-    D.WAITING: frozenset({D.TRANSFERRING, D.FAILED, D.ABORTED}),
-    D.TRANSFERRING: frozenset({D.VERIFYING, D.FAILED, D.ABORTED}),
-    D.VERIFYING: frozenset({D.READY, D.FAILED}),
-    D.READY: frozenset(),
-    D.FAILED: frozenset(),
-    D.ABORTED: frozenset(),
+    _D.WAITING: frozenset({_D.TRANSFERRING, _D.FAILED, _D.ABORTED}),
+    _D.TRANSFERRING: frozenset({_D.VERIFYING, _D.FAILED, _D.ABORTED}),
+    _D.VERIFYING: frozenset({_D.READY, _D.FAILED}),
+    _D.READY: frozenset(),
+    _D.FAILED: frozenset(),
+    _D.ABORTED: frozenset(),
 }
 PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
-    P.PREFILLING: frozenset({P.SENDING, P.FAILED}),
-    P.SENDING: frozenset({P.AWAITING_ACK, P.FAILED}),
-    P.AWAITING_ACK: frozenset({P.RELEASED, P.FAILED}),
-    P.RELEASED: frozenset(),
-    P.FAILED: frozenset(),
+    _P.PREFILLING: frozenset({_P.SENDING, _P.FAILED}),
+    _P.SENDING: frozenset({_P.AWAITING_ACK, _P.FAILED}),
+    _P.AWAITING_ACK: frozenset({_P.RELEASED, _P.FAILED}),
+    _P.RELEASED: frozenset(),
+    _P.FAILED: frozenset(),
 }
 
 
@@ -132,7 +132,7 @@ class DecodeHandoff:
         self.metrics = metrics
         self.transfer_id = transfer_id
         self.clock = clock
-        self._m = _Machine(D.WAITING, DECODE_TRANSITIONS, clock)
+        self._m = _Machine(_D.WAITING, DECODE_TRANSITIONS, clock)
         self.num_pages = pages_for_tokens(expect.num_tokens, pool.page_size)
         self.pages: list[int] = []
         self.slot: ReceiveSlot | None = None
@@ -159,7 +159,7 @@ class DecodeHandoff:
     @property
     def settled(self) -> bool:
         """READY, or ended and its pages are back in the free list."""
-        return self.state == D.READY or (self.state in (D.FAILED, D.ABORTED) and self.released)
+        return self.state == _D.READY or (self.state in (_D.FAILED, _D.ABORTED) and self.released)
 
     # -- paired verbs ----------------------------------------------------------------------------------------
     def can_start(self) -> bool:
@@ -175,33 +175,33 @@ class DecodeHandoff:
 
     def abort(self, reason: str = "aborted by decode") -> None:
         """Give up (client gone, router abort): tell the sender, quarantine the pages."""
-        if self.state in (D.WAITING, D.TRANSFERRING):
+        if self.state in (_D.WAITING, _D.TRANSFERRING):
             self.receiver.abort(self.request_id, reason)
-            self._end(D.ABORTED, VerifyResult(False, Reason.ABORTED, reason, 0, 0))
+            self._end(_D.ABORTED, VerifyResult(False, Reason.ABORTED, reason, 0, 0))
 
     def poll(self) -> DecodeState:
         """Advance as far as the transfer allows; never blocks. Returns the state."""
         assert self.slot is not None, "poll() before start()"
         slot, now = self.slot, self.clock()
         status = slot.status  # read once: the transport thread may move it on meanwhile
-        if self.state == D.WAITING and status != SlotStatus.WAITING:
-            self._m.go(D.TRANSFERRING)
-        if self.state in (D.WAITING, D.TRANSFERRING):
+        if self.state == _D.WAITING and status != SlotStatus.WAITING:
+            self._m.go(_D.TRANSFERRING)
+        if self.state in (_D.WAITING, _D.TRANSFERRING):
             if status == SlotStatus.COMPLETE:
                 self._verify()
             elif status == SlotStatus.SENDER_ABORTED:
-                self._end(D.ABORTED, VerifyResult(False, Reason.ABORTED, f"prefill aborted: {slot.error}", 0, 0))
+                self._end(_D.ABORTED, VerifyResult(False, Reason.ABORTED, f"prefill aborted: {slot.error}", 0, 0))
             elif status == SlotStatus.ERROR:
                 self.receiver.abort(self.request_id, slot.error)
-                self._end(D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
+                self._end(_D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
             elif now - self._started_at > self.config.transfer_timeout_s:
                 detail = (
                     f"no complete transfer after {self.config.transfer_timeout_s}s "
                     f"({slot.coverage.num_covered}/{self.num_pages} pages landed)"
                 )
                 self.receiver.abort(self.request_id, detail)
-                self._end(D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
-        if self.state in (D.FAILED, D.ABORTED) and not self.released:
+                self._end(_D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+        if self.state in (_D.FAILED, _D.ABORTED) and not self.released:
             self._maybe_release(now)
         return self.state
 
@@ -209,7 +209,7 @@ class DecodeHandoff:
     def _verify(self) -> None:
         slot = self.slot
         assert slot is not None and slot.manifest is not None
-        self._m.go(D.VERIFYING)
+        self._m.go(_D.VERIFYING)
         t0 = self.clock()
         if self.config.verify:
             result = verify_handoff(slot.manifest, self.expect, self.pool.layout, self.pages, slot.coverage, self.pool)
@@ -218,12 +218,12 @@ class DecodeHandoff:
         verify_s = self.clock() - t0
         self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
         if result.ok:
-            self._m.go(D.READY)
+            self._m.go(_D.READY)
             self.released = True
             self.receiver.forget(self.request_id)
             self._emit(result, verify_s)
         else:
-            self._end(D.FAILED, result, verify_s)
+            self._end(_D.FAILED, result, verify_s)
 
     def _end(self, state: DecodeState, result: VerifyResult, verify_s: float | None = None) -> None:
         self._m.go(state)
@@ -295,7 +295,7 @@ class PrefillHandoff:
         self.faults = faults
         self.transfer_id = transfer_id or new_transfer_id()
         self.clock = clock
-        self._m = _Machine(P.PREFILLING, PREFILL_TRANSITIONS, clock)
+        self._m = _Machine(_P.PREFILLING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
         self.reason = ""
@@ -314,7 +314,7 @@ class PrefillHandoff:
 
     @property
     def settled(self) -> bool:
-        return self.state in (P.RELEASED, P.FAILED) and self.released
+        return self.state in (_P.RELEASED, _P.FAILED) and self.released
 
     def send(self) -> SendHandle | None:
         """The prompt's KV is in the pool: build the manifest and start the transfer."""
@@ -326,16 +326,16 @@ class PrefillHandoff:
         except ValueError as e:
             self._fail(f"cannot build manifest: {e}")
             return None
-        self._m.go(P.SENDING)
+        self._m.go(_P.SENDING)
         self.handle = self.sender.send(self.address, self.manifest, pages)
         self._send_deadline = self.clock() + self.config.transfer_timeout_s
         self._ack_deadline = self._send_deadline + self.config.ack_timeout_s  # reset when `done` goes out
         return self.handle
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        if self.state == P.PREFILLING:
+        if self.state == _P.PREFILLING:
             self._fail(reason)
-        elif self.state in (P.SENDING, P.AWAITING_ACK) and self.handle is not None:
+        elif self.state in (_P.SENDING, _P.AWAITING_ACK) and self.handle is not None:
             self.handle.abort(reason)
             self._fail(reason)
 
@@ -347,32 +347,32 @@ class PrefillHandoff:
 
     def poll(self) -> PrefillState:
         h, now = self.handle, self.clock()
-        if h is not None and self.state == P.SENDING:
+        if h is not None and self.state == _P.SENDING:
             if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
-                self._m.go(P.AWAITING_ACK)
+                self._m.go(_P.AWAITING_ACK)
                 self._ack_deadline = now + self.config.ack_timeout_s
             elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
             elif now > self._send_deadline:
                 h.abort("send deadline passed")
                 self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
-        if h is not None and self.state == P.AWAITING_ACK:
+        if h is not None and self.state == _P.AWAITING_ACK:
             if h.status == SendStatus.VERIFIED:
-                self._m.go(P.RELEASED)
+                self._m.go(_P.RELEASED)
             elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
             elif self._ack_deadline is not None and now > self._ack_deadline:
                 self._fail(f"no verdict from decode within {self.config.ack_timeout_s}s")
-        if self.state in (P.RELEASED, P.FAILED) and not self.released:
+        if self.state in (_P.RELEASED, _P.FAILED) and not self.released:
             done_reading = h is None or h.sender_done
             if done_reading or (self._ack_deadline is not None and now > self._ack_deadline):
                 self._release()
         return self.state
 
     def _fail(self, reason: str) -> None:
-        if self.state not in (P.RELEASED, P.FAILED):
+        if self.state not in (_P.RELEASED, _P.FAILED):
             self.reason = reason
-            self._m.go(P.FAILED)
+            self._m.go(_P.FAILED)
 
     def _release(self) -> None:
         pages = self.allocator.pages_of(self.request_id)
