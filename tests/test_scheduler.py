@@ -22,13 +22,14 @@ from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import Request, RequestStatus
+from kvfence.engine.runner import DecodeContextCache
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Scheduler, SchedulerOutput
 from kvfence.errors import InvalidRequestError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.models.attention import paged_attention
+from kvfence.models.attention import gather_context, paged_attention
 
 PAGE = 4
 
@@ -490,3 +491,37 @@ def test_paged_attention_fast_paths_equal_the_boolean_mask_path(chunks: list[Seq
     want = paged_attention(q, k_cache, v_cache, slow, 0.3)
     assert got.shape == (fb.num_tokens, 4, 8)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- the runner's decode context cache: same context as a fresh gather, built only for steady batches ---
+
+
+def test_decode_context_cache_equals_a_fresh_gather_and_rebuilds_on_change() -> None:
+    g = torch.Generator().manual_seed(0)
+    page = 4
+    cache = torch.full((64 * page, 2, 8), float("nan"))  # [S, Hkv, D] flat pool view; unwritten slots are NaN
+    reqs = tuple(Request(f"r{i}", [1] * n, SamplingParams()) for i, n in enumerate([5, 9, 2]))
+    tables = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    lens = [5, 9, 2]
+    cc = DecodeContextCache(bytes_per_token=1)
+    used = []
+    for step in range(6):
+        if step == 4:  # the batch changes: one request leaves
+            reqs, tables, lens = reqs[:2], tables[:2], lens[:2]
+        chunks = [SeqChunk([3], n, t) for n, t in zip(lens, tables, strict=True)]
+        fb = build_forward_batch(chunks, page)
+        if step == 0:  # context written by earlier steps
+            for n, t in zip(lens, tables, strict=True):
+                for pos in range(n):
+                    cache[t[pos // page] * page + pos % page] = torch.randn(2, 8, generator=g)
+        cache[fb.slot_mapping] = torch.randn(fb.num_tokens, 2, 8, generator=g)  # this step's K, stored first
+        use = cc.prepare(reqs, fb)
+        used.append(use)
+        want = gather_context(cache, fb).transpose(1, 2)  # [B, Hkv, K, D], zero past each length
+        if use:
+            got = cc.context(cache, fb)
+            assert torch.equal(got, want), step
+        assert not want.isnan().any()
+        lens = [n + 1 for n in lens]
+    assert used == [False, True, True, True, False, True]
+    assert cc.num_rebuilds == 2

@@ -49,23 +49,30 @@ class DecodeContextCache:
         self.requests, self.lens, self.bufs = (), None, {}
 
     def prepare(self, requests: tuple[Request, ...], fb: ForwardBatch) -> bool:
-        """Before a decode forward: keep (append mode) or drop (rebuild) the copies; False: do not use them."""
+        """Before a decode forward: append to, build, or skip the copies; False: attention gathers as usual.
+
+        Copies are built only once a batch has been seen twice in a row, so steps that keep
+        changing the batch (arrivals, finishes) pay for a plain gather, not for a rebuild.
+        """
         K = int(fb.kv_slots.shape[1])
         steady = (
             self.lens is not None
             and len(requests) == len(self.requests)
             and all(a is b for a, b in zip(requests, self.requests, strict=True))
-            and K <= self.cap
             and torch.equal(fb.kv_lens, self.lens + 1)
         )
-        if not steady:
-            cap = -(-(K + 32) // 64) * 64  # room for a few dozen appends before the next rebuild
-            if len(requests) * cap * self.bytes_per_token > self.max_bytes:
-                self.invalidate()
-                return False
-            self.cap, self.bufs = cap, {}
-            self.num_rebuilds += 1
         self.requests, self.lens = requests, fb.kv_lens
+        if not steady:
+            self.cap, self.bufs = 0, {}
+            return False
+        if self.bufs and K <= self.cap:
+            return True  # append this step's token to the copies
+        cap = -(-(K + 32) // 64) * 64  # room for a few dozen appends before the next rebuild
+        if len(requests) * cap * self.bytes_per_token > self.max_bytes:
+            self.cap, self.bufs = 0, {}
+            return False
+        self.cap, self.bufs = cap, {}  # rebuilt from the pool, layer by layer, during this forward
+        self.num_rebuilds += 1
         return True
 
     def context(self, cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
