@@ -149,10 +149,11 @@ def test_batch_of_8_with_chunked_prefill_matches_transformers(make_model, arch: 
             logits[sid].append(lg[0])
             generated[sid].append(int(lg[0].argmax()))
     for sid, prompt in prompts.items():
-        n = len(generated[sid])
-        assert generated[sid] == hf_greedy(ref, prompt, n), sid
         full = hf_logits(ref, prompt + generated[sid][:-1])
         assert_close(torch.stack(logits[sid]), full[len(prompt) - 1 :])
+        # transformers' greedy choice at every step of this sequence is our token, so its greedy
+        # decoding of the prompt is our output (generate itself is checked in the batch-1 tests)
+        assert full[len(prompt) - 1 :].argmax(-1).tolist() == generated[sid], sid
     assert runner.alloc.num_used == sum(-(-(len(p) + len(generated[s]) - 1) // PAGE_SIZE) for s, p in prompts.items())
     runner.alloc.check()
 

@@ -151,9 +151,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """RMSNorm over the last dim, computed in float32, cast back, then scaled (the order transformers uses)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel, same result in fp32
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    xf = xf.to(x.dtype)
+    xf = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return xf if weight is None else weight * xf
 
 
