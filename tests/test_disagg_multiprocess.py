@@ -141,6 +141,7 @@ def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesse
         assert choice["text"] == ref.text and body["usage"]["completion_tokens"] == len(ref.token_ids)
         assert choice["kvfence"]["integrity"]["status"] == "verified"
     assert 'kvfence_kv_capacity_tokens{role="decode"} 2048.0' in metrics
+    assert "kvfence_handoff_verified_total" in metrics  # the router's integrity counters, on the same page
 
 
 def test_worker_processes_over_tcp_match_aggregated_and_catch_a_corrupt_byte(
