@@ -1,0 +1,373 @@
+"""The Mooncake transport (`transfer.mooncake`): every named fault detected as over local/TCP, an innocent
+transfer byte-exact beside it, allocators balanced; a transfer from another process; a chunk above the
+engine's lane batch; aborts mid-transfer; a lost control link keeps pages quarantined. Tests that need the
+engine skip with `mooncake_available()`'s reason when it cannot run here.
+
+One receiver and one sender (an engine each) serve the whole module: an engine takes about a second to drop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig, PrefillHandoff, PrefillState
+from kvfence.errors import KvfenceError
+from kvfence.faults import FaultInjector
+from kvfence.integrity.digest import token_hash
+from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.record import IntegrityMetrics
+from kvfence.integrity.verify import Expectation
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import SendStatus, TransferConfig
+from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, parse_address
+from kvfence.transfer.mooncake_engine import default_max_batch, lane_queue_limit, mooncake_available
+
+LAYOUT = KVLayout(
+    "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
+)
+NUM_PAGES = 320  # 4 (layer, buffer) slices a page: 300 reversed pages are 1,200 entries, above the lane queue
+FAULT_CONFIG = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
+
+EXPECTED = {  # as tests/test_faults.py
+    "placeholder_handoff": "token_count_mismatch",
+    "short_write": "coverage_gap",
+    "drop_page": "coverage_gap",
+    "corrupt_byte": "digest_mismatch",
+    "reorder_pages": "digest_mismatch",
+    "stale_page": "digest_mismatch",
+    "wrong_layout": "layout_mismatch",
+}
+
+
+def seed_pool(pool: KVPool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.tensors:
+        for t in layer.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+# -- needs no engine ------------------------------------------------------------------------------------------
+
+
+def test_constructing_without_a_usable_engine_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if the wheel had no engine
+    ok, reason = mooncake_available.__wrapped__("127.0.0.1", "tcp")  # bypass the per-process cache
+    assert not ok and "no transfer engine" in reason
+    pool = KVPool(LAYOUT, 2)
+    for make in (lambda: MooncakeSender(pool), lambda: MooncakeReceiver(pool)):
+        with pytest.raises(KvfenceError) as info:
+            make()
+        assert str(info.value) == f"Mooncake backend not available: {reason}"
+
+
+def test_unacknowledged_tcp_framing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MC_TCP_PROTO", "1")
+    with pytest.raises(KvfenceError, match="MC_TCP_PROTO=1"):
+        MooncakeSender(KVPool(LAYOUT, 2))
+
+
+def test_parse_address() -> None:
+    assert parse_address("mooncake://10.0.0.7:5123") == ("10.0.0.7", 5123)
+    with pytest.raises(ValueError, match="mooncake://host:port"):
+        parse_address("tcp://10.0.0.7:5123")
+
+
+# -- one receiver and one sender for the module ---------------------------------------------------------------
+
+
+class Pair:
+    """Decode pool + receiver and prefill pool + sender, joined over Mooncake (one control connection)."""
+
+    def __init__(self) -> None:
+        self.d_pool, self.p_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
+        self.receiver = MooncakeReceiver(self.d_pool)
+        try:
+            self.sender = MooncakeSender(self.p_pool, FAULT_CONFIG)
+        except BaseException:
+            self.receiver.close()
+            raise
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    ok, reason = mooncake_available()
+    if not ok:
+        pytest.skip(f"Mooncake unavailable: {reason}")
+    p = Pair()
+    yield p
+    p.close()
+
+
+class Rig:
+    """One test's view of the pair: fresh allocators, metrics and faults; decode's pool holds old KV."""
+
+    def __init__(self, pair: Pair, faults: FaultInjector | None = None, config: HandoffConfig | None = None) -> None:
+        self.pair, self.faults = pair, faults
+        self.d_pool, self.p_pool, self.receiver, self.sender = pair.d_pool, pair.p_pool, pair.receiver, pair.sender
+        self.sender.faults = self.receiver.core.faults = faults
+        self.sender.config = FAULT_CONFIG
+        self.config = config or HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5)
+        self.metrics = IntegrityMetrics()
+        self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
+        seed_pool(self.d_pool, 99)
+
+    def pair_of(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
+        pages = self.p_alloc.allocate(rid, -(-num_tokens // LAYOUT.page_size))
+        g = torch.Generator().manual_seed(seed)
+        for layer in self.p_pool.tensors:
+            for t in layer.values():
+                t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
+        ids = [seed * 1000 + i for i in range(num_tokens)]
+        dec = DecodeHandoff(
+            Expectation(rid, num_tokens, token_hash(ids)), self.d_alloc, self.d_pool, self.receiver,
+            self.config, self.metrics,
+        )  # fmt: skip
+        dec.start()
+        pre = PrefillHandoff(
+            rid, ids, self.p_alloc, self.p_pool, self.sender, self.receiver.address, self.config, self.faults
+        )
+        return pre, dec, [self.p_pool.read_page(p) for p in pages]
+
+
+def drive(*handoffs, until=None, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for h in handoffs:
+            h.poll()
+        if until() if until is not None else all(h.settled for h in handoffs):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"not settled: {[(type(h).__name__, h.state) for h in handoffs]}")
+
+
+def same_bytes(src: list[bytes], dst_pool: KVPool, dst_pages: list[int]) -> bool:
+    return all(s == dst_pool.read_page(d) for s, d in zip(src, dst_pages, strict=True))
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str) -> None:
+    bad, good = f"{fault}-bad", f"{fault}-good"
+    faults = FaultInjector().enable(fault, request_id=bad, page=1)
+    rig = Rig(pair, faults)
+    bad_pre, bad_dec, _ = rig.pair_of(bad, 37, seed=1)  # 5 pages of 8
+    good_pre, good_dec, good_src = rig.pair_of(good, 29, seed=2)
+    bad_pre.send()
+    good_pre.send()
+    drive(bad_pre, bad_dec, good_pre, good_dec)
+
+    assert faults.fired[fault] >= 1
+    assert bad_dec.state == DecodeState.FAILED
+    assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
+    assert bad_pre.state == PrefillState.FAILED and "rejected" in bad_pre.reason
+    assert good_dec.state == DecodeState.READY and good_dec.record.status == "verified"
+    assert good_pre.state == PrefillState.RELEASED
+    assert same_bytes(good_src, rig.d_pool, good_dec.pages)
+    assert good_pre.handle.entries > 0 and good_pre.handle.chunks_sent == 2  # 4 pages in chunks of 2, via Mooncake
+    assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
+    assert rig.metrics.value("kvfence_handoff_verified_total") == 1
+
+    rig.d_alloc.free(good)
+    for alloc in (rig.p_alloc, rig.d_alloc):
+        alloc.check()
+    assert (rig.p_alloc.num_free, rig.d_alloc.num_free) == (NUM_PAGES, NUM_PAGES)
+    assert rig.d_alloc.num_quarantined == 0
+
+
+def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -> None:
+    faults = FaultInjector().enable("delayed_write_after_abort", request_id="late-bad", delay_s=0.02)
+    rig = Rig(pair, faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5, strict=True))
+    bad_pre, bad_dec, _ = rig.pair_of("late-bad", 40, seed=3)
+    bad_pre.send()
+    drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None)
+    bad_dec.abort("client disconnected")
+    quarantined = set(bad_dec.quarantined)
+    assert bad_dec.state == DecodeState.ABORTED and len(quarantined) == 5
+    assert not bad_dec.released, "a one-sided write can still land: the pages must stay quarantined"
+
+    good_pre, good_dec, good_src = rig.pair_of("late-good", 24, seed=4)
+    assert not quarantined & set(good_dec.pages)
+    good_pre.send()
+    drive(bad_pre, bad_dec, good_pre, good_dec)
+
+    assert faults.fired["delayed_write_after_abort"] >= 1
+    assert bad_pre.handle.pages_sent == 5  # the late writes really went out, into the quarantined pages
+    assert bad_dec.released and not bad_dec.released_by_deadline  # released by the sender's `aborted`
+    assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
+    assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
+    assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # poisoned on release
+    rig.d_alloc.free("late-good")
+    rig.d_alloc.check()
+    assert rig.d_alloc.num_free == NUM_PAGES and rig.p_alloc.num_free == NUM_PAGES
+
+
+def test_a_chunk_above_the_lane_queue_is_written_in_bounded_batches(pair: Pair) -> None:
+    rig = Rig(pair)
+    n = 300
+    seed_pool(rig.p_pool, 5)
+    rig.sender.config = TransferConfig(max_transfer_pages=n, max_inflight_bytes=n * LAYOUT.bytes_per_page)
+    m = build_manifest("big", "x-big", list(range(n * LAYOUT.page_size)), rig.p_pool, list(range(n)))
+    dest = list(reversed(range(10, 10 + n)))  # reversed: no two slices merge, 4 x 300 = 1,200 entries
+    slot = rig.receiver.expect("big", dest)
+    handle = rig.sender.send(rig.receiver.address, m, list(range(n)))
+    end = time.monotonic() + 20
+    while slot.status.value != "complete" and time.monotonic() < end:
+        time.sleep(0.002)
+    assert slot.status.value == "complete", (slot.status, handle.status, handle.reason)
+    assert handle.chunks_sent == 1 and handle.max_chunk_pages == n
+    assert handle.entries == 4 * n > lane_queue_limit()
+    assert handle.batches == math.ceil(4 * n / default_max_batch())
+    assert slot.coverage.complete and slot.bytes_received == n * LAYOUT.bytes_per_page
+    assert all(rig.p_pool.read_page(i) == rig.d_pool.read_page(d) for i, d in enumerate(dest))
+    rig.receiver.verdict("big", True)
+    assert handle.wait(5) and handle.status == SendStatus.VERIFIED
+    rig.receiver.forget("big")
+
+
+def _slow_rig(pair: Pair) -> Rig:
+    rig = Rig(pair)  # one page a chunk, one page in flight: a 40-page transfer takes many round trips
+    rig.sender.config = TransferConfig(max_transfer_pages=1, max_inflight_bytes=LAYOUT.bytes_per_page)
+    return rig
+
+
+def test_decode_abort_mid_transfer_stops_the_sender_and_settles(pair: Pair) -> None:
+    rig = _slow_rig(pair)
+    pre, dec, _ = rig.pair_of("mid-d", 40 * LAYOUT.page_size, seed=6)
+    pre.send()
+    drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
+    dec.abort("client disconnected")
+    assert dec.state == DecodeState.ABORTED and not dec.released  # one-sided: wait for the sender's last frame
+    drive(pre, dec)
+    assert pre.state == PrefillState.FAILED and pre.handle.status == SendStatus.ABORTED
+    assert 2 <= pre.handle.pages_sent < 40  # stopped early
+    assert dec.released and not dec.released_by_deadline and dec.record.reason == "aborted"
+    for alloc in (rig.p_alloc, rig.d_alloc):
+        alloc.check()
+        assert alloc.num_free == NUM_PAGES
+
+
+def test_prefill_abort_mid_transfer_fails_decode_cleanly(pair: Pair) -> None:
+    rig = _slow_rig(pair)
+    pre, dec, _ = rig.pair_of("mid-p", 40 * LAYOUT.page_size, seed=7)
+    pre.send()
+    drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
+    pre.abort("prefill shutting down")
+    drive(pre, dec)
+    assert dec.state == DecodeState.ABORTED and "prefill aborted" in dec.record.detail
+    assert dec.released and not dec.released_by_deadline
+    assert pre.handle.pages_sent < 40 and pre.handle.status == SendStatus.ABORTED
+    for alloc in (rig.p_alloc, rig.d_alloc):
+        alloc.check()
+        assert alloc.num_free == NUM_PAGES
+
+
+def _frame(header: dict, payload: bytes = b"") -> bytes:
+    hb = json.dumps(header).encode()
+    return struct.pack("<II", len(hb), len(payload)) + hb + payload
+
+
+def _read_frame(s: socket.socket) -> dict:
+    hlen, plen = struct.unpack("<II", s.recv(8, socket.MSG_WAITALL))
+    header = json.loads(s.recv(hlen, socket.MSG_WAITALL))
+    assert plen == 0
+    return header
+
+
+def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_the_deadline(pair: Pair) -> None:
+    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=0.5))
+    ids = list(range(16))
+    seed_pool(rig.p_pool, 8)
+    for rid, get_table in (("lost-after", True), ("lost-before", False)):
+        dec = DecodeHandoff(Expectation(rid, 16, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
+        dec.start()
+        m = build_manifest(rid, "x", ids, rig.p_pool, [0, 1])
+        with socket.create_connection(parse_address(rig.receiver.address)) as s:
+            hello = _read_frame(s)
+            assert hello["t"] == "hello" and hello["session"] == rig.receiver.endpoint.session_id
+            assert len(hello["bases"]) == 4 and len(hello["regions"]) == 4
+            if get_table:
+                s.sendall(_frame({"t": "manifest", "rid": rid, "xid": "x"}, m.to_bytes()))
+                assert _read_frame(s) == {"t": "dest", "rid": rid, "xid": "x", "pages": dec.pages}
+            else:  # a malformed manifest is refused, so no page table goes out
+                s.sendall(_frame({"t": "manifest", "rid": rid, "xid": "x"}, b"{not a manifest"))
+                assert _read_frame(s)["t"] == "error"
+        t0 = time.monotonic()
+        drive(dec, until=lambda dec=dec: dec.state == DecodeState.FAILED)
+        assert dec.record.reason == "transfer_error"
+        drive(dec)
+        waited = time.monotonic() - t0
+        if get_table:  # prefill knew where to write and may still be writing: only the deadline frees the pages
+            assert dec.released_by_deadline and waited >= 0.5
+        else:
+            assert dec.released and not dec.released_by_deadline
+        assert rig.d_alloc.num_free == NUM_PAGES
+        rig.d_alloc.check()
+
+
+def test_handoff_between_two_processes(pair: Pair) -> None:
+    """Decode (this process, the module's receiver) and prefill (a child process with its own engine)."""
+    rig = Rig(pair)
+    ids = list(range(500, 530))  # 30 tokens -> 4 pages of 8
+    dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
+    dec.start()
+    script = textwrap.dedent(
+        f"""
+        import os, time, torch
+        from kvfence.disagg.handoff import PrefillHandoff, HandoffConfig
+        from kvfence.kv.allocator import PageAllocator
+        from kvfence.kv.layout import KVLayout
+        from kvfence.kv.pool import KVPool
+        from kvfence.transfer.base import TransferConfig
+        from kvfence.transfer.mooncake import MooncakeSender
+        layout = KVLayout.from_description({LAYOUT.describe()!r})
+        pool = KVPool(layout, 16)
+        g = torch.Generator().manual_seed(7)
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        alloc = PageAllocator(16)
+        alloc.allocate("filler", 3)
+        alloc.allocate("xproc", 4)  # pages 3..6
+        sender = MooncakeSender(pool, TransferConfig(max_transfer_pages=3))
+        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {rig.receiver.address!r}, HandoffConfig())
+        pre.send()
+        end = time.monotonic() + 20
+        while not pre.settled and time.monotonic() < end:
+            pre.poll()
+            time.sleep(0.001)
+        print(pre.state.value, pre.handle.chunks_sent, pre.handle.entries, alloc.num_free, flush=True)
+        os._exit(0)  # skip the engine's one-second teardown
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        drive(dec, until=lambda: dec.state in (DecodeState.READY, DecodeState.FAILED), timeout=60)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert dec.state == DecodeState.READY, (dec.record, err[-2000:])
+    # 4 pages in chunks of 3; pages 3..6 land on consecutive decode pages, so each chunk merges per slice
+    state, chunks, entries, free = out.split()
+    assert (state, chunks, free) == ("released", "2", str(16 - 3)), err[-2000:]
+    assert 0 < int(entries) <= 4 * 4
+    expected = KVPool(LAYOUT, 16)
+    seed_pool(expected, 7)
+    assert [expected.read_page(p) for p in range(3, 7)] == [rig.d_pool.read_page(p) for p in dec.pages]
+    rig.d_alloc.free("xproc")
+    rig.d_alloc.check()
