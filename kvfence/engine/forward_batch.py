@@ -5,7 +5,9 @@ What it knows: for a batch of sequences, each contributing a chunk of new tokens
 the flat token layout [T] the model runs on, which pool slot each new token's KV
 goes to, and — for attention — each sequence's padded query rows and context
 slots with a boolean mask. Built once per step by `build_forward_batch`; models
-only read it.
+only read it. For speed it also lists each sequence's pages (attention copies whole
+pages) and says when no mask is needed (equal-length decode), when the mask is plain
+causal (equal-length fresh prompts), or gives it in additive form otherwise.
 
 What it does not know: which request a sequence is, how pages were allocated, or
 what the model stores per slot (that is the model's `KVLayout`).
