@@ -33,7 +33,12 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import SendStatus, TransferConfig
 from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, parse_address
-from kvfence.transfer.mooncake_engine import default_max_batch, lane_queue_limit, mooncake_available
+from kvfence.transfer.mooncake_engine import (
+    MooncakeTransferError,
+    default_max_batch,
+    lane_queue_limit,
+    mooncake_available,
+)
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
@@ -371,3 +376,55 @@ def test_handoff_between_two_processes(pair: Pair) -> None:
     assert [expected.read_page(p) for p in range(3, 7)] == [rig.d_pool.read_page(p) for p in dec.pages]
     rig.d_alloc.free("xproc")
     rig.d_alloc.check()
+
+
+def test_pages_beyond_decodes_allocation_are_counted_outside_and_never_written(pair: Pair) -> None:
+    rig = Rig(pair)
+    seed_pool(rig.p_pool, 9)
+    before = [rig.d_pool.read_page(p) for p in range(NUM_PAGES)]
+    m = build_manifest("over", "x-over", list(range(3 * LAYOUT.page_size)), rig.p_pool, [0, 1, 2])  # claims 3 pages
+    slot = rig.receiver.expect("over", [40, 41])  # decode allocated 2
+    handle = rig.sender.send(rig.receiver.address, m, [0, 1, 2])
+    end = time.monotonic() + 10
+    while slot.status.value != "complete" and time.monotonic() < end:
+        time.sleep(0.002)
+    assert slot.coverage.counts.tolist() == [1, 1] and slot.coverage.outside == 1 and not slot.coverage.complete
+    after = [rig.d_pool.read_page(p) for p in range(NUM_PAGES)]
+    assert [p for p in range(NUM_PAGES) if after[p] != before[p]] == [40, 41]  # prefill had no address for page 2
+    assert after[40] == rig.p_pool.read_page(0) and after[41] == rig.p_pool.read_page(1)
+    rig.receiver.verdict("over", False, "coverage_gap")
+    assert handle.wait(5) and handle.status == SendStatus.REJECTED
+    rig.receiver.forget("over")
+
+
+def test_a_failed_mooncake_write_aborts_the_transfer_with_the_engine_error(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = _slow_rig(pair)
+    real, calls = rig.sender.endpoint.write_pages, []
+
+    def failing_second_write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MooncakeTransferError("Mooncake write failed (rc -1) on batch 1/1: simulated", "peer", -1, 0, True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rig.sender.endpoint, "write_pages", failing_second_write)
+    pre, dec, _ = rig.pair_of("mc-fail", 4 * LAYOUT.page_size, seed=10)
+    pre.send()
+    drive(pre, dec)
+    assert pre.state == PrefillState.FAILED and pre.handle.status == SendStatus.ERROR
+    assert "simulated" in pre.handle.reason and pre.handle.pages_sent == 1  # nothing after the failed chunk
+    assert dec.state == DecodeState.ABORTED and "simulated" in dec.record.detail
+    assert dec.slot.coverage.num_covered == 1  # the failed chunk's page was never marked
+    assert dec.released and not dec.released_by_deadline  # the sender's `abort` settles it: it stopped writing
+    assert rig.d_alloc.num_free == NUM_PAGES and rig.p_alloc.num_free == NUM_PAGES
+
+
+def test_sending_to_a_dead_address_fails_the_handle(pair: Pair) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = build_manifest("dead", "x", [1], pair.p_pool, [0])
+    handle = pair.sender.send(f"mooncake://127.0.0.1:{port}", m, [0])
+    assert handle.status == SendStatus.ERROR and "cannot connect" in handle.reason and handle.sender_done
