@@ -70,6 +70,7 @@ from kvfence.transfer.mooncake_engine import (
     default_max_batch,
     lane_queue_limit,
     mooncake_available,
+    package_missing_reason,
     page_ranges,
     pool_buffer_bases,
 )
@@ -95,6 +96,10 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def _open_endpoint(hostname: str, protocol: str) -> MooncakeEndpoint:
+    """An engine on `hostname`, or a KvfenceError with the reason `mooncake_available` would give."""
+    missing = package_missing_reason()
+    if missing is not None:
+        raise KvfenceError(f"Mooncake backend not available: {missing}")
     try:
         return MooncakeEndpoint(hostname, protocol)
     except KvfenceError as e:

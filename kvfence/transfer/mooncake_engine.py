@@ -154,6 +154,15 @@ def mooncake_version() -> str | None:
     return None
 
 
+def package_missing_reason() -> str | None:
+    """Why Mooncake cannot run when its package is not installed at all (found without importing it), else None."""
+    try:
+        spec = importlib.util.find_spec("mooncake")
+    except (ImportError, ValueError):
+        spec = None
+    return None if spec is not None else f"the Mooncake Python package is not installed ({_PIP_HINT})"
+
+
 @functools.cache
 def mooncake_available(hostname: str = "127.0.0.1", protocol: str = "tcp") -> MooncakeStatus:
     """(ok, reason): whether an engine can be imported, started and used here, and if not exactly why.
@@ -161,12 +170,9 @@ def mooncake_available(hostname: str = "127.0.0.1", protocol: str = "tcp") -> Mo
     Starts one throwaway engine and writes 64 bytes to itself through its own session id (initialise alone
     succeeds even for an unknown protocol or an unresolvable host). About a second; cached per process.
     """
-    try:
-        spec = importlib.util.find_spec("mooncake")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        return MooncakeStatus(False, f"the Mooncake Python package is not installed ({_PIP_HINT})")
+    missing = package_missing_reason()
+    if missing is not None:
+        return MooncakeStatus(False, missing)
     try:
         ep = MooncakeEndpoint(hostname, protocol)
     except KvfenceError as exc:
