@@ -113,10 +113,10 @@ class ModelRunner:
             ids = req.token_ids[c.start : c.start + c.num_tokens]
             chunks.append(SeqChunk(ids, c.start, req.page_table, "last" if c.sample else "none"))
         fb = build_forward_batch(chunks, self.page_size, self.device)
-        if fb.is_decode and self.context_cache.prepare(tuple(c.request for c in output.chunks), fb):
-            fb = dataclasses.replace(fb, context_cache=self.context_cache)
-        else:
+        if not fb.is_decode:
             self.context_cache.invalidate()
+        elif self.context_cache.prepare(tuple(c.request for c in output.chunks), fb):
+            fb = dataclasses.replace(fb, context_cache=self.context_cache)
         sampling = [c.request for c in output.chunks if c.sample]
         with torch.inference_mode():
             logits = self.model.forward(fb, self.pool)  # [N, V] float32, N = len(sampling)
