@@ -30,7 +30,7 @@ FLAGS = ["--page-size", "4", "--max-total-tokens", "512", "--context-length", "2
 
 
 def parse(model_dir: Path, *extra: str) -> Any:
-    return build_parser().parse_args(["serve", "--model", str(model_dir), *FLAGS, *extra])
+    return build_parser().parse_args(["serve", "--role", "aggregated", "--model", str(model_dir), *FLAGS, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,8 @@ def test_context_above_pool_refuses_to_start(tiny_llama_dir: Path, capsys: pytes
     assert "128" in msg and "64" in msg and "--max-total-tokens" in msg and "--allow-context-above-pool" in msg
     argv = [
         "serve",
+        "--role",
+        "aggregated",
         "--model",
         str(tiny_llama_dir),
         "--max-total-tokens",
@@ -192,7 +194,19 @@ def test_allow_context_above_pool_caps_requests(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.slow  # ~10-20 s: a fresh interpreter imports torch and loads the model
 def test_kvfence_serve_subprocess(tiny_llama_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--model", str(tiny_llama_dir), *FLAGS, "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvfence",
+        "serve",
+        "--role",
+        "aggregated",
+        "--model",
+        str(tiny_llama_dir),
+        *FLAGS,
+        "--port",
+        "0",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -49,12 +49,12 @@ def requests_mix(n: int, seed: int) -> list[tuple[str, list[int], SamplingParams
 class WorkerProcesses:
     """Prefill + decode child processes registered with a Router (ZmqHub) living in this process."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None, transport: str = "tcp") -> None:
         self.hub = P.ZmqHub("127.0.0.1", 0)
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
         common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
-        common += ["--exit-with-parent"]
+        common += ["--exit-with-parent", "--transfer-backend", transport]
         fault_args = ["--inject-fault", faults] if faults else []
         self.procs = {
             "prefill": [*common, "--role", "prefill", "--max-total-tokens", "1024", *fault_args],
@@ -159,6 +159,30 @@ def test_worker_processes_over_tcp_match_aggregated_and_catch_a_corrupt_byte(
     roles = _wait_pools_free(workers.router)
     assert roles["prefill"]["pages_total"] == 64 and roles["decode"]["pages_total"] == 128
     assert workers.router.integrity_counts["rejected"] == 1
+
+
+def test_worker_processes_over_mooncake_match_aggregated_and_catch_a_corrupt_byte(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from kvfence.transfer.mooncake_engine import mooncake_available
+
+    status = mooncake_available()
+    if not status.ok:
+        pytest.skip(f"Mooncake unavailable: {status.reason}")
+    w = WorkerProcesses(tiny_llama_dir, tmp_path, faults="corrupt_byte@bad#0", transport="mooncake")
+    try:
+        reqs = requests_mix(6, seed=4)
+        bad = ("bad", [7] * 33, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        got = _run(w.router, [*reqs, bad])
+        want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+        for (rid, _, _), ref in zip(reqs, want, strict=True):
+            assert [t for c in got[rid] for t in c.token_ids] == ref.token_ids, rid
+            assert got[rid][-1].integrity["status"] == "verified"
+        last = got["bad"][-1]
+        assert last.finish_reason == "error" and last.integrity["reason"] == "digest_mismatch", last
+        _wait_pools_free(w.router, timeout=30)
+    finally:
+        w.close()
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
-from kvfence.errors import KvfenceError
 from kvfence.integrity.digest import token_hash
 from kvfence.integrity.manifest import build_manifest
 from kvfence.integrity.verify import Expectation
@@ -23,7 +22,6 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
-from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, mooncake_unavailable_reason
 from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
 
 LAYOUT = KVLayout("Qwen3ForCausalLM", 3, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float16)
@@ -155,18 +153,6 @@ def test_tcp_sender_to_a_dead_address_fails_the_handle() -> None:
     sender = TcpSender(src)
     handle = sender.send(f"tcp://127.0.0.1:{port}", build_manifest("r", "x", [1], src, [0]), [0])
     assert handle.status.value == "error" and "cannot connect" in handle.reason and handle.sender_done
-
-
-def test_mooncake_backend_raises_a_clear_error() -> None:
-    reason = mooncake_unavailable_reason()
-    expected = (
-        "the kvfence Mooncake backend is not implemented yet"
-        if reason is None
-        else "the 'mooncake' package does not import"
-    )
-    for cls in (MooncakeSender, MooncakeReceiver):
-        with pytest.raises(KvfenceError, match=f"Mooncake backend not available: {expected}"):
-            cls()
 
 
 def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -> None:

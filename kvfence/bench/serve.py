@@ -388,7 +388,7 @@ def launch_server(
         if kind == "agg" or caps.disagg_args is not None:
             if not caps.available:
                 raise Unavailable(caps.reason)
-            extra: list[str] = []
+            extra: list[str] = ["--role", "aggregated"] if kind == "agg" else []
             if kind != "agg":
                 extra += list(caps.disagg_args or ())
             if kind == "disagg-noverify":

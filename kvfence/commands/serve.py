@@ -34,7 +34,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the HTTP front end and start-up checks, shared by every role."""
     g = p.add_argument_group("server")
-    g.add_argument("--role", choices=ROLES, default="aggregated", help="what this process serves (default: aggregated)")
+    g.add_argument(
+        "--role",
+        choices=ROLES,
+        default=None,
+        help="what this process serves; without --role, `kvfence serve` starts a router plus one prefill and one "
+        "decode worker as child processes on loopback (same as --disagg)",
+    )
     g.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     g.add_argument(
         "--port", type=int, default=8000, metavar="N", help="listen port; 0 picks a free one (default: 8000)"
@@ -63,7 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve an OpenAI-compatible HTTP API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics and /server_info. "
         "Without --model, the built-in tiny random model is used.",
-        epilog="example: kvfence serve --role aggregated --port 8000 --max-total-tokens 32768 --context-length 2048",
+        epilog="examples:\n"
+        "  kvfence serve --port 8000   # router + prefill + decode on loopback\n"
+        "  kvfence serve --role aggregated --port 8000 --max-total-tokens 32768 --context-length 2048",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_server_arguments(p)
     add_engine_arguments(p)
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence.disagg.worker_main import ROLE_RUNNERS as DISAGG_RUNNERS
     from kvfence.disagg.worker_main import run_launch
 
-    if getattr(args, "disagg", False):
+    if getattr(args, "disagg", False) or args.role is None:
         return run_launch(args)
     runner = {**ROLE_RUNNERS, **DISAGG_RUNNERS}.get(args.role)
     if runner is None:

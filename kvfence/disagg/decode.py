@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    transport: str = "tcp"  # "tcp" | "local" (in-process tests)
+    transport: str = "tcp"  # "tcp" | "mooncake" | "local" (in-process tests)
     listen_host: str = "127.0.0.1"
     listen_port: int = 0  # the launcher passes a free port explicitly; 0 only in tests
     deadline_s: float = 60.0  # reserve -> verified (including waiting for pages and the first token)
@@ -44,7 +44,7 @@ class DecodeConfig:
     strict: bool = False  # poison quarantined and released pages
 
     def __post_init__(self) -> None:
-        assert self.transport in ("tcp", "local"), self.transport
+        assert self.transport in ("tcp", "mooncake", "local"), self.transport
         assert self.deadline_s > 0, self.deadline_s
 
 
@@ -121,11 +121,16 @@ class DecodeWorker:
         self.config = config or DecodeConfig()
         self.faults = faults
         if receiver is None:
-            if self.config.transport != "tcp":
+            if self.config.transport == "local":
                 raise KvfenceError("decode: an in-process (local) transport needs its receiver passed in")
-            from kvfence.transfer.tcp import TcpReceiver
+            if self.config.transport == "mooncake":
+                from kvfence.transfer.mooncake import MooncakeReceiver
 
-            receiver = TcpReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
+                receiver = MooncakeReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
+            else:
+                from kvfence.transfer.tcp import TcpReceiver
+
+                receiver = TcpReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
         self.receiver = receiver
         self.metrics = metrics if metrics is not None else IntegrityMetrics()
         self._pages = _EngineReservations(engine)

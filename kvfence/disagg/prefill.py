@@ -30,13 +30,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    transport: str = "tcp"  # "tcp" | "local" (in-process tests)
+    transport: str = "tcp"  # "tcp" | "mooncake" | "local" (in-process tests)
     deadline_s: float = 60.0  # send deadline, then ack deadline, for one handoff
     strict: bool = False  # poison source pages before they are freed
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
-        assert self.transport in ("tcp", "local"), self.transport
+        assert self.transport in ("tcp", "mooncake", "local"), self.transport
         assert self.deadline_s > 0, self.deadline_s
 
 
@@ -69,11 +69,16 @@ class PrefillWorker:
         self.config = config or PrefillConfig()
         self.faults = faults
         if sender is None:
-            if self.config.transport != "tcp":
+            if self.config.transport == "local":
                 raise KvfenceError("prefill: an in-process (local) transport needs its sender passed in")
-            from kvfence.transfer.tcp import TcpSender
+            if self.config.transport == "mooncake":
+                from kvfence.transfer.mooncake import MooncakeSender
 
-            sender = TcpSender(engine.pool, self.config.transfer, faults)
+                sender = MooncakeSender(engine.pool, self.config.transfer, faults)
+            else:
+                from kvfence.transfer.tcp import TcpSender
+
+                sender = TcpSender(engine.pool, self.config.transfer, faults)
         self.sender = sender
         self._pages = _EnginePages(engine)
         self._handoff_config = HandoffConfig(

@@ -72,6 +72,12 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 def check_pair(prefill: P.Register, decode: P.Register) -> None:
     """Refuse a prefill/decode pair that cannot exchange KV; the message names both values."""
     check_role_settings(_pairing_info(prefill), _pairing_info(decode))
+    p_transport, d_transport = prefill.settings.get("transport", "tcp"), decode.settings.get("transport", "tcp")
+    if p_transport != d_transport:
+        raise CapacityConfigError(
+            f"prefill and decode workers use different KV transfer backends (prefill={p_transport!r} "
+            f"decode={d_transport!r}); start both with the same --transfer-backend"
+        )
 
 
 def _pairing_info(reg: P.Register) -> dict[str, Any]:

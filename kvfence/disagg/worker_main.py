@@ -141,7 +141,15 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-id", default=None, help="workers: name to register with (default: role + random)")
     g.add_argument("--handoff-host", default="127.0.0.1", help="decode: data-plane listen host")
     g.add_argument("--handoff-port", type=int, default=None, metavar="N", help="decode: data-plane listen port")
-    g.add_argument("--transport", default="tcp", choices=["tcp"], help="KV data plane (default: tcp)")
+    g.add_argument(
+        "--transfer-backend",
+        "--transport",
+        dest="transport",
+        default="tcp",
+        choices=["tcp", "mooncake"],
+        help="KV data plane: kvfence's own TCP transport, or the Mooncake Transfer Engine (TCP protocol, P2P "
+        "handshake; needs mooncake-transfer-engine-non-cuda) with control frames over TCP (default: tcp)",
+    )
     g.add_argument("--handoff-deadline-s", type=float, default=60.0, help="seconds a KV handoff may take (default 60)")
     g.add_argument(
         "--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long (default 300)"
@@ -363,6 +371,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--request-timeout-s", args.request_timeout_s),
         ("--max-body-bytes", args.max_body_bytes),
         ("--inject-fault", args.inject_fault),
+        ("--transfer-backend", args.transport),
     ):
         if value is not None:
             common += [flag, str(value)]
