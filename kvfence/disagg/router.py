@@ -10,6 +10,16 @@ implements `EngineClient`, so the HTTP app serves it exactly as it serves one en
 It ends every request with one integrity record (JSON log line + the final chunk +
 the counters in `stats()`), and relays aborts and failures to the other side.
 
+Worker health: every worker sends `WorkerStats` a few times a second and the router
+sends each worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
+worker silent for `worker_timeout_s` is declared dead: the requests that still need it
+fail at once with an error naming the worker (the surviving side is told to drop them
+and free their pages), and new requests get HTTP 503 with an OpenAI-style error body
+until a worker of that role registers (a replacement, or the same worker again). A
+message from a worker the router does not know (the router restarted, or declared
+that worker dead) is answered `RegisterReply(accepted=False, reason=REREGISTER ...)`:
+the worker drops what it holds and registers afresh.
+
 What it does not know: tokens' text (decode detokenizes), KV bytes (they go straight
 from prefill to decode on the data plane) or the model.
 """
@@ -38,6 +48,10 @@ from kvfence.server.engine_client import Capacity, GenerationChunk
 logger = logging.getLogger(__name__)
 integrity_logger = logging.getLogger("kvfence.integrity")
 
+HEARTBEAT = "heartbeat"  # reason of the router's keepalive RegisterReply
+REREGISTER = "re-register"  # prefix of the reason telling an unknown worker to register again
+ROLES = ("prefill", "decode")
+
 
 class Hub(Protocol):
     def send(self, worker_id: str, msg: P.Message) -> None: ...
@@ -50,11 +64,14 @@ class RouterConfig:
     handoff_deadline_s: float = 60.0  # decode must have verified the KV this long after the order (flag)
     request_timeout_s: float = 300.0  # a request with no news from any worker for this long is failed (flag)
     register_timeout_s: float = 300.0  # how long to wait at start for one prefill and one decode worker
+    worker_timeout_s: float = 10.0  # a worker silent this long is declared dead (flag)
+    heartbeat_interval_s: float = 0.5  # router -> worker keepalive period
     allow_context_above_pool: bool = False
     model_name: str | None = None  # name served to clients; default: the workers' model name
 
     def __post_init__(self) -> None:
         assert self.handoff_deadline_s > 0 and self.request_timeout_s > 0 and self.register_timeout_s > 0
+        assert self.worker_timeout_s > self.heartbeat_interval_s > 0
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -114,6 +131,8 @@ class _Flight:
     queue: asyncio.Queue[P.Message]
     started: float = field(default_factory=time.monotonic)
     phase: str = "reserving"  # reserving -> prefilling -> decoding -> done
+    decode_id: str = ""  # the workers serving this request
+    prefill_id: str = ""  # set when the prefill order goes out
     done: bool = False
     num_output_tokens: int = 0
     prefill_sent: P.PrefillSent | None = None
@@ -139,6 +158,11 @@ class Router:
         self.integrity_metrics = IntegrityMetrics()  # Prometheus counters, in a registry of this router
         self._receiver: threading.Thread | None = None
         self._stop = threading.Event()
+        self._last_seen: dict[str, float] = {}  # worker id -> monotonic time of its last message
+        self._down: dict[str, str] = {}  # role -> why it has no healthy worker (until one registers)
+        self._told_reregister: dict[str, float] = {}  # worker id -> when we last asked it to register again
+        self._last_heartbeat = 0.0
+        self.worker_deaths: Counter[str] = Counter()  # role -> workers declared dead
 
     # -- start-up -------------------------------------------------------------
     def wait_for_workers(self, timeout: float | None = None) -> None:
@@ -188,6 +212,7 @@ class Router:
             self.config.allow_context_above_pool,
         )
         for reg in (self.prefill, self.decode):
+            self._last_seen[reg.worker_id] = time.monotonic()
             self.hub.send(reg.worker_id, P.RegisterReply(accepted=True))
         logger.info(
             "router: paired prefill %s (pool %d tokens) with decode %s (pool %d tokens); context %d, page %d, "
@@ -209,16 +234,22 @@ class Router:
             self._receiver = threading.Thread(target=self._receive_loop, name="kvfence-router-recv", daemon=True)
             self._receiver.start()
 
-    def close(self) -> None:
-        """Tell the workers to stop and stop receiving."""
+    def close(self, notify_workers: bool = True) -> None:
+        """Stop receiving; fail the requests still in flight; tell the workers to stop (unless `notify_workers`
+        is False: then they see their router vanish, as after a crash, and register with the next one)."""
         if self._stop.is_set():
             return
-        for reg in (self.prefill, self.decode):
-            if reg is not None:
-                self.hub.send(reg.worker_id, P.Shutdown())
+        if notify_workers:
+            for reg in (self.prefill, self.decode):
+                if reg is not None:
+                    self.hub.send(reg.worker_id, P.Shutdown())
         self._stop.set()
         if self._receiver is not None:
             self._receiver.join(timeout=5)
+        with self._lock:
+            flights = [f for f in self._flights.values() if not f.done]
+        for flight in flights:
+            self._fail_flight(flight, "router", "router shutting down")
         self.hub.close()
 
     # -- EngineClient ---------------------------------------------------------
@@ -232,9 +263,23 @@ class Router:
         assert self._capacity is not None, "router has no workers yet"
         return self._capacity
 
+    def healthy(self) -> dict[str, bool]:
+        """Role -> whether a live worker of that role is registered."""
+        return {role: getattr(self, role) is not None and role not in self._down for role in ROLES}
+
+    def check_health(self) -> None:
+        """Raise (HTTP 503 on /health and on new requests) when a role has no healthy worker."""
+        for role in ROLES:
+            if getattr(self, role) is None or role in self._down:
+                from kvfence.server.api import ApiError
+
+                why = self._down.get(role, "none registered")
+                raise ApiError(503, f"no healthy {role} worker ({why})", type="server_error", code="no_healthy_worker")
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
+        self.check_health()  # HTTP 503 while a role has no live worker
         assert self.prefill is not None and self.decode is not None, "router has no workers yet"
         prompt = [int(t) for t in prompt_token_ids]
         admit(len(prompt), params.max_tokens, self.capacity())  # raises ContextLengthExceededError (HTTP 400)
@@ -249,6 +294,7 @@ class Router:
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
+            decode_id=self.decode.worker_id,
         )
         with self._lock:
             self._flights[request_id] = flight
@@ -368,6 +414,8 @@ class Router:
             "transfers": dict(self.transfer_counts),
             "integrity": dict(self.integrity_counts),
             "workers": dict(self._worker_stats),
+            "healthy": self.healthy(),
+            "worker_deaths": dict(self.worker_deaths),
         }
 
     # -- receiver thread ------------------------------------------------------
@@ -386,18 +434,28 @@ class Router:
                 except Exception:
                     logger.exception("router: failed to handle %s from %s", got[1].kind, got[0])
             self._check_deadlines()
+            self._check_workers()
 
     def _dispatch(self, wid: str, msg: P.Message) -> None:
         assert self.prefill is not None and self.decode is not None
+        if isinstance(msg, P.Register):
+            self._register_late(wid, msg)
+            return
+        role = self._role_of(wid)
+        if role is None:  # a worker we do not know (we restarted) or declared dead: it must register again
+            now = time.monotonic()
+            if now - self._told_reregister.get(wid, 0.0) > 1.0:
+                self._told_reregister[wid] = now
+                reason = f"{REREGISTER}: this router does not know worker {wid}; register again"
+                self.hub.send(wid, P.RegisterReply(accepted=False, reason=reason))
+            return
+        self._last_seen[wid] = time.monotonic()
         if isinstance(msg, P.WorkerStats):
             self._worker_stats[msg.role] = msg.stats
             return
         if isinstance(msg, P.HandoffSettled):  # even after the client got its answer: prefill must free
             self.transfer_counts["ok" if msg.verified else "failed"] += 1
             self.hub.send(self.prefill.worker_id, P.ReleaseSource(msg.request_id, msg.verified))
-            return
-        if isinstance(msg, P.Register):
-            self.hub.send(wid, P.RegisterReply(accepted=False, reason="router already has its prefill and decode"))
             return
         rid = getattr(msg, "request_id", None)
         with self._lock:
@@ -411,7 +469,11 @@ class Router:
                 self.hub.send(self.decode.worker_id, P.Abort(msg.request_id, "request gone before prefill"))
             return
         if isinstance(msg, P.DecodeReserved):
+            if "prefill" in self._down:  # raced with prefill's death: nobody can fill these pages
+                self._fail_flight(flight, "prefill", f"no healthy prefill worker ({self._down['prefill']})")
+                return
             flight.phase = "prefilling"
+            flight.prefill_id = self.prefill.worker_id
             self.hub.send(
                 self.prefill.worker_id,
                 P.PrefillOrder(
@@ -445,11 +507,98 @@ class Router:
             )
             flight.phase = "done"
 
+    # -- worker health ----------------------------------------------------------
+    def _role_of(self, wid: str) -> str | None:
+        """The role of a live registered worker `wid`; None for unknown or dead ones."""
+        for role in ROLES:
+            reg = getattr(self, role)
+            if reg is not None and reg.worker_id == wid and role not in self._down:
+                return role
+        return None
+
+    def _check_workers(self) -> None:
+        """Keepalives out; a worker silent for `worker_timeout_s` is declared dead."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
+            self._last_heartbeat = now
+            for role in ROLES:
+                reg = getattr(self, role)
+                if reg is not None and role not in self._down:
+                    self.hub.send(reg.worker_id, P.RegisterReply(accepted=True, reason=HEARTBEAT))
+        for role in ROLES:
+            reg = getattr(self, role)
+            if reg is None or role in self._down:
+                continue
+            silent = now - self._last_seen.get(reg.worker_id, now)
+            if silent > self.config.worker_timeout_s:
+                self._declare_dead(role, f"worker {reg.worker_id} lost: no message for {silent:.1f}s")
+
+    def _declare_dead(self, role: str, detail: str) -> None:
+        """Fail every request that still needs `role`'s worker; new requests get 503 until one registers."""
+        reg = getattr(self, role)
+        assert reg is not None
+        self._down[role] = detail
+        self.worker_deaths[role] += 1
+        self._worker_stats.pop(role, None)
+        logger.error("router: %s worker %s declared dead: %s", role, reg.worker_id, detail)
+        with self._lock:
+            flights = [f for f in self._flights.values() if not f.done and f.phase != "done"]
+        for flight in flights:
+            needs = (
+                flight.decode_id == reg.worker_id
+                if role == "decode"
+                else flight.phase in ("reserving", "prefilling") and flight.prefill_id in ("", reg.worker_id)
+            )
+            if needs:
+                self._fail_flight(flight, role, detail)
+
+    def _fail_flight(self, flight: _Flight, role: str, detail: str) -> None:
+        """End `flight` with an error chunk (via its queue) and tell both its workers to drop it."""
+        self._abort_both(flight, f"{role}: {detail}")
+        flight.phase = "done"
+        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, P.RequestFailed(flight.request_id, role, detail))
+
+    def _register_late(self, wid: str, msg: P.Register) -> None:
+        """A worker registering after start-up: a replacement for a dead one, or a known one coming back."""
+        try:
+            check_registration(msg, self.config.allow_context_above_pool)
+            current = getattr(self, msg.role)
+            if current is not None and msg.role not in self._down and current.worker_id != wid:
+                raise CapacityConfigError(
+                    f"router: a healthy {msg.role} worker ({current.worker_id}) is already registered; "
+                    "one of each is served"
+                )
+            other = self.decode if msg.role == "prefill" else self.prefill
+            if other is not None:
+                pair = (msg, other) if msg.role == "prefill" else (other, msg)
+                check_pair(*pair)
+        except CapacityConfigError as e:
+            logger.warning("router: refused %s worker %s: %s", msg.role, wid, e)
+            self.hub.send(wid, P.RegisterReply(accepted=False, reason=str(e)))
+            return
+        if current is not None and msg.role not in self._down:  # the same worker again: it dropped its requests
+            self._declare_dead(msg.role, f"worker {wid} registered again (it lost its router)")
+        setattr(self, msg.role, msg)
+        self._down.pop(msg.role, None)
+        self._told_reregister.pop(wid, None)
+        self._last_seen[wid] = time.monotonic()
+        assert self.prefill is not None and self.decode is not None
+        self._capacity = build_capacity(
+            min(self.prefill.context_length, self.decode.context_length),
+            {
+                "prefill": (self.prefill.pool_tokens // self.prefill.page_size, self.prefill.page_size),
+                "decode": (self.decode.pool_tokens // self.decode.page_size, self.decode.page_size),
+            },
+            self.config.allow_context_above_pool,
+        )
+        self.hub.send(wid, P.RegisterReply(accepted=True))
+        logger.info("router: %s worker %s registered (replacing a lost one)", msg.role, wid)
+
     # -- helpers --------------------------------------------------------------
     def _abort_both(self, flight: _Flight, reason: str) -> None:
         assert self.prefill is not None and self.decode is not None
-        self.hub.send(self.decode.worker_id, P.Abort(flight.request_id, reason))
-        self.hub.send(self.prefill.worker_id, P.Abort(flight.request_id, reason))
+        self.hub.send(flight.decode_id or self.decode.worker_id, P.Abort(flight.request_id, reason))
+        self.hub.send(flight.prefill_id or self.prefill.worker_id, P.Abort(flight.request_id, reason))
 
     def _router_record(self, flight: _Flight, reason: Reason, detail: str) -> IntegrityRecord:
         """The record of a request that ended without one from decode (abort, timeout, prefill failure).

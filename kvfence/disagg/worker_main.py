@@ -74,6 +74,8 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
     """Send the registration and wait for the router's answer; a refusal raises with its reason."""
+    from kvfence.disagg.router import HEARTBEAT, REREGISTER
+
     worker.attach(channel.send)
     channel.send(worker.registration())
     deadline = time.monotonic() + timeout
@@ -82,8 +84,13 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
         if msg is None:
             continue
         if isinstance(msg, P.RegisterReply):
+            if msg.reason.startswith(REREGISTER):  # an answer to a message queued before this Register
+                channel.send(worker.registration())
+                continue
             if not msg.accepted:
                 raise CapacityConfigError(f"router refused this {worker.role} worker: {msg.reason}")
+            if msg.reason == HEARTBEAT:  # a keepalive of a router that still knows us from before
+                continue
             return
         if isinstance(msg, P.Shutdown):
             raise KvfenceError(f"router shut down before accepting this {worker.role} worker")
@@ -98,20 +105,51 @@ def run_worker(
     stats_interval_s: float = 0.25,
     idle_wait_s: float = 0.01,
     orphan_check: bool = False,
+    router_timeout_s: float | None = None,
+    reconnect_s: float = 60.0,
 ) -> None:
-    """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies."""
+    """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies.
+
+    With `router_timeout_s`, a router silent that long (it sends keepalives) is lost: the
+    worker drops every request it holds (freeing their pages) and registers again with
+    whatever router answers at the same address within `reconnect_s`, else raises
+    KvfenceError (the process exits non-zero and its launcher reports it). A router
+    that does not know this worker (it restarted, or declared it dead) asks it to
+    register again; the worker does the same.
+    """
+    from kvfence.disagg.router import REREGISTER
+
     stop = stop or threading.Event()
     worker.attach(channel.send)
     parent = os.getppid()
     last_stats = 0.0
+    heard = time.monotonic()
     try:
         while not stop.is_set():
             msg = channel.recv(timeout=0.0 if worker.busy else idle_wait_s)
+            lost = ""
             while msg is not None:
+                heard = time.monotonic()
                 if isinstance(msg, P.Shutdown):
                     return
-                worker.handle(msg)
+                if isinstance(msg, P.RegisterReply) and msg.reason.startswith(REREGISTER):
+                    lost = msg.reason
+                elif not isinstance(msg, P.RegisterReply):
+                    worker.handle(msg)
                 msg = channel.recv(timeout=0.0)
+            if router_timeout_s is not None and not lost and time.monotonic() - heard > router_timeout_s:
+                lost = f"no message from the router for {router_timeout_s:.0f}s"
+            if lost:
+                if router_timeout_s is None:
+                    raise KvfenceError(f"{worker.role}: the router no longer knows this worker ({lost})")
+                dropped = drop_requests(worker, f"router lost: {lost}")
+                logger.error("%s: %s; dropped %d request(s), registering again", worker.role, lost, dropped)
+                try:
+                    register(worker, channel, timeout=reconnect_s)
+                except KvfenceError as e:
+                    raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
+                logger.info("%s: registered again", worker.role)
+                heard = time.monotonic()
             worker.step()
             now = time.monotonic()
             if now - last_stats >= stats_interval_s:
@@ -122,6 +160,23 @@ def run_worker(
                     return
     finally:
         worker.close()
+
+
+def held_request_ids(worker: Any) -> list[str]:
+    """Every request a prefill or decode worker holds (queued, running, handing off)."""
+    rids: list[str] = []
+    for name in ("orders", "handoffs", "incoming", "running"):
+        rids += list(getattr(worker, name, {}))
+    rids += [inc.prepare.request_id for inc in getattr(worker, "queued", ())]
+    return list(dict.fromkeys(rids))
+
+
+def drop_requests(worker: Any, reason: str) -> int:
+    """Abort every request the worker holds, as the router's Abort would (pages freed or quarantined)."""
+    rids = held_request_ids(worker)
+    for rid in rids:
+        worker.handle(P.Abort(rid, reason))
+    return len(rids)
 
 
 # -- flags ----------------------------------------------------------------------------------------------
@@ -169,6 +224,32 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: prefill pool")
     g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
     g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
+    g.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=10.0,
+        help="router: declare a worker dead after this long without a message from it (default 10)",
+    )
+    g.add_argument(
+        "--router-timeout-s",
+        type=float,
+        default=10.0,
+        help="workers: after this long without a message from the router, drop all requests and register again "
+        "(default 10)",
+    )
+    g.add_argument(
+        "--reconnect-timeout-s",
+        type=float,
+        default=60.0,
+        help="workers: how long to try registering with a new router before exiting with code 2 (default 60)",
+    )
+    g.add_argument(
+        "--throttle-kv-send",
+        default=None,
+        metavar="SECONDS[@PREFIX]",
+        help="tests/demos, prefill over tcp: send KV one page per frame and sleep SECONDS before each page frame "
+        "(only for request ids starting with PREFIX)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,6 +340,10 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
     )
     if args.role == "prefill":
         config = PrefillConfig(transport=args.transport, deadline_s=args.handoff_deadline_s, strict=args.strict_kv)
+        if args.throttle_kv_send:
+            if args.transport != "tcp":
+                raise KvfenceError("--throttle-kv-send works with --transfer-backend tcp only")
+            return PrefillWorker(engine, identity, config, faults=faults, sender=throttled_sender(engine.pool, args))
         return PrefillWorker(engine, identity, config, faults=faults)
     if args.handoff_port is None:
         raise KvfenceError("decode: --handoff-port is required (the launcher picks a free one and passes it)")
@@ -277,6 +362,33 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         ),
         faults=faults,
     )
+
+
+def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
+    """A TCP sender that sends one page per frame and sleeps before each page frame (`--throttle-kv-send`)."""
+    from kvfence.transfer.base import TransferConfig
+    from kvfence.transfer.tcp import TcpSender
+
+    delay_text, _, prefix = args.throttle_kv_send.partition("@")
+    delay_s = float(delay_text)
+    if delay_s < 0:
+        raise KvfenceError("--throttle-kv-send: SECONDS must be >= 0")
+
+    class SlowTcpSender(TcpSender):
+        def _connect(self, address: str) -> Any:
+            conn = super()._connect(address)
+            if not getattr(conn, "throttled", False):
+                plain = conn.send
+
+                def send(header: dict[str, Any], payload: Any = ()) -> None:
+                    if header.get("t") == "pages" and str(header.get("rid", "")).startswith(prefix):
+                        time.sleep(delay_s)
+                    plain(header, payload)
+
+                conn.send, conn.throttled = send, True  # type: ignore[method-assign]
+            return conn
+
+    return SlowTcpSender(pool, TransferConfig(max_transfer_pages=1), parse_faults(args.inject_fault))
 
 
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
@@ -315,6 +427,7 @@ def run_router(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             allow_context_above_pool=args.allow_context_above_pool,
             model_name=args.served_model_name,
+            worker_timeout_s=args.worker_timeout_s,
         ),
     )
     try:
@@ -345,7 +458,14 @@ def run_worker_role(args: argparse.Namespace) -> int:
     try:
         register(worker, channel)
         logger.info("%s: registered with %s", args.role, args.router_address)
-        run_worker(worker, channel, stop=stop, orphan_check=args.exit_with_parent)
+        run_worker(
+            worker,
+            channel,
+            stop=stop,
+            orphan_check=args.exit_with_parent,
+            router_timeout_s=args.router_timeout_s,
+            reconnect_s=args.reconnect_timeout_s,
+        )
     finally:
         channel.close()
     logger.info("%s: stopped", args.role)
@@ -372,6 +492,9 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--max-body-bytes", args.max_body_bytes),
         ("--inject-fault", args.inject_fault),
         ("--transfer-backend", args.transport),
+        ("--worker-timeout-s", args.worker_timeout_s),
+        ("--router-timeout-s", args.router_timeout_s),
+        ("--reconnect-timeout-s", args.reconnect_timeout_s),
     ):
         if value is not None:
             common += [flag, str(value)]
