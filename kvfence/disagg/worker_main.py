@@ -225,6 +225,14 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
     g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
     g.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads of this process (default: $OMP_NUM_THREADS if set, else router 1 and each "
+        "worker (cores - 1) // 2, at least 1, so the three processes do not oversubscribe the cores)",
+    )
+    g.add_argument(
         "--worker-timeout-s",
         type=float,
         default=10.0,
@@ -394,6 +402,29 @@ def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
 
 
+def torch_threads_for(role: str, num_cpus: int) -> int:
+    """Default intra-op threads per role: the three processes share the machine's cores.
+
+    Two workers with torch's default (one thread per core) each spin OpenMP threads
+    over the same cores; on 2 cores that made a decode step ~10x slower than with one
+    thread. The router does no tensor work; each worker gets half of what is left.
+    """
+    return 1 if role == "router" else max(1, (num_cpus - 1) // 2)
+
+
+def set_torch_threads(role: str, requested: int | None) -> None:
+    """Apply --torch-threads, or the per-role default unless $OMP_NUM_THREADS already chose."""
+    if requested is None and os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    n = requested if requested is not None else torch_threads_for(role, len(os.sched_getaffinity(0)))
+    if n < 1:
+        raise KvfenceError(f"--torch-threads must be at least 1, got {n}")
+    torch.set_num_threads(n)
+    logger.info("%s: %d torch thread(s)", role, n)
+
+
 def _exit_with_parent() -> None:
     """Watch our parent; when it is gone (the launcher was killed), stop this process like Ctrl-C would."""
     parent = os.getppid()
@@ -418,6 +449,7 @@ def run_router(args: argparse.Namespace) -> int:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
     if args.exit_with_parent:
         _exit_with_parent()
+    set_torch_threads("router", args.torch_threads)
     model_dir = resolve_model_dir(args.model)
     hub = P.ZmqHub(args.host, args.control_port)
     router = Router(
@@ -450,6 +482,7 @@ def run_worker_role(args: argparse.Namespace) -> int:
 
     if not args.router_address:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
+    set_torch_threads(args.role, args.torch_threads)
     worker = build_worker(args, resolve_model_dir(args.model))
     channel = P.ZmqChannel(args.router_address, worker.registration().worker_id)
     stop = threading.Event()
@@ -495,6 +528,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--worker-timeout-s", args.worker_timeout_s),
         ("--router-timeout-s", args.router_timeout_s),
         ("--reconnect-timeout-s", args.reconnect_timeout_s),
+        ("--torch-threads", args.torch_threads),
     ):
         if value is not None:
             common += [flag, str(value)]
