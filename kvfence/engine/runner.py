@@ -44,6 +44,7 @@ class DecodeContextCache:
         self.cap = 0
         self.bufs: dict[int, torch.Tensor] = {}  # data_ptr of a flat pool view -> [B, *shape[:1], cap, *shape[1:]]
         self.num_rebuilds = 0
+        self._append_rows: torch.Tensor | None = None  # [B * H] flat offsets of each (row, head) block
 
     def invalidate(self) -> None:
         self.requests, self.lens, self.bufs = (), None, {}
@@ -63,7 +64,7 @@ class DecodeContextCache:
         )
         self.requests, self.lens = requests, fb.kv_lens
         if not steady:
-            self.cap, self.bufs = 0, {}
+            self.cap, self.bufs, self._append_rows = 0, {}, None
             return False
         if self.bufs and K <= self.cap:
             return True  # append this step's token to the copies
@@ -71,7 +72,7 @@ class DecodeContextCache:
         if len(requests) * cap * self.bytes_per_token > self.max_bytes:
             self.cap, self.bufs = 0, {}
             return False
-        self.cap, self.bufs = cap, {}  # rebuilt from the pool, layer by layer, during this forward
+        self.cap, self.bufs, self._append_rows = cap, {}, None  # rebuilt from the pool, layer by layer, now
         self.num_rebuilds += 1
         return True
 
@@ -85,8 +86,13 @@ class DecodeContextCache:
             buf[:, :, :K] = ctx.transpose(1, 2)
             self.bufs[cache.data_ptr()] = buf
         else:
-            rows = torch.arange(buf.shape[0], device=buf.device)
-            buf[rows, :, fb.positions] = cache[fb.slot_mapping]  # [B, H, D]: each row's new token
+            B, H, cap = buf.shape[:3]
+            if self._append_rows is None or self._append_rows.shape[0] != B * H:
+                # flat row of (b, h, position) in buf viewed as [B * H * cap, *rest], for position 0
+                self._append_rows = torch.arange(B * H, device=buf.device) * cap  # [B * H]
+            rows = self._append_rows + fb.positions.repeat_interleave(H)  # [B * H]
+            new = cache[fb.slot_mapping]  # [B, H, *rest]: each row's new token
+            buf.view(B * H * cap, *buf.shape[3:]).index_copy_(0, rows, new.reshape(B * H, *new.shape[2:]))
         return buf[:, :, :K]
 
 
