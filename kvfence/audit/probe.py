@@ -10,8 +10,19 @@ and these checks, all over `/v1/completions` with temperature 0:
   (a reply counting 1 token is the placeholder signature of a too-long request served from a stub);
 - canary leak: unique canary strings planted in some requests must never appear in another
   request's output, under a burst mixed with over-length prompts and mid-stream aborts;
-- golden drift: a temperature-0 golden set answered idle, under load and idle again must not change.
-What it does not know: the server's internals. It is bounded (request count, concurrency, wall
+- golden drift: a temperature-0 golden set (multi-page prompts) answered idle, replayed idle after
+  unrelated "churn" requests, answered under load and idle again must not change. Decode over
+  pages that were never written (the placeholder handoff served without verification) makes a
+  reply depend on whatever earlier requests left in those pages, so the same prompt answers
+  differently once other traffic has gone through the pool. Drift is a warning by default (GPU
+  kernels that are not batch-invariant, or a prefix-cache hit, can flip a greedy token honestly)
+  and critical with `expect_deterministic` (a server that claims batch-invariant greedy decoding);
+- server errors: in-limit requests that fail (5xx, broken stream) are reported with the server's
+  own reason, so a server that refuses unverifiable KV cleanly shows as errors, not as a leak.
+What it does not know: the server's internals (it reads kvfence's `kvfence.integrity` status when
+a reply carries one, nothing else). The replay check is only as strong as page reuse: a small
+pool, or an allocator that hands freed pages out again soon, recycles the churn's pages into the
+replay; a huge pool with a FIFO free list may not. It is bounded (request count, concurrency, wall
 time) and refuses non-loopback targets unless explicitly authorised.
 """
 
@@ -32,6 +43,30 @@ from kvfence.audit.findings import Finding, Severity
 from kvfence.errors import KvfenceError
 
 FILLER = " the"
+GOLDEN_WORDS = "red green blue one two three north south east west apple river stone cloud seven eight".split()
+
+
+def _integrity_status(doc: Any) -> str | None:
+    """kvfence's per-reply KV handoff status (`kvfence.integrity.status`), None for any other server."""
+    info = (doc.get("kvfence") or {}).get("integrity") if isinstance(doc, dict) else None
+    if isinstance(info, list):
+        info = info[0] if info else None
+    status = info.get("status") if isinstance(info, dict) else None
+    return status if isinstance(status, str) else None
+
+
+def _error_text(doc: Any, raw: str) -> str:
+    """The server's own error sentence (OpenAI `error.message`, else `message`), else the raw body."""
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        msg = err.get("message") if isinstance(err, dict) else (err if isinstance(err, str) else doc.get("message"))
+        if isinstance(msg, str) and msg:
+            return msg[:300]
+    return raw[:300]
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(frozen=True)
@@ -49,6 +84,8 @@ class ProbeConfig:
     canaries: int = 8
     aborts: int = 4
     overlength_in_burst: int = 4
+    churn: int = 1  # unrelated requests between a golden prompt's idle answer and its replay
+    expect_deterministic: bool = False  # golden drift at temperature 0 is critical, not a warning
     allow_remote: bool = False
     api_key: str | None = None
     progress: bool = True
@@ -56,6 +93,7 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         assert self.max_requests > 0 and self.concurrency > 0 and self.time_budget_s > 0
         assert self.max_tokens > 0 and self.golden >= 0 and self.canaries >= 0 and self.aborts >= 0
+        assert self.churn >= 0
 
 
 @dataclass
@@ -67,6 +105,12 @@ class Reply:
     prompt_tokens: int | None = None
     error: str = ""
     canary: str | None = None
+    server_integrity: str | None = None  # kvfence's own `kvfence.integrity.status`, when the reply has one
+
+    @property
+    def failed(self) -> bool:
+        """A server-side failure: 5xx, transport error/timeout, or an error inside a stream we read."""
+        return self.status >= 500 or self.status == 0 or (self.status == -1 and bool(self.error))
 
 
 @dataclass
@@ -75,7 +119,7 @@ class ServerFacts:
     context_source: str = "unknown"
     pool_tokens: int | None = None
     pool_source: str = "unknown"
-    counter: str = "unknown"  # "/tokenize" or "usage.prompt_tokens calibration"
+    counter: str = "unknown"  # "/tokenize", "usage.prompt_tokens calibration" or "unavailable: <why>"
     models: list[str] = field(default_factory=list)
 
 
@@ -99,6 +143,8 @@ class ProbeReport:
             other = len(rs) - n200 - n4xx
             bad = [f for f in self.findings if f.role == check]
             result = "FAIL" if any(f.severity == Severity.CRITICAL for f in bad) else ("WARN" if bad else "ok")
+            if result == "ok" and any(r.failed for r in rs):
+                result = "errors"
             rows.append((check, len(rs), n200, n4xx, other, result))
         return rows
 
@@ -191,6 +237,7 @@ class Prober:
         self.facts = ServerFacts()
         self.nonce = secrets.token_hex(4)
         self.has_tokenize = False
+        self.sized = False  # prompt sizes can be computed (calibration worked)
         self.base_tokens = 0  # tokens of an empty-filler prompt, fitted
         self.per_unit = 1.0
         self.bar = None
@@ -234,8 +281,12 @@ class Prober:
                     doc = r.json()
                     reply.text = "".join(str(c.get("text") or "") for c in doc.get("choices") or [])
                     reply.prompt_tokens = (doc.get("usage") or {}).get("prompt_tokens")
+                    reply.server_integrity = _integrity_status(doc)
                 else:
-                    reply.error = r.text[:300]
+                    try:
+                        reply.error = _error_text(r.json(), r.text)
+                    except ValueError:
+                        reply.error = r.text[:300]
             except (httpx.HTTPError, ValueError) as e:
                 reply = Reply(check, sent, 0, error=f"{type(e).__name__}: {e}"[:300], canary=canary)
         self._record(reply)
@@ -263,9 +314,17 @@ class Prober:
                             if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
                                 try:
                                     chunk = json.loads(line[5:])
-                                    reply.text += "".join(str(c.get("text") or "") for c in chunk.get("choices") or [])
                                 except ValueError:
-                                    pass
+                                    break
+                                choices = chunk.get("choices") or []
+                                reply.text += "".join(str(c.get("text") or "") for c in choices)
+                                reply.server_integrity = _integrity_status(chunk)
+                                if chunk.get("error") or any(c.get("finish_reason") == "error" for c in choices):
+                                    reason = _error_text(chunk, "")
+                                    if not reason:
+                                        info = ((choices[0] if choices else {}).get("kvfence") or {}).get("integrity")
+                                        reason = (info or {}).get("reason") or "finish_reason=error"
+                                    reply.error = f"stream error: {reason}"[:300]
                                 break  # abort after the first chunk: the connection closes here
             except httpx.HTTPError as e:
                 reply.status, reply.error = 0, f"{type(e).__name__}: {e}"[:300]
@@ -311,7 +370,13 @@ class Prober:
         else:
             ra = await self.complete("calibration", pa, None, max_tokens=1)
             rb = await self.complete("calibration", pb, None, max_tokens=1)
-            if not (ra and rb and ra.prompt_tokens and rb.prompt_tokens):
+            if ra is None or rb is None:
+                self.facts.counter = "unavailable: budget spent before calibration"
+                return
+            if ra.failed or rb.failed:  # the server is failing requests; reported as server-errors
+                self.facts.counter = f"unavailable: calibration requests failed (HTTP {ra.status}, {rb.status})"
+                return
+            if not (ra.prompt_tokens and rb.prompt_tokens):
                 raise KvfenceError(
                     "cannot count prompt tokens: no /tokenize and the calibration requests returned no "
                     "usage.prompt_tokens"
@@ -326,6 +391,7 @@ class Prober:
             )
         self.per_unit = per_unit
         self.base_tokens = round(ca - self.per_unit * a)
+        self.sized = True
 
     async def prompt_of(self, tag: str, target: int) -> tuple[str, int]:
         """A prompt of `target` tokens (exact when /tokenize exists) and its counted size."""
@@ -333,7 +399,14 @@ class Prober:
         k = max(0, round((target - self.base_tokens) / self.per_unit))
         text = head + FILLER * k
         if not self.has_tokenize:
-            return text, round(self.base_tokens + self.per_unit * k)
+            # Headers differ in token count (digits, tags): count this one with a small request first.
+            k0 = 4
+            r = await self.complete("calibration", head + FILLER * k0, None, max_tokens=1)
+            base = self.base_tokens
+            if r is not None and r.status == 200 and r.prompt_tokens:
+                base = round(r.prompt_tokens - self.per_unit * k0)
+            k = max(0, round((target - base) / self.per_unit))
+            return head + FILLER * k, round(base + self.per_unit * k)
         n = await self.count_tokens(text)
         for _ in range(4):
             if n is None or n == target:
@@ -362,6 +435,14 @@ class Prober:
         info = await self._get_json("/server_info") or await self._get_json("/get_server_info") or {}
         ctx_flag = info.get("context_length") if isinstance(info.get("context_length"), int) else None
         pool = info.get("max_total_num_tokens") if isinstance(info.get("max_total_num_tokens"), int) else None
+        capacity = info.get("capacity") if isinstance(info.get("capacity"), dict) else {}  # kvfence's /server_info
+        if ctx_flag is None and isinstance(capacity.get("context_length"), int):
+            ctx_flag = capacity["context_length"]
+        if pool is None:
+            cap = capacity.get("max_total_tokens")
+            sizes = list(cap.values()) if isinstance(cap, dict) else [cap]
+            if sizes and all(isinstance(x, int) for x in sizes):
+                pool = min(sizes)  # the smallest role pool bounds what a request can hold
         if pool is None:
             for st in info.get("internal_states") or []:
                 cap = ((st or {}).get("memory_usage") or {}).get("token_capacity")
@@ -382,9 +463,40 @@ class Prober:
             raise KvfenceError(f"{self.cfg.url} answered neither /v1/models nor /server_info; is it running?")
 
     # -- checks --------------------------------------------------------------------------------
+    def golden_words(self) -> int:
+        """Words of golden text: a prompt of several KV pages (a page is 1-64 tokens on real servers),
+        about a third of the context so that it stays far below every limit."""
+        ctx, pool = self.facts.context_length, self.facts.pool_tokens
+        limit = min(x for x in (ctx, pool, 10**9) if x)
+        return max(8, min(96, limit // 3 - 24))
+
     def golden_prompts(self) -> list[str]:
         topics = ["the alphabet", "prime numbers", "colours of the rainbow", "planets", "days of the week"]
-        return [f"kvfence golden {i}: list {topics[i % len(topics)]} in order." for i in range(self.cfg.golden)]
+        n = self.golden_words()
+        out = []
+        for i in range(self.cfg.golden):
+            words = [GOLDEN_WORDS[(7 * i + 3 * j + j // 5) % len(GOLDEN_WORDS)] for j in range(n)]
+            out.append(f"kvfence golden {i}: {' '.join(words)}. Now list {topics[i % len(topics)]} in order.")
+        return out
+
+    def churn_prompt(self, i: int, words: int) -> tuple[str, str]:
+        """Unrelated text at least as long as a golden prompt, with its own canary: (prompt, canary)."""
+        code = f"KVF{secrets.token_hex(6).upper()}"
+        body = " ".join(secrets.token_hex(2) for _ in range(words))
+        return f"{self.header(f'churn {i}')} The secret code is {code}. {body}", code
+
+    async def golden_with_replay(self, golden: list[str]) -> tuple[list[Reply | None], list[Reply | None]]:
+        """Each golden prompt idle, then `churn` unrelated requests, then the same prompt again (idle)."""
+        base, replay = [], []
+        for i, p in enumerate(golden):
+            base.append(await self.complete("golden-idle", p, None))
+            if self.cfg.churn == 0:
+                continue
+            for c in range(self.cfg.churn):
+                prompt, code = self.churn_prompt(i * self.cfg.churn + c, self.golden_words())
+                await self.complete("churn", prompt, None, canary=code)
+            replay.append(await self.complete("golden-replay", p, None))
+        return base, replay
 
     async def run(self) -> ProbeReport:
         t0 = time.monotonic()
@@ -402,20 +514,20 @@ class Prober:
             await self.discover()
             await self.calibrate()
             golden = self.golden_prompts()
-            base = [await self.complete("golden-idle", p, None) for p in golden]
+            base, replay = await self.golden_with_replay(golden)
             ctx, pool = self.facts.context_length, self.facts.pool_tokens
-            if ctx:
+            if ctx and self.sized:
                 for target in (ctx - 1, ctx, ctx + 1):
                     prompt, n = await self.prompt_of(f"boundary {target}", target)
                     await self.complete("boundary", prompt, n, max_tokens=1)
-            if pool and ctx and pool < ctx:
+            if pool and ctx and pool < ctx and self.sized:
                 for target in sorted({pool + 1, min(ctx - 1, pool + max(16, pool // 8))}):
                     if target > pool:
                         prompt, n = await self.prompt_of(f"pool {target}", target)
                         await self.complete("over-pool", prompt, n, max_tokens=1)
             await self.burst(golden, ctx, pool)
             after = [await self.complete("golden-after", p, None) for p in golden]
-            findings = self.judge(golden, base, after)
+            findings = self.judge(golden, base, after, replay)
         finally:
             self.bar.close()
             await self.client.aclose()
@@ -432,7 +544,7 @@ class Prober:
 
     def planned(self) -> int:
         c = self.cfg
-        n = 2 + 3 * c.golden + 3 + 2 + c.canaries + c.aborts + c.overlength_in_burst
+        n = 2 + (3 + 2 * c.churn) * c.golden + 3 * 2 + 2 * 2 + c.canaries + c.aborts + c.overlength_in_burst
         return min(n, c.max_requests)
 
     async def burst(self, golden: list[str], ctx: int | None, pool: int | None) -> None:
@@ -449,7 +561,7 @@ class Prober:
             code = f"KVF{secrets.token_hex(6).upper()}"
             prompt = f"{self.header(f'abort {i}')} The secret code is {code}. Write a long story about it."
             tasks.append(self.abort_midstream("midstream-abort", prompt, code))
-        if limit:
+        if limit and self.sized:  # over-length prompts need a token count
             for i in range(self.cfg.overlength_in_burst):
                 code = f"KVF{secrets.token_hex(6).upper()}"
                 target = limit + 1 + 7 * i
@@ -464,7 +576,13 @@ class Prober:
         await asyncio.gather(*(tasks[i] for i in order))
 
     # -- judgement -----------------------------------------------------------------------------
-    def judge(self, golden: list[str], base: list[Reply | None], after: list[Reply | None]) -> list[Finding]:
+    def judge(
+        self,
+        golden: list[str],
+        base: list[Reply | None],
+        after: list[Reply | None],
+        replay: list[Reply | None] | None = None,
+    ) -> list[Finding]:
         out: list[Finding] = []
         ctx = self.facts.context_length
         # Over-length / over-pool accepted, and prompt-token accounting.
@@ -549,46 +667,94 @@ class Prober:
                             "(kvfence audit sglang / logs)",
                         )
                     )
-        # Golden drift.
-        load = [r for r in self.replies if r.check == "golden-load"]
-        by_prompt_load = {}
-        for r in load:
-            by_prompt_load.setdefault(r.text, r)
-        for i, b in enumerate(base):
-            if b is None or b.status != 200:
-                continue
-            a = after[i] if i < len(after) else None
-            if a is not None and a.status == 200 and a.text != b.text:
+        # Golden drift: the same prompt at temperature 0 must get the same answer whatever ran before or beside it.
+        drift_sev = Severity.CRITICAL if self.cfg.expect_deterministic else Severity.WARNING
+        drift_fix = (
+            "this server is expected to be deterministic: an answer that depends on other traffic means decode "
+            "read KV it did not compute for this prompt (unwritten or stale pages); stop serving and audit the "
+            "KV handoff (kvfence audit sglang / logs)"
+            if self.cfg.expect_deterministic
+            else "some kernels are not batch-invariant and prefix-cache hits change numerics; if the drift is large, "
+            "shows foreign text, or the server should be deterministic (--expect-deterministic), treat it as a leak"
+        )
+
+        def compare(later: list[Reply | None], rule: str, check: str, when: str) -> None:
+            changed = []
+            for i, b in enumerate(base):
+                a = later[i] if i < len(later) else None
+                if b is None or a is None or b.status != 200 or a.status != 200:
+                    continue
+                if a.text != b.text:
+                    changed.append((i, _first_difference(a.text, b.text), len(b.text)))
+            if changed:
+                i, at, n = changed[0]
                 out.append(
                     Finding(
-                        "golden-drift-after-load",
-                        Severity.WARNING,
-                        "golden-after",
-                        f"golden prompt {i} answered differently idle before and after the burst (temperature 0)",
-                        "check for state left behind by the burst (aborts, over-length prompts)",
+                        rule,
+                        drift_sev,
+                        check,
+                        f"{len(changed)} golden prompt(s) answered differently {when} at temperature 0 (first: prompt "
+                        f"{i}, the {n}-character answer differs from character {at})",
+                        drift_fix,
                     )
                 )
+
+        compare(replay or [], "golden-drift-replay", "golden-replay", "when replayed idle after unrelated requests")
+        compare(after, "golden-drift-after-load", "golden-after", "idle before and after the burst")
+        load = [r for r in self.replies if r.check == "golden-load"]
         base_texts = [b.text for b in base if b is not None and b.status == 200]
         drift = [r for r in load if r.status == 200 and r.text not in base_texts]
         if drift and base_texts:
             out.append(
                 Finding(
                     "golden-drift-under-load",
-                    Severity.WARNING,
+                    drift_sev,
                     "golden-load",
                     f"{len(drift)} of {len(load)} golden answers changed under load at temperature 0",
-                    "some kernels are not batch-invariant; if the drift is large or shows foreign text, treat it "
-                    "as a leak",
+                    drift_fix,
                 )
             )
-        if ctx is None:
+        # Server errors on requests within the limits: not a leak, but every one is a request the server failed.
+        in_limit = ("calibration", "golden-idle", "golden-replay", "churn", "canary", "golden-load", "golden-after")
+        rs = [r for r in self.replies if r.check in in_limit or r.check == "midstream-abort"]
+        bad = [r for r in rs if r.failed]
+        if bad:
+            kinds = [f"HTTP {code}" for code in sorted({r.status for r in bad if r.status > 0})]
+            kinds += ["transport/stream errors"] if any(r.status <= 0 for r in bad) else []
+            how = " and ".join(kinds)
+            checks = ", ".join(sorted({r.check for r in bad}))
+            out.append(
+                Finding(
+                    "server-errors",
+                    Severity.WARNING,
+                    "server",
+                    f"{len(bad)} of {len(rs)} requests within the limits failed ({how}; checks: {checks}); "
+                    f"first: {bad[0].error}",
+                    "read the server's error and logs; a server that refuses to decode over KV it cannot verify "
+                    "fails requests like this instead of answering from the wrong pages",
+                )
+            )
+        unverified = [r for r in self.replies if r.server_integrity == "unverified"]
+        if unverified:
+            out.append(
+                Finding(
+                    "handoff-unverified",
+                    Severity.WARNING,
+                    "server",
+                    f"the server itself marked {len(unverified)} of {len(self.replies)} replies' KV handoff "
+                    "'unverified' (kvfence.integrity)",
+                    "turn KV handoff verification back on (drop --no-verify)",
+                )
+            )
+        if ctx is None or not self.sized:
+            why = "context length unknown" if ctx is None else f"prompt tokens cannot be counted ({self.facts.counter})"
             out.append(
                 Finding(
                     "boundary-skipped",
                     Severity.INFO,
                     "boundary",
-                    "context length unknown: boundary and over-pool checks skipped",
-                    "pass --context-length (and --pool-tokens)",
+                    f"{why}: boundary, over-pool and over-length checks skipped",
+                    "pass --context-length (and --pool-tokens); the server must answer /tokenize or usage",
                 )
             )
         if self.budget.stopped:

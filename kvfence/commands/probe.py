@@ -20,7 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Probe an OpenAI-compatible server (loopback only unless --i-am-authorised) with prompts at "
         "the context length -1/0/+1, prompts above the KV pool, planted canaries, mid-stream aborts and bursts. "
         "Reports any 200 to an over-length prompt, usage.prompt_tokens that does not match what was sent, "
-        "canaries in foreign outputs, and temperature-0 golden drift. Exit code: 0 clean, 1 warnings, 2 critical.",
+        "canaries in foreign outputs, temperature-0 golden drift (idle replay after unrelated requests, under load, "
+        "after the burst) and requests the server failed. Exit code: 0 clean, 1 warnings, 2 critical.",
     )
     p.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--model", required=True, help="model name to send in requests")
@@ -34,6 +35,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--golden", type=int, default=4, help="golden prompts (each sent idle, under load, idle)")
     p.add_argument("--canaries", type=int, default=8, help="canary requests in the burst")
     p.add_argument("--aborts", type=int, default=4, help="mid-stream aborts in the burst")
+    p.add_argument(
+        "--churn", type=int, default=1, help="unrelated requests between a golden prompt and its replay (default 1)"
+    )
+    p.add_argument(
+        "--expect-deterministic",
+        action="store_true",
+        help="the server claims batch-invariant greedy decoding: temperature-0 golden drift is critical, not a warning",
+    )
     p.add_argument("--api-key", help="bearer token for the server")
     p.add_argument(
         "--i-am-authorised",
@@ -64,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         golden=args.golden,
         canaries=args.canaries,
         aborts=args.aborts,
+        churn=args.churn,
+        expect_deterministic=args.expect_deterministic,
         allow_remote=args.allow_remote,
         api_key=args.api_key,
         progress=not args.no_progress,
