@@ -307,6 +307,7 @@ def test_router_restart_workers_register_with_the_new_router(
     assert_pools_at_baseline(dep.router)
 
 
+@pytest.mark.slow
 def test_worker_gives_up_and_exits_when_no_router_comes_back(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """With nobody answering, a worker that lost its router exits non-zero with a clear message."""
     hub = P.ZmqHub("127.0.0.1", 0)
