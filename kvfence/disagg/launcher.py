@@ -4,7 +4,12 @@ What it knows: how to pick free loopback ports at run time (the OS chooses; each
 passed to its process explicitly on the command line), the three command lines
 (`python -m kvfence.disagg.worker_main --role ...`), the order (router first, since
 workers register with it), and the rule that the three live and die together: a
-child that exits takes the others down, and Ctrl-C / SIGTERM stops all of them.
+worker that exits takes the others down (reported with its exit code, for the
+supervisor above to restart the deployment), and Ctrl-C / SIGTERM stops all of them.
+The one exception is the router: it holds nothing but in-flight requests (those fail
+when it dies), so a router that exits is restarted on the same ports, up to
+`max_router_restarts` times, and the workers register with it again keeping their
+loaded models and pools.
 `InProcessDeployment` builds the same three objects in one process (workers on
 threads, control messages on queues, KV on the local transport) for fast tests.
 
@@ -45,6 +50,7 @@ class LaunchConfig:
     prefill_args: tuple[str, ...] = ()  # e.g. ("--max-total-tokens", "4096")
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    max_router_restarts: int = 3  # a router that exits is started again on the same ports this many times
     python: str = field(default_factory=lambda: sys.executable)
 
 
@@ -68,6 +74,7 @@ class Launcher:
         self._stdout = stdout
         self._stderr = stderr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.router_restarts = 0
 
     # -- command lines --------------------------------------------------------
     def command(self, role: str) -> list[str]:
@@ -97,12 +104,15 @@ class Launcher:
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
+        for role in ("router", "prefill", "decode"):
+            self._spawn(role)
+
+    def _spawn(self, role: str) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        for role in ("router", "prefill", "decode"):
-            self.procs[role] = subprocess.Popen(
-                self.command(role), stdout=self._stdout, stderr=self._stderr, env=env, start_new_session=True
-            )
+        self.procs[role] = subprocess.Popen(
+            self.command(role), stdout=self._stdout, stderr=self._stderr, env=env, start_new_session=True
+        )
 
     def dead(self) -> list[tuple[str, int]]:
         """Children that exited, with their exit codes."""
@@ -153,6 +163,15 @@ class Launcher:
         try:
             while stop["signal"] is None:
                 dead = self.dead()
+                if [role for role, _ in dead] == ["router"] and self.router_restarts < self.config.max_router_restarts:
+                    self.router_restarts += 1
+                    print(
+                        f"kvfence: {_describe(dead)}; restarting it ({self.router_restarts}/"
+                        f"{self.config.max_router_restarts}); the workers register with it again",
+                        file=sys.stderr,
+                    )
+                    self._spawn("router")
+                    continue
                 if dead:
                     print(f"kvfence: {_describe(dead)}; stopping the others", file=sys.stderr)
                     self.stop()

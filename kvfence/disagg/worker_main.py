@@ -252,6 +252,12 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         help="workers: how long to try registering with a new router before exiting with code 2 (default 60)",
     )
     g.add_argument(
+        "--max-router-restarts",
+        type=int,
+        default=3,
+        help="--disagg: restart a router that exits this many times (the workers register again; default 3)",
+    )
+    g.add_argument(
         "--throttle-kv-send",
         default=None,
         metavar="SECONDS[@PREFIX]",
@@ -554,7 +560,14 @@ def run_launch(args: argparse.Namespace) -> int:
         args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
     common, prefill, decode = launch_command_args(args)
     return launch(
-        LaunchConfig(host=args.host, http_port=args.port, common_args=common, prefill_args=prefill, decode_args=decode)
+        LaunchConfig(
+            host=args.host,
+            http_port=args.port,
+            common_args=common,
+            prefill_args=prefill,
+            decode_args=decode,
+            max_router_restarts=args.max_router_restarts,
+        )
     )
 
 
