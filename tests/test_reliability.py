@@ -333,3 +333,29 @@ def test_worker_gives_up_and_exits_when_no_router_comes_back(tiny_llama_dir: Pat
         for p in procs.values():
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
+
+
+def test_launcher_restarts_a_router_that_exits_and_gives_up_after_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence.disagg.launcher import LaunchConfig, Launcher
+
+    launcher = Launcher(LaunchConfig(max_router_restarts=2))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    dies = [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(5)"]
+    starts: list[str] = []
+
+    def command(role: str) -> list[str]:
+        starts.append(role)
+        return dies if role == "router" else sleeper
+
+    monkeypatch.setattr(launcher, "command", command)
+    launcher.start()
+    t0 = time.monotonic()
+    assert launcher.watch() == 1  # the third exit is past the limit: everything stops, reported
+    assert time.monotonic() - t0 < 15
+    assert starts.count("router") == 3 and starts.count("prefill") == 1 and starts.count("decode") == 1
+    assert launcher.router_restarts == 2
+    assert {r: p.returncode for r, p in launcher.procs.items()} == {
+        "router": 5,
+        "prefill": -signal.SIGTERM,
+        "decode": -signal.SIGTERM,
+    }
