@@ -42,6 +42,7 @@ class Worker(Protocol):
     def step(self) -> bool: ...  # True when it did work (the loop then polls without waiting)
     @property
     def busy(self) -> bool: ...
+    # optional: `poll_interval_s -> float | None`, a shorter wait than the idle one while not busy
     def stats(self) -> dict[str, Any]: ...
     def attach(self, send: Any) -> None: ...
     def close(self) -> None: ...
@@ -126,7 +127,8 @@ def run_worker(
     heard = time.monotonic()
     try:
         while not stop.is_set():
-            msg = channel.recv(timeout=0.0 if worker.busy else idle_wait_s)
+            wait = 0.0 if worker.busy else min(idle_wait_s, getattr(worker, "poll_interval_s", None) or idle_wait_s)
+            msg = channel.recv(timeout=wait)
             lost = ""
             while msg is not None:
                 heard = time.monotonic()
