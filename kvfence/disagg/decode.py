@@ -252,7 +252,22 @@ class DecodeWorker:
     # -- the step ---------------------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self.incoming) or bool(self.ending)
+        """Work to do right now: requests in the engine, or a verified handoff that can be admitted."""
+        if self.engine.has_unfinished_requests():
+            return True
+        return any(
+            inc.first_token is not None and inc.handoff.state == DecodeState.READY for inc in self.incoming.values()
+        )
+
+    @property
+    def poll_interval_s(self) -> float | None:
+        """How long the worker loop may wait for a message when not `busy` (None: its idle default).
+
+        Handoffs in flight complete on the transport's thread, which cannot wake the loop;
+        a short wait notices them within a millisecond without spinning a core that
+        prefill needs to compute the very prompt being waited for.
+        """
+        return 0.001 if self.incoming or self.ending else None
 
     def step(self) -> bool:
         self._start_queued()
@@ -275,6 +290,7 @@ class DecodeWorker:
         worked = False
         if self.engine.has_unfinished_requests():
             worked = True
+            tokens: list[P.Message] = []  # one frame per step for all requests' new tokens
             for out in self.engine.step():
                 run = self.running.get(out.request_id)
                 if run is None:
@@ -285,7 +301,7 @@ class DecodeWorker:
                     record, run.sent_record = run.record, True
                 if out.finished:
                     del self.running[out.request_id]
-                self._out(
+                tokens.append(
                     P.Tokens(
                         out.request_id,
                         list(out.new_token_ids),
@@ -296,6 +312,8 @@ class DecodeWorker:
                         num_output_tokens=out.num_output_tokens,
                     )
                 )
+            if (msg := P.batch(tokens)) is not None:
+                self._out(msg)
         return worked
 
     def _admit(self, rid: str, inc: _Incoming) -> None:

@@ -5,7 +5,9 @@ per-request orders, progress, acks, aborts, streamed tokens), each a small froze
 dataclass with a `kind` tag, and how to turn one into JSON bytes and back. Two
 channels carry them: `QueueChannel` (threads in one process, for fast tests) and
 `ZmqChannel` (a DEALER socket per worker talking to the router's ROUTER socket over
-TCP). Both have the same three verbs: `send`, `recv(timeout)`, `close`.
+TCP). Both have the same three verbs: `send`, `recv(timeout)`, `close`. A worker may send
+several messages as one `Batch` frame; the hubs unpack it, so the router sees them
+one by one.
 
 What it does not know: KV bytes (those travel on the data plane, `kvfence.transfer`),
 what a worker does with an order, or how the router schedules.
@@ -26,6 +28,7 @@ import dataclasses
 import json
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -179,6 +182,28 @@ class Shutdown(Message):
     kind: ClassVar[str] = "shutdown"
 
 
+@dataclass(frozen=True)
+class Batch(Message):
+    """Several messages in one frame (decode's tokens of one step: one send, one router wakeup).
+
+    Hubs unpack it: `recv` hands out the messages inside one by one, in order, so the
+    router never sees a Batch. Batches do not nest.
+    """
+
+    kind: ClassVar[str] = "batch"
+    messages: list[Message]
+
+    def __post_init__(self) -> None:
+        assert not any(isinstance(m, Batch) for m in self.messages), "batches do not nest"
+
+
+def batch(messages: list[Message]) -> Message | None:
+    """The one message to send for `messages`: None for none, the message itself for one, else a Batch."""
+    if not messages:
+        return None
+    return messages[0] if len(messages) == 1 else Batch(list(messages))
+
+
 _KINDS: dict[str, type[Message]] = {
     cls.kind: cls
     for cls in (
@@ -199,18 +224,53 @@ _KINDS: dict[str, type[Message]] = {
 }
 
 
-def encode(msg: Message) -> bytes:
-    body = dataclasses.asdict(msg)
+_KINDS[Batch.kind] = Batch
+_FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _KINDS.values()
+}
+
+
+def _body(msg: Message) -> dict[str, Any]:
+    # Shallow: every field is already JSON-shaped (ids, strings, dicts and lists of them), so the deep
+    # copy `dataclasses.asdict` makes would only cost time (it was most of the encoding time per token).
+    if isinstance(msg, Batch):
+        return {"kind": Batch.kind, "messages": [_body(m) for m in msg.messages]}
+    body = {name: getattr(msg, name) for name in _FIELD_NAMES[type(msg)]}
     body["kind"] = msg.kind
-    return json.dumps(body, separators=(",", ":")).encode()
+    return body
 
 
-def decode(data: bytes) -> Message:
-    body = json.loads(data)
+def _message(body: dict[str, Any]) -> Message:
     kind = body.pop("kind", None)
     if kind not in _KINDS:
         raise ValueError(f"unknown control message kind {kind!r}")
+    if kind == Batch.kind:
+        return Batch([_message(b) for b in body["messages"]])
     return _KINDS[kind](**body)
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps(_body(msg), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Message:
+    return _message(json.loads(data))
+
+
+class _Unbatcher:
+    """Hub-side: hands out the messages inside a Batch one `recv` at a time."""
+
+    def __init__(self) -> None:
+        self._ready: deque[tuple[str, Message]] = deque()
+
+    def push(self, worker_id: str, msg: Message) -> tuple[str, Message] | None:
+        if isinstance(msg, Batch):
+            self._ready.extend((worker_id, m) for m in msg.messages)
+            return self.pop()
+        return worker_id, msg
+
+    def pop(self) -> tuple[str, Message] | None:
+        return self._ready.popleft() if self._ready else None
 
 
 # -- channels ---------------------------------------------------------------------------------------------
@@ -250,6 +310,7 @@ class QueueHub:
     def __init__(self) -> None:
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._workers: dict[str, queue.Queue[bytes]] = {}
+        self._unbatch = _Unbatcher()
 
     def connect(self, identity: str) -> QueueChannel:
         """A new worker end named `identity`."""
@@ -261,6 +322,8 @@ class QueueHub:
         self._workers[worker_id].put(encode(msg))
 
     def recv(self, timeout: float | None = 0.0) -> tuple[str, Message] | None:
+        if (ready := self._unbatch.pop()) is not None:
+            return ready
         try:
             if timeout is not None and timeout <= 0:
                 wid, data = self._inbox.get_nowait()
@@ -268,7 +331,7 @@ class QueueHub:
                 wid, data = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return None
-        return wid, decode(data)
+        return self._unbatch.push(wid, decode(data))
 
     def close(self) -> None:
         pass
@@ -335,6 +398,7 @@ class ZmqHub:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._lock = threading.Lock()
+        self._unbatch = _Unbatcher()
         self.closed = False
 
     def send(self, worker_id: str, msg: Message) -> None:
@@ -359,6 +423,8 @@ class ZmqHub:
         deadline_ms = -1 if timeout is None else max(0, int(timeout * 1000))
         with self._lock:
             self._flush()
+            if (ready := self._unbatch.pop()) is not None:
+                return ready
             events = dict(self._poller.poll(deadline_ms))
             if self._wake_r.fileno() in events:
                 try:
@@ -369,7 +435,7 @@ class ZmqHub:
             self._flush()
             if self._sock in events or self._sock.poll(0, self._zmq.POLLIN):
                 wid, data = self._sock.recv_multipart()
-                return wid.decode(), decode(data)
+                return self._unbatch.push(wid.decode(), decode(data))
             return None
 
     def close(self) -> None:

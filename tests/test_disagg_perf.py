@@ -1,0 +1,68 @@
+"""Control-plane costs of disaggregated serving: batched token frames, per-role torch threads, decode's waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfence.disagg import protocol as P
+from kvfence.disagg.worker_main import torch_threads_for
+
+
+def _tokens(rid: str, n: int, finished: bool = False) -> P.Tokens:
+    return P.Tokens(rid, list(range(n)), text="x" * n, finished=finished, num_output_tokens=n)
+
+
+def test_batch_round_trips_through_json_in_order() -> None:
+    msgs = [_tokens("a", 1), _tokens("b", 2, finished=True), P.HandoffSettled("c", verified=True)]
+    back = P.decode(P.encode(P.Batch(msgs)))
+    assert isinstance(back, P.Batch) and back.messages == msgs
+
+
+def test_batch_of_one_is_the_message_itself_and_of_none_is_nothing() -> None:
+    one = _tokens("a", 3)
+    assert P.batch([one]) is one
+    assert P.batch([]) is None
+    assert isinstance(P.batch([one, one]), P.Batch)
+    with pytest.raises(AssertionError):
+        P.Batch([P.Batch([one])])
+
+
+def test_queue_hub_hands_out_a_batch_one_message_at_a_time() -> None:
+    hub = P.QueueHub()
+    ch = hub.connect("decode-0")
+    ch.send(P.Batch([_tokens("a", 1), _tokens("b", 2), _tokens("c", 3)]))
+    ch.send(_tokens("d", 4))
+    got = [hub.recv(timeout=1) for _ in range(4)]
+    assert [(w, m.request_id, len(m.token_ids)) for w, m in got] == [  # type: ignore[union-attr]
+        ("decode-0", "a", 1),
+        ("decode-0", "b", 2),
+        ("decode-0", "c", 3),
+        ("decode-0", "d", 4),
+    ]
+    assert hub.recv(timeout=0) is None
+
+
+def test_zmq_hub_unpacks_a_batch_sent_as_one_frame() -> None:
+    hub = P.ZmqHub("127.0.0.1", 0)
+    ch = P.ZmqChannel(hub.address, "decode-3")
+    try:
+        ch.send(P.Batch([_tokens("a", 1), _tokens("b", 2, finished=True)]))
+        got = []
+        for _ in range(50):
+            item = hub.recv(timeout=0.1)
+            if item is not None:
+                got.append(item)
+            if len(got) == 2:
+                break
+        assert [(w, m.request_id, m.finished) for w, m in got] == [("decode-3", "a", False), ("decode-3", "b", True)]  # type: ignore[union-attr]
+        assert hub.recv(timeout=0) is None
+    finally:
+        ch.close()
+        hub.close()
+
+
+@pytest.mark.parametrize(("cpus", "worker", "router"), [(1, 1, 1), (2, 1, 1), (4, 1, 1), (5, 2, 1), (16, 7, 1)])
+def test_default_torch_threads_share_the_cores_between_roles(cpus: int, worker: int, router: int) -> None:
+    assert torch_threads_for("prefill", cpus) == worker
+    assert torch_threads_for("decode", cpus) == worker
+    assert torch_threads_for("router", cpus) == router
