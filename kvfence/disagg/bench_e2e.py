@@ -5,7 +5,8 @@ worker process over TCP, one with verification on and one with `--no-verify`), e
 behind its own `Router` in this process, and how to drive them with the same seeded
 batch of greedy requests, alternating rounds (on, off, on, off, ...) so drift of the
 machine hits both alike. It reports requests/s and output tokens/s per round, their
-medians, the overhead of verification, and checks that both modes produce the same
+medians, the overhead of verification (paired per round, in throughput and in the CPU time
+the two workers used), and checks that both modes produce the same
 tokens and that every request ended verified (resp. unverified).
 
 What it does not know: HTTP (the router is called directly; the HTTP layer is the same
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -34,6 +36,8 @@ from kvfence.disagg import protocol as P
 from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.sampling_params import SamplingParams
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class Deployment:
@@ -52,6 +56,21 @@ class Deployment:
             subprocess.Popen([*base, "--role", "prefill"], stdout=self.logs[0], stderr=subprocess.STDOUT),
             subprocess.Popen([*base, *decode], stdout=self.logs[1], stderr=subprocess.STDOUT),
         ]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the two worker processes used so far (0.0 where /proc is not available).
+
+        Unlike wall time, this hardly moves when other jobs load the machine, so the on/off
+        ratio of CPU time per round isolates the work verification adds.
+        """
+        total = 0.0
+        for p in self.procs:
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return 0.0
+            total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+        return total
 
     def wait(self) -> None:
         self.router.wait_for_workers(timeout=300)
@@ -74,6 +93,7 @@ class RoundResult:
     round: int
     seconds: float
     verify_seconds: float  # decode's verification time, summed over the round's handoffs (from the records)
+    cpu_seconds: float  # CPU time of the prefill and decode processes during the round
     requests: int
     output_tokens: int
     requests_per_s: float
@@ -124,9 +144,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 reqs = make_requests(args.num_requests, args.input_len, args.output_len, args.seed + r, f"{mode}-{r}")
                 router = deps[mode].router
                 seen = len(router.records)
+                cpu0 = deps[mode].cpu_seconds()
                 t0 = time.perf_counter()
                 got = asyncio.run(_drive(router, reqs, args.concurrency))
                 dt = time.perf_counter() - t0
+                cpu = deps[mode].cpu_seconds() - cpu0
                 verify_s = sum(rec.timings.get("verify", 0.0) for rec in router.records[seen:])
                 want_status = "verified" if mode == "verify_on" else "unverified"
                 bad = [rid for rid, (_, last) in got.items() if last.integrity.get("status") != want_status]
@@ -134,10 +156,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"{mode}: {len(bad)} requests did not end {want_status}, e.g. {got[bad[0]][1]}")
                 ntok = sum(len(t) for t, _ in got.values())
                 outputs[mode][r] = [got[rid][0] for rid, _, _ in reqs]
-                rounds.append(RoundResult(mode, r, dt, verify_s, len(reqs), ntok, len(reqs) / dt, ntok / dt))
+                rounds.append(RoundResult(mode, r, dt, verify_s, cpu, len(reqs), ntok, len(reqs) / dt, ntok / dt))
                 print(
                     f"round {r} {mode:10s} {dt:7.2f} s  {len(reqs) / dt:7.2f} req/s  {ntok / dt:8.1f} tok/s  "
-                    f"verify {1000 * verify_s:7.2f} ms",
+                    f"verify {1000 * verify_s:7.2f} ms  workers' CPU {cpu:6.2f} s",
                     file=sys.stderr,
                 )
     finally:
@@ -157,6 +179,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # each round ran both modes back to back: the ratio within a round cancels slow drift of the machine
     paired = [a.output_tokens_per_s / b.output_tokens_per_s for a, b in zip(on_rounds, off_rounds, strict=True)]
     ratio = statistics.median(paired)
+    cpu_paired = [a.cpu_seconds / b.cpu_seconds for a, b in zip(on_rounds, off_rounds, strict=True) if b.cpu_seconds]
+    cpu_ratio = statistics.median(cpu_paired) if cpu_paired else None
     return {
         "config": {k: v for k, v in vars(args).items() if k != "func"} | {"model": model_dir},
         "rounds": [asdict(x) for x in rounds],
@@ -165,6 +189,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_ratio_on_over_off": ratio,
         "verification_overhead_pct": 100.0 * (1.0 - ratio),
         "verify_time_share_pct": 100.0 * verify_share,
+        "paired_cpu_ratios_on_over_off": cpu_paired,
+        "cpu_ratio_on_over_off": cpu_ratio,
         "identical_tokens_on_vs_off": same,
     }
 
@@ -195,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         f"decode time spent verifying: {result['verify_time_share_pct']:.3f}% of wall time (median); "
         f"identical tokens: {result['identical_tokens_on_vs_off']}"
     )
+    if result["cpu_ratio_on_over_off"] is not None:
+        print(
+            f"workers' CPU time on/off {result['cpu_ratio_on_over_off']:.4f} (median of per-round pairs "
+            f"{', '.join(f'{x:.3f}' for x in result['paired_cpu_ratios_on_over_off'])}; less sensitive to other "
+            "load on the machine than throughput)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if result["identical_tokens_on_vs_off"] else 1
