@@ -43,9 +43,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from kvfence.faults import FaultInjector
+from kvfence.errors import KvfenceError
+from kvfence.faults import FaultInjector, FaultPoint
 from kvfence.integrity.digest import PageBytes
 from kvfence.integrity.manifest import HandoffManifest, ManifestError
 from kvfence.integrity.verify import CoverageBitmap
@@ -405,6 +406,84 @@ class SenderCore:
         for h in list(handles if handles is not None else self._handles.values()):
             h.on_link_closed()
 
+    def sending(self) -> list[SendHandle]:
+        """The handles whose send thread has not exited yet."""
+        with self._lock:
+            return [h for h in self._handles.values() if not h.sender_done]
+
+
+class SendPlan(NamedTuple):
+    """What the sender's fault hooks make of one transfer (no faults: every page, in order, intact)."""
+
+    order: list[int]  # logical indices to send
+    source: list[int]  # whose bytes go under each logical index
+    damage: dict[int, str]  # logical index -> "corrupt_byte" | "short_write"
+    late: FaultPoint | None  # delayed_write_after_abort: keep writing after decode aborted
+
+
+def plan_faults(num_pages: int, rid: str, faults: FaultInjector | None) -> SendPlan:
+    """Fire the sender-side fault hooks of `rid` once: drop_page, reorder_pages, corrupt_byte, short_write."""
+    order, source = list(range(num_pages)), list(range(num_pages))
+    damage: dict[int, str] = {}
+    if faults is None:
+        return SendPlan(order, source, damage, None)
+    if (p := faults.point("drop_page", rid)) and p.page < num_pages and faults.hit("drop_page", rid):
+        order.remove(p.page)
+    if (p := faults.point("reorder_pages", rid)) and num_pages >= 2 and faults.hit("reorder_pages", rid):
+        a = min(p.page, num_pages - 2)
+        source[a], source[a + 1] = source[a + 1], source[a]
+    for name in ("corrupt_byte", "short_write"):
+        if (p := faults.point(name, rid)) and p.page < num_pages and faults.hit(name, rid):
+            damage[p.page] = name
+    return SendPlan(order, source, damage, faults.point("delayed_write_after_abort", rid))
+
+
+class PageMover(Protocol):
+    """A transport's byte-moving step; `run_send` does the rest (manifest, chunks, bounds, faults, last frame)."""
+
+    def prepare(self, handle: SendHandle, deadline: float) -> None:
+        """After the manifest went out: wait until pages may be moved or the transfer stops (setting the handle's
+        error on a timeout); raising KvfenceError fails the transfer and sends `abort`."""
+        ...
+
+    def can_move(self, handle: SendHandle) -> bool:
+        """Checked before each chunk: False stops the transfer (nothing may be moved)."""
+        ...
+
+    def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
+        """Move the pages of one chunk (logical indices `chunk`, read from source pages `srcs`, damaged as
+        `damage` says); returns the payload of the chunk's `pages` frame."""
+        ...
+
+
+class InlinePages:
+    """The two-sided step (local, TCP): a chunk's page bytes travel in its `pages` frame, back to back."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.page_bytes = PageBytes(pool)
+        self.bpp = pool.layout.bytes_per_page
+
+    def prepare(self, handle: SendHandle, deadline: float) -> None:
+        pass
+
+    def can_move(self, handle: SendHandle) -> bool:
+        return True
+
+    def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
+        pieces: list[bytes | bytearray | memoryview] = []
+        for i, s in zip(chunk, srcs, strict=True):
+            views = self.page_bytes.views(s)
+            if i not in damage:
+                pieces.extend(views)
+                continue
+            raw = bytearray(b"".join(views))
+            if damage[i] == "corrupt_byte":
+                raw[len(raw) // 2] ^= 0x5A
+                pieces.append(raw)
+            else:  # short_write
+                pieces.append(raw[: self.bpp // 2])
+        return pieces
+
 
 def run_send(
     link: Link,
@@ -413,106 +492,73 @@ def run_send(
     src_pages: Sequence[int],
     config: TransferConfig,
     faults: FaultInjector | None = None,
+    mover: PageMover | None = None,
 ) -> None:
     """Send one transfer over `link` (blocking; transports run it on a thread).
 
     Sends the manifest, then the first `manifest.num_pages` of `src_pages` (logical order)
-    in chunks, honouring the in-flight bound, then `done` (or `abort`/`aborted`). Fault
-    hooks: short_write, drop_page, corrupt_byte, reorder_pages, delayed_write_after_abort.
+    in chunks moved by `mover` (default: `InlinePages`), honouring the in-flight bound, then
+    `done` (or `abort`/`aborted`). Fault hooks: short_write, drop_page, corrupt_byte,
+    reorder_pages (`plan_faults`), delayed_write_after_abort.
     """
     m = handle.manifest
     rid, xid = m.request_id, m.transfer_id
-    pb = PageBytes(pool)
+    mover = mover or InlinePages(pool)
     bpp = pool.layout.bytes_per_page
     deadline = handle.started_at + config.send_timeout_s
     assert len(src_pages) >= m.num_pages, (len(src_pages), m.num_pages)
+    order, source, damage, late = plan_faults(m.num_pages, rid, faults)
 
-    order = list(range(m.num_pages))  # logical indices to send
-    source = list(range(m.num_pages))  # whose bytes go under each logical index
-    damage: dict[int, str] = {}
-    late = None
-    if faults is not None:
-        if (p := faults.point("drop_page", rid)) and p.page < m.num_pages and faults.hit("drop_page", rid):
-            order.remove(p.page)
-        if (p := faults.point("reorder_pages", rid)) and m.num_pages >= 2 and faults.hit("reorder_pages", rid):
-            a = min(p.page, m.num_pages - 2)
-            source[a], source[a + 1] = source[a + 1], source[a]
-        for name in ("corrupt_byte", "short_write"):
-            if (p := faults.point(name, rid)) and p.page < m.num_pages and faults.hit(name, rid):
-                damage[p.page] = name
-        late = faults.point("delayed_write_after_abort", rid)
+    def stopping() -> bool:
+        return (
+            handle.local_abort is not None
+            or (handle.remote_abort is not None and late is None)
+            or handle.status == SendStatus.ERROR
+        )
 
-    def page_payload(i: int) -> tuple[list[bytes | bytearray | memoryview], int]:
-        views: list[bytes | bytearray | memoryview] = list(pb.views(src_pages[source[i]]))
-        if i not in damage:
-            return views, bpp
-        raw = bytearray(b"".join(views))
-        if damage[i] == "corrupt_byte":
-            raw[len(raw) // 2] ^= 0x5A
-            return [raw], bpp
-        return [raw[: bpp // 2]], bpp // 2  # short_write
-
-    final: Header | None = None
     try:
         link.send({"t": "manifest", "rid": rid, "xid": xid}, [m.to_bytes()])
+        mover.prepare(handle, deadline)
         if late is not None:  # the fault: hold the page writes until decode has aborted, then send anyway
             with handle._cond:
                 handle._cond.wait_for(lambda: handle.remote_abort is not None, timeout=config.send_timeout_s / 2)
-        seq = 0
-        for start in range(0, len(order), config.max_transfer_pages):
+        for seq, start in enumerate(range(0, len(order), config.max_transfer_pages)):
+            if not mover.can_move(handle):
+                break
             chunk = order[start : start + config.max_transfer_pages]
-            payloads = [page_payload(i) for i in chunk]
-            nbytes = sum(n for _, n in payloads)
+            sizes = [bpp // 2 if damage.get(i) == "short_write" else bpp for i in chunk]
+            nbytes = sum(sizes)
             with handle._cond:
                 ok = handle._cond.wait_for(
                     lambda nbytes=nbytes: (
-                        handle.local_abort is not None
-                        or handle.remote_abort is not None
-                        or handle.status == SendStatus.ERROR
+                        stopping()
                         or handle.inflight_bytes == 0
                         or handle.inflight_bytes + nbytes <= config.max_inflight_bytes
                     ),
                     timeout=max(0.0, deadline - time.monotonic()),
                 )
-                stop = handle.local_abort is not None or handle.status == SendStatus.ERROR
-                if handle.remote_abort is not None and late is None:
-                    stop = True
                 if not ok:
                     handle.status, handle.reason = SendStatus.ERROR, f"send timed out after {config.send_timeout_s}s"
-                    stop = True
-                if stop:
+                if stopping():
                     break
                 handle.inflight_bytes += nbytes
                 handle.max_inflight_seen = max(handle.max_inflight_seen, handle.inflight_bytes)
             if handle.remote_abort is not None and late is not None:
                 faults.hit("delayed_write_after_abort", rid)  # type: ignore[union-attr]
                 time.sleep(late.delay_s)  # keep writing after the abort, slowly
-            pieces: list[bytes | bytearray | memoryview] = []
-            for views, _ in payloads:
-                pieces.extend(views)
-            link.send(
-                {"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": [n for _, n in payloads]},
-                pieces,
-            )
-            seq += 1
+            payload = mover.move(chunk, [src_pages[source[i]] for i in chunk], damage)
+            link.send({"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": sizes}, payload)
             handle.chunks_sent += 1
             handle.max_chunk_pages = max(handle.max_chunk_pages, len(chunk))
             handle.pages_sent += len(chunk)
             handle.bytes_sent += nbytes
-        if handle.local_abort is not None:
-            final = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.local_abort}
-            handle._set(SendStatus.ABORTED, handle.local_abort)
-        elif handle.remote_abort is not None:
-            final = {"t": "aborted", "rid": rid, "xid": xid}
-        elif handle.status == SendStatus.ERROR:
-            final = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.reason}
-        else:
-            final = {"t": "done", "rid": rid, "xid": xid, "pages": handle.pages_sent}
-            with handle._cond:
-                if handle.status == SendStatus.SENDING:
-                    handle.status = SendStatus.AWAITING_VERDICT
-                handle._cond.notify_all()
-        link.send(final)
+        link.send(_last_frame(handle))
+    except KvfenceError as e:  # the mover failed (a refused write, a peer it cannot write to)
+        handle._set(SendStatus.ERROR, str(e))
+        try:
+            link.send({"t": "abort", "rid": rid, "xid": xid, "reason": str(e)})
+        except OSError:
+            pass
     except OSError as e:
         handle._set(SendStatus.ERROR, f"connection to decode failed: {e}")
     finally:
@@ -520,6 +566,23 @@ def run_send(
             handle.sender_done = True
             handle.done_at = time.monotonic()
             handle._cond.notify_all()
+
+
+def _last_frame(handle: SendHandle) -> Header:
+    """The frame that ends a transfer, by how it ended; a clean end awaits decode's verdict."""
+    rid, xid = handle.request_id, handle.transfer_id
+    if handle.local_abort is not None:
+        handle._set(SendStatus.ABORTED, handle.local_abort)
+        return {"t": "abort", "rid": rid, "xid": xid, "reason": handle.local_abort}
+    if handle.remote_abort is not None:
+        return {"t": "aborted", "rid": rid, "xid": xid}
+    if handle.status == SendStatus.ERROR:
+        return {"t": "abort", "rid": rid, "xid": xid, "reason": handle.reason}
+    with handle._cond:
+        if handle.status == SendStatus.SENDING:
+            handle.status = SendStatus.AWAITING_VERDICT
+        handle._cond.notify_all()
+    return {"t": "done", "rid": rid, "xid": xid, "pages": handle.pages_sent}
 
 
 class Receiver(Protocol):
@@ -540,3 +603,68 @@ class Sender(Protocol):
 
     def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle: ...
     def close(self) -> None: ...
+
+
+class ReceiverBase:
+    """The decode-side API of `Receiver`, served by the transport's `core`."""
+
+    core: ReceiverCore
+
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
+        return self.core.expect(request_id, dest_pages, transfer_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.core.abort(request_id, reason)
+
+    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
+        self.core.verdict(request_id, ok, reason)
+
+    def forget(self, request_id: str) -> None:
+        self.core.forget(request_id)
+
+
+class SenderLink(Link, Protocol):
+    """A sender's connection to one receiver, with the handles of the transfers it carries."""
+
+    closed: bool
+    handles: list[SendHandle]
+
+
+class SenderBase:
+    """`Sender.send` for every transport: register the handle, connect, run the transfer on its own thread.
+
+    A transport supplies `_connect(address)` (raises OSError or ValueError when no receiver is there) and
+    `_transfer(link, handle, src_pages)` (the blocking send, usually `run_send`)."""
+
+    core: SenderCore
+    _thread_name = "kvfence-send"  # + "-<request id>"
+
+    def _connect(self, address: str) -> SenderLink:
+        raise NotImplementedError
+
+    def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
+        raise NotImplementedError
+
+    def _new_handle(self, manifest: HandoffManifest) -> SendHandle:
+        return SendHandle(manifest)
+
+    def _connect_failed(self, address: str, error: Exception) -> str:
+        return f"cannot connect to decode at {address}: {error}"
+
+    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
+        handle = self._new_handle(manifest)
+        self.core.add(handle)
+        try:
+            link = self._connect(address)
+        except (OSError, ValueError) as e:
+            handle._set(SendStatus.ERROR, self._connect_failed(address, e))
+            handle.sender_done = True
+            return handle
+        link.handles = [h for h in link.handles if not (h.finished and h.sender_done)] + [handle]
+        threading.Thread(
+            target=self._transfer,
+            args=(link, handle, list(src_pages)),
+            name=f"{self._thread_name}-{manifest.request_id}",
+            daemon=True,
+        ).start()
+        return handle

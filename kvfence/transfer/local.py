@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
 
 from kvfence.faults import FaultInjector
-from kvfence.integrity.manifest import HandoffManifest
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import (
     Header,
     Payload,
+    ReceiverBase,
     ReceiverCore,
-    ReceiveSlot,
+    SenderBase,
     SenderCore,
+    SenderLink,
     SendHandle,
-    SendStatus,
     TransferConfig,
     fill_from_bytes,
     run_send,
@@ -90,7 +89,7 @@ class _Connection:
             self.receiver._queue.put((self.reply, {"t": _CLOSED}, b""))
 
 
-class LocalReceiver:
+class LocalReceiver(ReceiverBase):
     def __init__(
         self, fabric: LocalFabric, name: str, pool: KVPool, faults: FaultInjector | None = None, one_sided: bool = False
     ) -> None:
@@ -101,18 +100,6 @@ class LocalReceiver:
         self.address = fabric.register(name, self)
         self._thread = threading.Thread(target=self._loop, name=f"kvfence-local-recv-{name}", daemon=True)
         self._thread.start()
-
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
-        return self.core.expect(request_id, dest_pages, transfer_id)
-
-    def abort(self, request_id: str, reason: str) -> None:
-        self.core.abort(request_id, reason)
-
-    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
-        self.core.verdict(request_id, ok, reason)
-
-    def forget(self, request_id: str) -> None:
-        self.core.forget(request_id)
 
     def _loop(self) -> None:
         while True:
@@ -145,7 +132,9 @@ class LocalReceiver:
             self._thread.join(timeout=5)
 
 
-class LocalSender:
+class LocalSender(SenderBase):
+    _thread_name = "kvfence-local-send"
+
     def __init__(
         self,
         fabric: LocalFabric,
@@ -169,23 +158,11 @@ class LocalSender:
                 self._connections[address] = conn
             return conn
 
-    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
-        handle = SendHandle(manifest)
-        self.core.add(handle)
-        try:
-            conn = self._connect(address)
-        except ConnectionError as e:
-            handle._set(SendStatus.ERROR, str(e))
-            handle.sender_done = True
-            return handle
-        conn.handles = [h for h in conn.handles if not (h.finished and h.sender_done)] + [handle]
-        threading.Thread(
-            target=run_send,
-            args=(conn, handle, self.pool, list(src_pages), self.config, self.faults),
-            name=f"kvfence-local-send-{manifest.request_id}",
-            daemon=True,
-        ).start()
-        return handle
+    def _connect_failed(self, address: str, error: Exception) -> str:
+        return str(error)
+
+    def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
+        run_send(link, handle, self.pool, src_pages, self.config, self.faults)
 
     def close(self) -> None:
         """Close every connection: receivers see the link go, live handles fail."""

@@ -24,19 +24,19 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 
 from kvfence.faults import FaultInjector
-from kvfence.integrity.manifest import HandoffManifest
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import (
     Header,
     Payload,
+    ReceiverBase,
     ReceiverCore,
-    ReceiveSlot,
+    SenderBase,
     SenderCore,
+    SenderLink,
     SendHandle,
-    SendStatus,
     TransferConfig,
     run_send,
 )
@@ -47,40 +47,44 @@ _SCRATCH = 1 << 20
 _MAX_CONTROL_PAYLOAD = 256 << 20  # a manifest of ~10M pages; anything larger is a broken peer
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    if not address.startswith("tcp://"):
-        raise ValueError(f"not a tcp address: {address!r} (want tcp://host:port)")
-    host, _, port = address[6:].rpartition(":")
+def parse_address(address: str, scheme: str = "tcp://") -> tuple[str, int]:
+    """(host, port) of "<scheme>host:port"."""
+    if not address.startswith(scheme):
+        raise ValueError(f"not a {scheme.removesuffix('://')} address: {address!r} (want {scheme}host:port)")
+    host, _, port = address[len(scheme) :].rpartition(":")
     return host.strip("[]"), int(port)
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+def _through(io: Callable[[list[memoryview]], int], buffers: list[memoryview]) -> None:
+    """Run every byte of `buffers` through `io` (sendmsg or recvmsg_into: at most _IOV_MAX buffers a call,
+    returns how many bytes it moved)."""
     bufs = [b for b in buffers if len(b)]
     i = 0
     while i < len(bufs):
-        sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
-        while sent > 0:
+        moved = io(bufs[i : i + _IOV_MAX])
+        if moved == 0:
+            raise ConnectionResetError("peer closed the connection mid-frame")
+        while moved > 0:
             n = len(bufs[i])
-            if sent >= n:
-                sent -= n
+            if moved >= n:
+                moved -= n
                 i += 1
             else:
-                bufs[i] = bufs[i][sent:]
-                sent = 0
+                bufs[i] = bufs[i][moved:]
+                moved = 0
 
 
-def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionResetError("peer closed the connection mid-frame")
-        got += k
+def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    _through(sock.sendmsg, buffers)
+
+
+def _recvmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    _through(lambda bufs: sock.recvmsg_into(bufs)[0], buffers)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf))
+    _recvmsg_all(sock, [memoryview(buf)])
     return buf
 
 
@@ -121,8 +125,18 @@ class _Conn:
         self.sock.close()
 
 
-class TcpReceiver:
-    """Decode's data-plane endpoint: listens, lands pages through `ReceiverCore`."""
+# a broken or closed connection (or a peer sending malformed frames): the connection is dropped
+_LINK_ERRORS = (ConnectionError, OSError, ValueError, KeyError, TypeError)
+
+
+class TcpReceiver(ReceiverBase):
+    """Decode's data-plane endpoint: listens, lands pages through `ReceiverCore`.
+
+    A subclass (the Mooncake receiver) reuses the listener, one thread per connection and `close`, and
+    supplies its own `_serve` (the frames of one connection) and `_conn_lost`."""
+
+    _scheme = "tcp://"
+    _thread_name = "kvfence-tcp"
 
     def __init__(
         self,
@@ -134,24 +148,15 @@ class TcpReceiver:
     ) -> None:
         self.core = ReceiverCore(pool, faults, one_sided)
         self._listener = socket.create_server((host, port))
-        self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self.address = f"{self._scheme}{host}:{self._listener.getsockname()[1]}"
         self._conns: list[_Conn] = []
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self.closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfence-tcp-accept", daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"{self._thread_name}-accept", daemon=True
+        )
         self._accept_thread.start()
-
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
-        return self.core.expect(request_id, dest_pages, transfer_id)
-
-    def abort(self, request_id: str, reason: str) -> None:
-        self.core.abort(request_id, reason)
-
-    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
-        self.core.verdict(request_id, ok, reason)
-
-    def forget(self, request_id: str) -> None:
-        self.core.forget(request_id)
 
     def _accept_loop(self) -> None:
         while not self.closed:
@@ -161,20 +166,30 @@ class TcpReceiver:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock)
-            self._conns.append(conn)
-            t = threading.Thread(target=self._conn_loop, args=(conn,), name="kvfence-tcp-recv", daemon=True)
+            with self._lock:
+                self._conns.append(conn)
+            t = threading.Thread(target=self._conn_loop, args=(conn,), name=f"{self._thread_name}-recv", daemon=True)
             self._threads.append(t)
             t.start()
 
     def _conn_loop(self, conn: _Conn) -> None:
+        try:
+            self._serve(conn)
+        except _LINK_ERRORS:
+            return
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.remove(conn)
+            self._conn_lost(conn)
+
+    def _conn_lost(self, conn: _Conn) -> None:
+        self.core.link_closed(conn)
+
+    def _serve(self, conn: _Conn) -> None:
+        """Apply the frames of one connection until it closes (raises on a malformed frame)."""
         scratch = memoryview(bytearray(_SCRATCH))  # per connection: discarded bytes land here
         bpp = self.core.pool.layout.bytes_per_page
-
-        def discard(n: int) -> None:
-            while n > 0:
-                k = min(n, len(scratch))
-                _recv_exact_into(conn.sock, scratch[:k])
-                n -= k
 
         def fill(views: list[memoryview] | None, nbytes: int) -> None:
             # scatter-read straight into the page's views: one syscall fills many of them
@@ -185,45 +200,27 @@ class TcpReceiver:
                     break
                 bufs.append(v[:k])
                 left -= k
-            i = 0
-            while i < len(bufs):
-                got = conn.sock.recvmsg_into(bufs[i : i + _IOV_MAX])[0]
-                if got == 0:
-                    raise ConnectionResetError("peer closed the connection mid-frame")
-                while got > 0:
-                    n = len(bufs[i])
-                    if got >= n:
-                        got -= n
-                        i += 1
-                    else:
-                        bufs[i] = bufs[i][got:]
-                        got = 0
-            discard(left)
+            _recvmsg_all(conn.sock, bufs)
+            while left > 0:  # what has no destination
+                k = min(left, len(scratch))
+                _recvmsg_all(conn.sock, [scratch[:k]])
+                left -= k
 
-        try:
-            while True:
-                got = conn.read_frame_header()
-                if got is None:
-                    return
-                header, plen = got
-                if header.get("t") == "pages":
-                    rid, xid = str(header["rid"]), str(header["xid"])
-                    sizes = [int(nb) for nb in header["nb"]]
-                    if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
-                        raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
-                    for idx, nb in zip(header["idx"], sizes, strict=True):
-                        self.core.receive_page(rid, xid, int(idx), int(nb), fill)
-                    conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
-                else:
-                    if plen > _MAX_CONTROL_PAYLOAD:
-                        raise ValueError(f"{header.get('t')!r} frame of {plen} bytes is too large")
-                    payload = _recv_exact(conn.sock, plen) if plen else b""
-                    self.core.on_frame(conn, header, payload)
-        except (ConnectionError, OSError, ValueError):
-            return
-        finally:
-            conn.close()
-            self.core.link_closed(conn)
+        while True:
+            got = conn.read_frame_header()
+            if got is None:
+                return
+            header, plen = got
+            if header.get("t") == "pages":
+                rid, xid = str(header["rid"]), str(header["xid"])
+                sizes = [int(nb) for nb in header["nb"]]
+                if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
+                    raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
+                for idx, nb in zip(header["idx"], sizes, strict=True):
+                    self.core.receive_page(rid, xid, int(idx), int(nb), fill)
+                conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
+            else:
+                self.core.on_frame(conn, header, _read_control_payload(conn, header, plen))
 
     def close(self) -> None:
         """Stop listening, drop every connection (their slots settle) and wait for the threads to end."""
@@ -235,15 +232,30 @@ class TcpReceiver:
         except OSError:
             pass
         self._listener.close()
-        for conn in list(self._conns):
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
             conn.close()
         self._accept_thread.join(timeout=5)
         for t in list(self._threads):
             t.join(timeout=5)
 
 
-class TcpSender:
-    """Prefill's data-plane client: one connection per decode address, transfers on threads."""
+def _read_control_payload(conn: _Conn, header: Header, plen: int) -> bytes | bytearray:
+    if plen > _MAX_CONTROL_PAYLOAD:
+        raise ValueError(f"{header.get('t')!r} frame of {plen} bytes is too large")
+    return _recv_exact(conn.sock, plen) if plen else b""
+
+
+class TcpSender(SenderBase):
+    """Prefill's data-plane client: one connection per decode address, transfers on threads.
+
+    A subclass (the Mooncake sender) reuses the connections, their reader threads and `close`, and supplies
+    `_new_conn`, `_on_reply` and `_transfer`."""
+
+    _scheme = "tcp://"
+    _thread_name = "kvfence-tcp-send"
+    _reader_name = "kvfence-tcp-acks"
 
     def __init__(self, pool: KVPool, config: TransferConfig | None = None, faults: FaultInjector | None = None) -> None:
         self.pool = pool
@@ -254,17 +266,20 @@ class TcpSender:
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()
 
+    def _new_conn(self, sock: socket.socket) -> _Conn:
+        return _Conn(sock)
+
     def _connect(self, address: str) -> _Conn:
         with self._lock:
             conn = self._conns.get(address)
             if conn is not None and not conn.closed:
                 return conn
-            sock = socket.create_connection(parse_address(address), timeout=self.config.connect_timeout_s)
+            sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = self._new_conn(sock)
             self._conns[address] = conn
-            t = threading.Thread(target=self._reader, args=(conn,), name="kvfence-tcp-acks", daemon=True)
+            t = threading.Thread(target=self._reader, args=(conn,), name=self._reader_name, daemon=True)
             self._readers.append(t)
             t.start()
             return conn
@@ -278,30 +293,18 @@ class TcpSender:
                 header, plen = got
                 if plen:
                     _recv_exact(conn.sock, plen)
-                self.core.on_frame(header)
-        except (ConnectionError, OSError, ValueError):
+                self._on_reply(conn, header)
+        except _LINK_ERRORS:
             return
         finally:
             conn.close()
             self.core.link_closed(conn.handles)
 
-    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
-        handle = SendHandle(manifest)
-        self.core.add(handle)
-        try:
-            conn = self._connect(address)
-        except (OSError, ValueError) as e:
-            handle._set(SendStatus.ERROR, f"cannot connect to decode at {address}: {e}")
-            handle.sender_done = True
-            return handle
-        conn.handles = [h for h in conn.handles if not (h.finished and h.sender_done)] + [handle]
-        threading.Thread(
-            target=run_send,
-            args=(conn, handle, self.pool, list(src_pages), self.config, self.faults),
-            name=f"kvfence-tcp-send-{manifest.request_id}",
-            daemon=True,
-        ).start()
-        return handle
+    def _on_reply(self, conn: _Conn, header: Header) -> None:
+        self.core.on_frame(header)
+
+    def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
+        run_send(link, handle, self.pool, src_pages, self.config, self.faults)
 
     def close(self) -> None:
         with self._lock:
