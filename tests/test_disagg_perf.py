@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvfence.disagg import protocol as P
@@ -66,3 +68,38 @@ def test_default_torch_threads_share_the_cores_between_roles(cpus: int, worker: 
     assert torch_threads_for("prefill", cpus) == worker
     assert torch_threads_for("decode", cpus) == worker
     assert torch_threads_for("router", cpus) == router
+
+
+def test_decode_waits_instead_of_spinning_while_a_handoff_is_in_flight(tiny_llama_dir: Path) -> None:
+    from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+    from kvfence.disagg.decode import DecodeConfig, DecodeWorker
+    from kvfence.disagg.router import params_to_dict
+    from kvfence.disagg.worker_main import WorkerIdentity
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.integrity.digest import token_hash
+    from kvfence.transfer.local import LocalFabric, LocalReceiver
+
+    engine = LLMEngine(
+        EngineConfig(
+            ModelConfig(str(tiny_llama_dir)), CacheConfig(page_size=16, max_total_tokens=512), context_length=256
+        )
+    )
+    worker = DecodeWorker(
+        engine,
+        WorkerIdentity("decode-0", "tiny", "fp", {}),
+        DecodeConfig(transport="local", deadline_s=30),
+        receiver=LocalReceiver(LocalFabric(), "decode-0", engine.pool),
+    )
+    sent: list[P.Message] = []
+    worker.attach(sent.append)
+    assert not worker.busy and worker.poll_interval_s is None  # idle: the loop's own idle wait
+    prompt = list(range(10, 50))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+    worker.handle(P.DecodePrepare("r1", prompt, len(prompt), token_hash(prompt), params_to_dict(sp), 30.0))
+    assert isinstance(sent[-1], P.DecodeReserved)
+    assert worker.step() is False  # nothing to compute until the KV lands
+    assert not worker.busy and worker.poll_interval_s == 0.001  # a short wait, not a spin
+    worker.handle(P.Abort("r1", "test"))
+    assert worker.poll_interval_s is None
+    worker.close()

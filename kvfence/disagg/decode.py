@@ -267,7 +267,7 @@ class DecodeWorker:
         a short wait notices them within a millisecond without spinning a core that
         prefill needs to compute the very prompt being waited for.
         """
-        return 0.001 if self.incoming or self.ending else None
+        return 0.001 if self.incoming else None
 
     def step(self) -> bool:
         self._start_queued()
