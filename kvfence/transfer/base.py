@@ -439,14 +439,14 @@ def plan_faults(num_pages: int, rid: str, faults: FaultInjector | None) -> SendP
 
 
 class PageMover(Protocol):
-    """A transport's byte-moving step; `run_send` does the rest (manifest, chunks, bounds, faults, last frame)."""
+    """One transfer's byte-moving step; `run_send` does the rest (manifest, chunks, bounds, faults, last frame)."""
 
-    def prepare(self, handle: SendHandle, deadline: float) -> None:
+    def prepare(self, deadline: float) -> None:
         """After the manifest went out: wait until pages may be moved or the transfer stops (setting the handle's
         error on a timeout); raising KvfenceError fails the transfer and sends `abort`."""
         ...
 
-    def can_move(self, handle: SendHandle) -> bool:
+    def can_move(self) -> bool:
         """Checked before each chunk: False stops the transfer (nothing may be moved)."""
         ...
 
@@ -463,10 +463,10 @@ class InlinePages:
         self.page_bytes = PageBytes(pool)
         self.bpp = pool.layout.bytes_per_page
 
-    def prepare(self, handle: SendHandle, deadline: float) -> None:
+    def prepare(self, deadline: float) -> None:
         pass
 
-    def can_move(self, handle: SendHandle) -> bool:
+    def can_move(self) -> bool:
         return True
 
     def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
@@ -518,12 +518,12 @@ def run_send(
 
     try:
         link.send({"t": "manifest", "rid": rid, "xid": xid}, [m.to_bytes()])
-        mover.prepare(handle, deadline)
+        mover.prepare(deadline)
         if late is not None:  # the fault: hold the page writes until decode has aborted, then send anyway
             with handle._cond:
                 handle._cond.wait_for(lambda: handle.remote_abort is not None, timeout=config.send_timeout_s / 2)
         for seq, start in enumerate(range(0, len(order), config.max_transfer_pages)):
-            if not mover.can_move(handle):
+            if not mover.can_move():
                 break
             chunk = order[start : start + config.max_transfer_pages]
             sizes = [bpp // 2 if damage.get(i) == "short_write" else bpp for i in chunk]
@@ -658,7 +658,9 @@ class SenderBase:
             link = self._connect(address)
         except (OSError, ValueError) as e:
             handle._set(SendStatus.ERROR, self._connect_failed(address, e))
-            handle.sender_done = True
+            with handle._cond:  # no thread will read the source pages
+                handle.sender_done = True
+                handle._cond.notify_all()
             return handle
         link.handles = [h for h in link.handles if not (h.finished and h.sender_done)] + [handle]
         threading.Thread(

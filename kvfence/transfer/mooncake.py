@@ -48,19 +48,20 @@ import numpy as np
 import torch
 
 from kvfence.errors import KvfenceError
-from kvfence.faults import FaultInjector, FaultPoint
+from kvfence.faults import FaultInjector
 from kvfence.integrity.digest import PageBytes
 from kvfence.integrity.manifest import HandoffManifest
 from kvfence.kv.pool import KVPool
+from kvfence.transfer import tcp
 from kvfence.transfer.base import (
     Header,
-    ReceiverCore,
-    ReceiveSlot,
-    SenderCore,
+    Payload,
+    SenderLink,
     SendHandle,
     SendStatus,
     SlotStatus,
     TransferConfig,
+    run_send,
 )
 from kvfence.transfer.mooncake_engine import (
     BufferBase,
@@ -74,10 +75,9 @@ from kvfence.transfer.mooncake_engine import (
     page_ranges,
     pool_buffer_bases,
 )
-from kvfence.transfer.tcp import _Conn, _recv_exact
+from kvfence.transfer.tcp import TcpReceiver, TcpSender, _Conn, _read_control_payload
 
 _SCHEME = "mooncake://"
-_MAX_CONTROL_PAYLOAD = 256 << 20  # a manifest of ~10M pages; anything larger is a broken peer
 _CLOSE_WAIT_S = 5.0  # MooncakeSender.close: how long aborted transfers get to send their last frame
 
 
@@ -89,10 +89,7 @@ def mooncake_unavailable_reason(hostname: str = "127.0.0.1", protocol: str = "tc
 
 def parse_address(address: str) -> tuple[str, int]:
     """The (host, port) of the receiver's control listener in "mooncake://host:port"."""
-    if not address.startswith(_SCHEME):
-        raise ValueError(f"not a mooncake address: {address!r} (want mooncake://host:port)")
-    host, _, port = address[len(_SCHEME) :].rpartition(":")
-    return host.strip("[]"), int(port)
+    return tcp.parse_address(address, _SCHEME)
 
 
 def _open_endpoint(hostname: str, protocol: str) -> MooncakeEndpoint:
@@ -109,8 +106,12 @@ def _open_endpoint(hostname: str, protocol: str) -> MooncakeEndpoint:
 # -- receiver (decode) ----------------------------------------------------------------------------------------
 
 
-class MooncakeReceiver:
-    """Decode's endpoint: its pool registered with Mooncake, a control listener, coverage from prefill's notices."""
+class MooncakeReceiver(TcpReceiver):
+    """Decode's endpoint: its pool registered with Mooncake, a control listener, coverage from prefill's notices.
+    The listener, its connections and `close` are the TCP receiver's; the frames of a connection differ."""
+
+    _scheme = _SCHEME
+    _thread_name = "kvfence-mc"
 
     def __init__(
         self,
@@ -123,84 +124,43 @@ class MooncakeReceiver:
     ) -> None:
         """`host`/`port`: the control listener; `hostname`: the address prefill's engine writes to (default host)."""
         self.endpoint = _open_endpoint(hostname or host, protocol)
+        self._dest_sent: dict[_Conn, dict[str, bool]] = {}  # per connection: rid -> page table sent
+        self._stale: dict[tuple[str, str, int], bytes] = {}  # stale_page fault: the bytes to put back
         try:
             regions = self.endpoint.register_pool(pool)
-            self._listener = socket.create_server((host, port))
+            self._hello: Header = {
+                "t": "hello",
+                "session": self.endpoint.session_id,
+                "bases": [[b.addr, b.page_nbytes] for b in pool_buffer_bases(pool)],
+                "regions": [[r.addr, r.nbytes] for r in regions],
+            }
+            super().__init__(pool, host, port, faults, one_sided=True)  # starts accepting: everything is set
         except BaseException:
             self.endpoint.close()
             raise
-        self.core = ReceiverCore(pool, faults, one_sided=True)
-        self.address = f"{_SCHEME}{host}:{self._listener.getsockname()[1]}"
-        self._hello: Header = {
-            "t": "hello",
-            "session": self.endpoint.session_id,
-            "bases": [[b.addr, b.page_nbytes] for b in pool_buffer_bases(pool)],
-            "regions": [[r.addr, r.nbytes] for r in regions],
-        }
-        self._dest_sent: dict[_Conn, dict[str, bool]] = {}  # per connection: rid -> page table sent
-        self._stale: dict[tuple[str, str, int], bytes] = {}  # stale_page fault: the bytes to put back
-        self._lock = threading.Lock()
-        self._conns: list[_Conn] = []
-        self._threads: list[threading.Thread] = []
-        self.closed = False
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvfence-mc-accept", daemon=True)
-        self._accept_thread.start()
-
-    # -- decode-side API (the `Receiver` protocol) -------------------------------------------------------------
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
-        return self.core.expect(request_id, dest_pages, transfer_id)
-
-    def abort(self, request_id: str, reason: str) -> None:
-        self.core.abort(request_id, reason)
-
-    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
-        self.core.verdict(request_id, ok, reason)
 
     def forget(self, request_id: str) -> None:
-        self.core.forget(request_id)
+        super().forget(request_id)
         with self._lock:
             for key in [k for k in self._stale if k[0] == request_id]:
                 del self._stale[key]
 
     # -- control connections -----------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
+    def _serve(self, conn: _Conn) -> None:
+        conn.send(self._hello)
+        while True:
+            got = conn.read_frame_header()
+            if got is None:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
-            with self._lock:
-                self._conns.append(conn)
-                self._dest_sent[conn] = {}
-            t = threading.Thread(target=self._conn_loop, args=(conn,), name="kvfence-mc-recv", daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def _conn_loop(self, conn: _Conn) -> None:
-        try:
-            conn.send(self._hello)
-            while True:
-                got = conn.read_frame_header()
-                if got is None:
-                    return
-                header, plen = got
-                if plen > _MAX_CONTROL_PAYLOAD:
-                    raise ValueError(f"{header.get('t')!r} frame of {plen} bytes is too large")
-                payload = _recv_exact(conn.sock, plen) if plen else b""
-                kind = header.get("t")
-                if kind == "pages":
-                    self._on_pages(conn, header, plen)
-                elif kind == "manifest":
-                    self._on_manifest(conn, header, payload)
-                else:
-                    self.core.on_frame(conn, header, payload)
-        except (ConnectionError, OSError, ValueError, KeyError, TypeError):
-            return
-        finally:
-            conn.close()
-            self._link_lost(conn)
+            header, plen = got
+            payload = _read_control_payload(conn, header, plen)
+            kind = header.get("t")
+            if kind == "pages":
+                self._on_pages(conn, header, plen)
+            elif kind == "manifest":
+                self._on_manifest(conn, header, payload)
+            else:
+                self.core.on_frame(conn, header, payload)
 
     def _on_manifest(self, conn: _Conn, header: Header, payload: bytes | bytearray) -> None:
         rid, xid = str(header.get("rid")), str(header.get("xid"))
@@ -248,13 +208,11 @@ class MooncakeReceiver:
 
         return fill
 
-    def _link_lost(self, conn: _Conn) -> None:
+    def _conn_lost(self, conn: _Conn) -> None:
         """A control connection closed. Slots whose page table it carried fail but stay unsettled (a write may
         still land); the others are settled like a closed TCP connection."""
         with self._lock:
             rids = self._dest_sent.pop(conn, {})
-            if conn in self._conns:
-                self._conns.remove(conn)
         for rid, dest_sent in rids.items():
             slot = self.core.slot(rid)
             if slot is None or slot.link is not conn:
@@ -270,19 +228,7 @@ class MooncakeReceiver:
         """Stop listening, drop every connection, wait for the threads, then unregister the pool."""
         if self.closed:
             return
-        self.closed = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
-        self._accept_thread.join(timeout=5)
-        for t in list(self._threads):
-            t.join(timeout=5)
+        super().close()
         self.endpoint.close()
 
 
@@ -324,28 +270,49 @@ class _SenderConn(_Conn):
         self.hello.set()
 
 
-def _plan_faults(
-    num_pages: int, rid: str, faults: FaultInjector | None
-) -> tuple[list[int], list[int], dict[int, str], FaultPoint | None]:
-    """(logical indices to send, whose bytes go under each index, damaged pages, late-write fault), as run_send."""
-    order, source = list(range(num_pages)), list(range(num_pages))
-    damage: dict[int, str] = {}
-    if faults is None:
-        return order, source, damage, None
-    if (p := faults.point("drop_page", rid)) and p.page < num_pages and faults.hit("drop_page", rid):
-        order.remove(p.page)
-    if (p := faults.point("reorder_pages", rid)) and num_pages >= 2 and faults.hit("reorder_pages", rid):
-        a = min(p.page, num_pages - 2)
-        source[a], source[a + 1] = source[a + 1], source[a]
-    for name in ("corrupt_byte", "short_write"):
-        if (p := faults.point(name, rid)) and p.page < num_pages and faults.hit(name, rid):
-            damage[p.page] = name
-    return order, source, damage, faults.point("delayed_write_after_abort", rid)
+class _OneSidedWrites:
+    """The byte-moving step of one Mooncake transfer (`transfer.base.PageMover`): wait for decode's hello and page
+    table, then write each chunk into decode's pages; its `pages` frame is a notice without payload."""
+
+    def __init__(self, sender: MooncakeSender, conn: _SenderConn, handle: MooncakeSendHandle) -> None:
+        self.sender, self.conn, self.handle = sender, conn, handle
+
+    def prepare(self, deadline: float) -> None:
+        cfg, conn, h = self.sender.config, self.conn, self.handle
+        if not conn.hello.wait(timeout=min(cfg.connect_timeout_s, max(0.0, deadline - time.monotonic()))):
+            raise KvfenceError(f"decode's Mooncake receiver did not say hello within {cfg.connect_timeout_s}s")
+        assert conn.peer is not None
+        if [b.page_nbytes for b in conn.dst_bases] != [b.page_nbytes for b in self.sender._src_bases]:
+            raise KvfenceError("decode's pool has different buffers than prefill's; the layouts differ")
+        with h._cond:
+            got = h._cond.wait_for(
+                lambda: (
+                    h.dest_pages is not None
+                    or h.local_abort is not None
+                    or h.remote_abort is not None
+                    or h.status == SendStatus.ERROR
+                ),
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            if not got:
+                h.status, h.reason = SendStatus.ERROR, "no page table from decode before the deadline"
+
+    def can_move(self) -> bool:
+        return self.handle.dest_pages is not None  # nothing may be written before decode sent its page table
+
+    def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
+        assert self.handle.dest_pages is not None
+        self.sender._write_chunk(self.conn, self.handle, chunk, srcs, self.handle.dest_pages, damage)
+        return ()
 
 
-class MooncakeSender:
+class MooncakeSender(TcpSender):
     """Prefill's endpoint: its pool registered with Mooncake, one control connection per decode, a thread per
-    transfer."""
+    transfer. The control connections and their readers are the TCP sender's; the pages are written one-sided."""
+
+    _scheme = _SCHEME
+    _thread_name = "kvfence-mc-send"
+    _reader_name = "kvfence-mc-acks"
 
     def __init__(
         self,
@@ -360,9 +327,7 @@ class MooncakeSender:
                 "Mooncake backend not available: MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, "
                 "where a finished write may not have landed yet; unset it"
             )
-        self.pool = pool
-        self.config = config or TransferConfig()
-        self.faults = faults
+        super().__init__(pool, config, faults)
         self.endpoint = _open_endpoint(hostname, protocol)
         try:
             self.endpoint.register_pool(pool)
@@ -375,168 +340,31 @@ class MooncakeSender:
         self._src_bases = pool_buffer_bases(pool)
         self._page_bytes = PageBytes(pool)
         self._writers = max(1, lane_queue_limit() // default_max_batch())
-        self.core = SenderCore()
-        self._conns: dict[str, _SenderConn] = {}
-        self._readers: list[threading.Thread] = []
-        self._live: list[MooncakeSendHandle] = []
-        self._lock = threading.Lock()
         self.closed = False
 
-    def _connect(self, address: str) -> _SenderConn:
-        with self._lock:
-            conn = self._conns.get(address)
-            if conn is not None and not conn.closed:
-                return conn
-            sock = socket.create_connection(parse_address(address), timeout=self.config.connect_timeout_s)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _SenderConn(sock, self._writers)
-            self._conns[address] = conn
-            t = threading.Thread(target=self._reader, args=(conn,), name="kvfence-mc-acks", daemon=True)
-            self._readers.append(t)
-            t.start()
-            return conn
+    def _new_conn(self, sock: socket.socket) -> _SenderConn:
+        return _SenderConn(sock, self._writers)
 
-    def _reader(self, conn: _SenderConn) -> None:
-        try:
-            while True:
-                got = conn.read_frame_header()
-                if got is None:
-                    return
-                header, plen = got
-                if plen:
-                    _recv_exact(conn.sock, plen)
-                if header.get("t") == "hello":
-                    conn.on_hello(header)
-                else:
-                    self.core.on_frame(header)
-        except (ConnectionError, OSError, ValueError, KeyError, TypeError):
-            return
-        finally:
-            conn.close()
-            self.core.link_closed(conn.handles)
+    def _new_handle(self, manifest: HandoffManifest) -> SendHandle:
+        return MooncakeSendHandle(manifest)
 
-    def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
-        handle = MooncakeSendHandle(manifest)
-        self.core.add(handle)
-        try:
-            if self.closed:
-                raise ConnectionError("this Mooncake sender is closed")
-            conn = self._connect(address)
-        except (OSError, ValueError) as e:
-            handle._set(SendStatus.ERROR, f"cannot connect to decode at {address}: {e}")
-            handle.sender_done = True
-            return handle
-        conn.handles = [h for h in conn.handles if not (h.finished and h.sender_done)] + [handle]
-        with self._lock:
-            self._live = [h for h in self._live if not h.sender_done] + [handle]
-        threading.Thread(
-            target=self._run_send,
-            args=(conn, handle, list(src_pages)),
-            name=f"kvfence-mc-send-{manifest.request_id}",
-            daemon=True,
-        ).start()
-        return handle
+    def _connect(self, address: str) -> _Conn:
+        if self.closed:
+            raise ConnectionError("this Mooncake sender is closed")
+        return super()._connect(address)
+
+    def _on_reply(self, conn: _Conn, header: Header) -> None:
+        if header.get("t") == "hello":
+            assert isinstance(conn, _SenderConn)
+            conn.on_hello(header)
+        else:
+            self.core.on_frame(header)
 
     # -- one transfer ------------------------------------------------------------------------------------------
-    def _run_send(self, conn: _SenderConn, handle: MooncakeSendHandle, src_pages: list[int]) -> None:
-        """Manifest, wait for decode's page table, write chunk by chunk (each followed by its notice), last frame.
-        Mirrors `transfer.base.run_send`: same bounds, same fault hooks, same last frames."""
-        m, cfg, faults = handle.manifest, self.config, self.faults
-        rid, xid = m.request_id, m.transfer_id
-        bpp = self.pool.layout.bytes_per_page
-        deadline = handle.started_at + cfg.send_timeout_s
-        assert len(src_pages) >= m.num_pages, (len(src_pages), m.num_pages)
-        order, source, damage, late = _plan_faults(m.num_pages, rid, faults)
-
-        def stopping() -> bool:
-            return (
-                handle.local_abort is not None
-                or (handle.remote_abort is not None and late is None)
-                or handle.status == SendStatus.ERROR
-            )
-
-        try:
-            conn.send({"t": "manifest", "rid": rid, "xid": xid}, [m.to_bytes()])
-            if not conn.hello.wait(timeout=min(cfg.connect_timeout_s, max(0.0, deadline - time.monotonic()))):
-                raise KvfenceError(f"decode's Mooncake receiver did not say hello within {cfg.connect_timeout_s}s")
-            assert conn.peer is not None
-            if [b.page_nbytes for b in conn.dst_bases] != [b.page_nbytes for b in self._src_bases]:
-                raise KvfenceError("decode's pool has different buffers than prefill's; the layouts differ")
-            with handle._cond:
-                got = handle._cond.wait_for(
-                    lambda: handle.dest_pages is not None or stopping() or handle.remote_abort is not None,
-                    timeout=max(0.0, deadline - time.monotonic()),
-                )
-                if not got:
-                    handle.status, handle.reason = SendStatus.ERROR, "no page table from decode before the deadline"
-            if late is not None:  # the fault: hold the page writes until decode has aborted, then write anyway
-                with handle._cond:
-                    handle._cond.wait_for(lambda: handle.remote_abort is not None, timeout=cfg.send_timeout_s / 2)
-            dest = handle.dest_pages or ()
-            seq = 0
-            for start in range(0, len(order), cfg.max_transfer_pages):
-                if handle.dest_pages is None:
-                    break  # stopped before decode sent its page table: nothing may be written
-                chunk = order[start : start + cfg.max_transfer_pages]
-                sizes = [bpp // 2 if damage.get(i) == "short_write" else bpp for i in chunk]
-                nbytes = sum(sizes)
-                with handle._cond:
-                    ok = handle._cond.wait_for(
-                        lambda nbytes=nbytes: (
-                            stopping()
-                            or handle.inflight_bytes == 0
-                            or handle.inflight_bytes + nbytes <= cfg.max_inflight_bytes
-                        ),
-                        timeout=max(0.0, deadline - time.monotonic()),
-                    )
-                    if not ok:
-                        handle.status, handle.reason = SendStatus.ERROR, f"send timed out after {cfg.send_timeout_s}s"
-                    if stopping():
-                        break
-                    handle.inflight_bytes += nbytes
-                    handle.max_inflight_seen = max(handle.max_inflight_seen, handle.inflight_bytes)
-                if handle.remote_abort is not None and late is not None:
-                    faults.hit("delayed_write_after_abort", rid)  # type: ignore[union-attr]
-                    time.sleep(late.delay_s)  # keep writing after the abort, slowly
-                self._write_chunk(conn, handle, chunk, [src_pages[source[i]] for i in chunk], dest, damage)
-                conn.send({"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": sizes})
-                seq += 1
-                handle.chunks_sent += 1
-                handle.max_chunk_pages = max(handle.max_chunk_pages, len(chunk))
-                handle.pages_sent += len(chunk)
-                handle.bytes_sent += nbytes
-            self._finish(conn, handle)
-        except KvfenceError as e:  # a refused or failed Mooncake batch, or a peer we cannot write to
-            handle._set(SendStatus.ERROR, str(e))
-            try:
-                conn.send({"t": "abort", "rid": rid, "xid": xid, "reason": str(e)})
-            except OSError:
-                pass
-        except OSError as e:
-            handle._set(SendStatus.ERROR, f"connection to decode failed: {e}")
-        finally:
-            with handle._cond:
-                handle.sender_done = True
-                handle.done_at = time.monotonic()
-                handle._cond.notify_all()
-
-    def _finish(self, conn: _SenderConn, handle: MooncakeSendHandle) -> None:
-        rid, xid = handle.request_id, handle.transfer_id
-        if handle.local_abort is not None:
-            final: Header = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.local_abort}
-            handle._set(SendStatus.ABORTED, handle.local_abort)
-        elif handle.remote_abort is not None:
-            final = {"t": "aborted", "rid": rid, "xid": xid}
-        elif handle.status == SendStatus.ERROR:
-            final = {"t": "abort", "rid": rid, "xid": xid, "reason": handle.reason}
-        else:
-            final = {"t": "done", "rid": rid, "xid": xid, "pages": handle.pages_sent}
-            with handle._cond:
-                if handle.status == SendStatus.SENDING:
-                    handle.status = SendStatus.AWAITING_VERDICT
-                handle._cond.notify_all()
-        conn.send(final)
+    def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
+        """`transfer.base.run_send` (same bounds, fault hooks and last frames) with one-sided page writes."""
+        assert isinstance(link, _SenderConn) and isinstance(handle, MooncakeSendHandle)
+        run_send(link, handle, self.pool, src_pages, self.config, self.faults, _OneSidedWrites(self, link, handle))
 
     def _write_chunk(
         self,
@@ -596,17 +424,11 @@ class MooncakeSender:
         if self.closed:
             return
         self.closed = True
-        with self._lock:
-            live = [h for h in self._live if not h.sender_done]
+        live = self.core.sending()
         for h in live:
             h.abort("prefill's Mooncake sender closed")
         end = time.monotonic() + _CLOSE_WAIT_S
         for h in live:
             h.wait_sender_done(timeout=max(0.0, end - time.monotonic()))
-        with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            conn.close()
-        for t in self._readers:
-            t.join(timeout=5)
+        super().close()
         self.endpoint.close()
