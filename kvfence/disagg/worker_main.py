@@ -85,9 +85,8 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
         if msg is None:
             continue
         if isinstance(msg, P.RegisterReply):
-            if msg.reason.startswith(REREGISTER):  # an answer to a message queued before this Register
-                channel.send(worker.registration())
-                continue
+            if msg.reason.startswith(REREGISTER):  # an answer to a message queued before our Register: the
+                continue  # Register itself comes after it on the same connection, so it needs no resending
             if not msg.accepted:
                 raise CapacityConfigError(f"router refused this {worker.role} worker: {msg.reason}")
             if msg.reason == HEARTBEAT:  # a keepalive of a router that still knows us from before
