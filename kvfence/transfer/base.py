@@ -1,8 +1,9 @@
 """The data plane of a KV handoff: what every transport does, whatever carries the bytes.
 
-What it knows: the frames a sender and a receiver exchange, and the two cores that
-every transport (local threads, TCP, later Mooncake) shares, so the protocol and its
-safety rules live in one place:
+What it knows: the frames a sender and a receiver exchange, the two cores and the send
+loop (`run_send`) that every transport (local threads, TCP, Mooncake) shares, so the
+protocol and its safety rules live in one place; a transport supplies only how bytes
+move (`PageMover`) and how frames travel (`Link`):
 
     sender -> receiver   manifest  {rid, xid}              payload: manifest bytes
                          pages     {rid, xid, seq, idx[], nb[]}  payload: the pages, in idx order
@@ -586,7 +587,7 @@ def _last_frame(handle: SendHandle) -> Header:
 
 
 class Receiver(Protocol):
-    """What decode uses; implemented by `LocalReceiver`, `TcpReceiver` (and later Mooncake)."""
+    """What decode uses; implemented by `LocalReceiver`, `TcpReceiver` and `MooncakeReceiver`."""
 
     address: str
     core: ReceiverCore
