@@ -42,9 +42,11 @@ class DecodeContextCache:
         self.requests: tuple[Request, ...] = ()
         self.lens: torch.Tensor | None = None  # [B] context lengths the copies hold
         self.cap = 0
-        self.bufs: dict[int, torch.Tensor] = {}  # data_ptr of a flat pool view -> [B, *shape[:1], cap, *shape[1:]]
+        # (data_ptr of a flat pool view, transposed) -> [B, H, cap, *rest], or [B, H, D, cap] when transposed
+        self.bufs: dict[tuple[int, bool], torch.Tensor] = {}
         self.num_rebuilds = 0
-        self._append_rows: torch.Tensor | None = None  # [B * H] flat offsets of each (row, head) block
+        # transposed -> (the step's ForwardBatch, flat offsets of its new tokens in a buf of that layout)
+        self._append_rows: dict[bool, tuple[ForwardBatch, torch.Tensor]] | None = None
 
     def invalidate(self) -> None:
         self.requests, self.lens, self.bufs = (), None, {}
@@ -76,24 +78,51 @@ class DecodeContextCache:
         self.num_rebuilds += 1
         return True
 
-    def context(self, cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """cache: [S, H, D] flat pool view holding this step's K or V -> [B, H, K, D] (a view)."""
+    def context(self, cache: torch.Tensor, fb: ForwardBatch, transposed: bool = False) -> torch.Tensor:
+        """cache: [S, H, D] flat pool view holding this step's K or V -> [B, H, K, D] (a view).
+
+        transposed: keep this copy as [B, H, D, cap] and return [B, H, D, K] (a view), so that
+        decode attention reads keys as the right-hand side of one batched q @ k^T.
+        """
         K = int(fb.kv_slots.shape[1])
-        buf = self.bufs.get(cache.data_ptr())
+        key = (cache.data_ptr(), transposed)
+        buf = self.bufs.get(key)
         if buf is None:
             ctx = gather_context(cache, fb)  # [B, K, H, D], zero past each length
-            buf = cache.new_zeros(ctx.shape[0], ctx.shape[2], self.cap, *ctx.shape[3:])  # [B, H, cap, D]
-            buf[:, :, :K] = ctx.transpose(1, 2)
-            self.bufs[cache.data_ptr()] = buf
+            B, H, rest = ctx.shape[0], ctx.shape[2], tuple(ctx.shape[3:])
+            if transposed:
+                buf = cache.new_zeros(B, H, *rest, self.cap)  # [B, H, D, cap]
+                buf[..., :K] = ctx.permute(0, 2, 3, 1)
+            else:
+                buf = cache.new_zeros(B, H, self.cap, *rest)  # [B, H, cap, D]
+                buf[:, :, :K] = ctx.transpose(1, 2)
+            self.bufs[key] = buf
         else:
-            B, H, cap = buf.shape[:3]
-            if self._append_rows is None or self._append_rows.shape[0] != B * H:
-                # flat row of (b, h, position) in buf viewed as [B * H * cap, *rest], for position 0
-                self._append_rows = torch.arange(B * H, device=buf.device) * cap  # [B * H]
-            rows = self._append_rows + fb.positions.repeat_interleave(H)  # [B * H]
             new = cache[fb.slot_mapping]  # [B, H, *rest]: each row's new token
-            buf.view(B * H * cap, *buf.shape[3:]).index_copy_(0, rows, new.reshape(B * H, *new.shape[2:]))
-        return buf[:, :, :K]
+            rows = self._rows(buf, fb, transposed)
+            if transposed:  # one element per (b, h, d) at column `position`
+                buf.view(-1).index_copy_(0, rows, new.reshape(-1))
+            else:  # one [*rest] block per (b, h) at row `position`
+                B, H, cap = buf.shape[:3]
+                buf.view(B * H * cap, *buf.shape[3:]).index_copy_(0, rows, new.reshape(B * H, *new.shape[2:]))
+        return buf[..., :K] if transposed else buf[:, :, :K]
+
+    def _rows(self, buf: torch.Tensor, fb: ForwardBatch, transposed: bool) -> torch.Tensor:
+        """Flat offsets where this step's tokens go in `buf`, computed once per step and layout."""
+        cached = self._append_rows.get(transposed) if self._append_rows is not None else None
+        if cached is not None and cached[0] is fb:
+            return cached[1]
+        if transposed:  # buf [B, H, D, cap] viewed flat: (b, h, d) block of cap elements
+            B, H, D, cap = buf.shape
+            per_row = H * D
+        else:  # buf [B, H, cap, *rest] viewed as [B * H * cap, *rest]
+            B, H, cap = buf.shape[:3]
+            per_row = H
+        rows = torch.arange(B * per_row, device=buf.device) * cap + fb.positions.repeat_interleave(per_row)
+        if self._append_rows is None:
+            self._append_rows = {}
+        self._append_rows[transposed] = (fb, rows)
+        return rows
 
 
 class ModelRunner:

@@ -2,7 +2,8 @@
 
 What it knows: how to write a forward's new K/V into their pool slots and how to
 attend each sequence's padded queries to its gathered context under the batch's
-mask (`ForwardBatch`). Plain PyTorch (SDPA), so it runs on CPU and GPU alike.
+mask (`ForwardBatch`). Plain PyTorch (SDPA; steady decode uses two batched matmuls
+over the runner's context copies), so it runs on CPU and GPU alike.
 
 What it does not know: model shapes beyond q/k/v heads and head dims, or how
 pages were chosen.
@@ -57,6 +58,8 @@ def paged_attention(
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
+    if fb.is_decode and fb.context_cache is not None and fb.mask_mode in ("none", "bias"):
+        return _decode_attention(q, k_cache, v_cache, fb, scale)
     if fb.context_cache is not None:
         k = fb.context_cache.context(k_cache, fb)  # [B, Hkv, K, D]
         v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
@@ -88,3 +91,25 @@ def paged_attention(
     if fb.is_decode:
         return out.reshape(T, H, out.shape[-1]).to(q.dtype)  # [T, H, Dv]
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """One query per sequence over the context cache's copies, as two batched matmuls.
+
+    q: [B, H, D]. Keys come as [B, Hkv, D, K] (the copy is kept transposed), so q @ k^T is one
+    bmm over B * Hkv small GEMMs that stream each key row once; on CPU this beats SDPA's kernel
+    at decode shapes, whose cost is reading the context. Returns [B, H, Dv].
+    """
+    B, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    kt = fb.context_cache.context(k_cache, fb, transposed=True)  # [B, Hkv, D, K]
+    v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
+    qg = q.reshape(B, Hkv, H // Hkv, D).to(kt.dtype)  # [B, Hkv, G, D]: query heads grouped by KV head
+    scores = torch.matmul(qg, kt)  # [B, Hkv, G, K]
+    scores.mul_(scale)
+    if fb.mask_mode == "bias":
+        scores.add_(fb.attn_bias.to(scores.dtype))  # [B, 1, 1, K]: -inf past each sequence's length
+    out = torch.matmul(scores.softmax(-1), v)  # [B, Hkv, G, Dv]
+    return out.reshape(B, H, out.shape[-1]).to(q.dtype)  # [B, H, Dv]
