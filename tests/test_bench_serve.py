@@ -83,6 +83,15 @@ def test_targets_must_be_loopback_unless_authorised() -> None:
         check_target("ftp://127.0.0.1", True)
 
 
+def test_launch_kinds_are_flag_lists_kvfence_serve_accepts() -> None:
+    from kvfence.cli import build_parser
+
+    parsed = {kind: build_parser().parse_args(["serve", *args]) for kind, args in bs.LAUNCH_ARGS.items()}
+    assert parsed["agg"].role == "aggregated" and not parsed["agg"].no_verify
+    assert parsed["disagg"].role is None and not parsed["disagg"].no_verify  # no role: router + prefill + decode
+    assert parsed["disagg-noverify"].role is None and parsed["disagg-noverify"].no_verify
+
+
 # ---- against a launched aggregated server --------------------------------------------------------------------------
 
 SERVER_ARGS = ("--context-length", "512", "--max-total-tokens", "4096")
@@ -90,12 +99,9 @@ SERVER_ARGS = ("--context-length", "512", "--max-total-tokens", "4096")
 
 @pytest.fixture(scope="module")
 def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bs.LaunchedServer]:
-    caps = bs.detect_serve()
-    if not caps.available:
-        pytest.skip(f"no aggregated server to launch: {caps.reason}")
     log_dir = tmp_path_factory.mktemp("bench-serve")
     server = bs.launch_server(
-        "agg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, caps=caps, ready_timeout_s=120, log_dir=log_dir
+        "agg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, ready_timeout_s=120, log_dir=log_dir
     )
     try:
         yield server
@@ -159,7 +165,7 @@ def test_bench_serve_cli_against_a_launched_server(
 
 
 @pytest.mark.slow
-def test_bench_serve_launches_each_kind_or_says_why_not(tiny_llama_dir: Path) -> None:
+def test_bench_serve_launches_each_kind(tiny_llama_dir: Path) -> None:
     cfg = bs.BenchConfig(
         num_prompts=12,
         input_len=bs.LengthSpec(16, 16),
@@ -167,16 +173,14 @@ def test_bench_serve_launches_each_kind_or_says_why_not(tiny_llama_dir: Path) ->
         tokenizer_dir=str(tiny_llama_dir),
     )
     runs, skipped = bs.run_bench(cfg, launch=bs.LAUNCH_KINDS, model_dir=str(tiny_llama_dir), server_args=SERVER_ARGS)
-    labels = [r.label for r in runs] + [label for label, _ in skipped]
-    assert sorted(labels) == sorted(bs.LAUNCH_KINDS)
-    assert all(reason for _, reason in skipped)
+    assert skipped == []
+    assert [r.label for r in runs] == list(bs.LAUNCH_KINDS)
+    assert [r.how.split()[:2] for r in runs] == [["kvfence", "serve"]] * len(runs)
     for r in runs:
         assert r.summary["completed"] == 12 and r.summary["total_output_tokens"] == 12 * 8
     statuses = {r.label: set(r.summary["integrity"]) for r in runs}
-    if "disagg" in statuses:
-        assert statuses["disagg"] == {"verified"}
-    if "disagg-noverify" in statuses:
-        assert statuses["disagg-noverify"] == {"unverified"}
+    assert statuses["disagg"] == {"verified"}
+    assert statuses["disagg-noverify"] == {"unverified"}
     table = bs.format_table(runs, skipped)
     for r in runs[1:]:
         assert f"{r.label}/{runs[0].label}" in table

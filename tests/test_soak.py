@@ -59,14 +59,10 @@ SERVER_ARGS = ("--context-length", "256", "--max-total-tokens", "2048")
 
 @pytest.fixture(scope="module")
 def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bs.LaunchedServer]:
-    caps = bs.detect_serve()
-    if not caps.available:
-        pytest.skip(f"no aggregated server to launch: {caps.reason}")
     server = bs.launch_server(
         "agg",
         model=str(tiny_llama_dir),
         server_args=SERVER_ARGS,
-        caps=caps,
         ready_timeout_s=120,
         log_dir=tmp_path_factory.mktemp("soak"),
     )

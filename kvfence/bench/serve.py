@@ -16,9 +16,10 @@ the metric definitions the SGLang / vLLM serving benchmarks use:
 
 It prints one table with a column per target and the ratio of each target to the first
 (the baseline) measured in the same run, and can write JSON and a PNG of latency CDFs.
-It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`) on free
-loopback ports, one at a time so two servers never compete for the CPUs, using whatever
-modes `kvfence serve --help` offers at run time, and says which it skipped and why.
+It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`: `kvfence
+serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`) on free
+loopback ports, one at a time so two servers never compete for the CPUs, and says which
+target failed and why.
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -32,7 +33,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import signal
 import subprocess
@@ -51,7 +51,6 @@ from kvfence.bench.client import RequestResult, ServerFacts, check_target, read_
 
 MAX_PROMPTS = 5000  # hard cap on requests per target
 MAX_DURATION_S = 3600.0  # hard cap on one target's run
-LAUNCH_KINDS = ("agg", "disagg", "disagg-noverify")
 
 # ---- what to send ----------------------------------------------------------------------------------------------
 
@@ -177,79 +176,14 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
 
 # ---- targets: given URLs or servers we start ----------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class ServeCapabilities:
-    """What `kvfence serve --help` offers in this build (found at run time, never assumed)."""
-
-    available: bool
-    reason: str  # why not, when not available
-    options: frozenset[str] = frozenset()
-    disagg_args: tuple[str, ...] | None = None  # flags that switch `kvfence serve` to disaggregated mode
-    noverify_args: tuple[str, ...] | None = None  # flags that switch KV verification off
-    roles: tuple[str, ...] = ()  # choices of --role, when it has one
-
-
-# `kvfence serve ARGS` through its own module, so a half-written sibling subcommand cannot break it.
-_SERVE_ENTRY = (
-    "import argparse, sys\n"
-    "from kvfence.commands import serve\n"
-    "from kvfence.errors import KvfenceError\n"
-    "parser = argparse.ArgumentParser(prog='kvfence')\n"
-    "serve.register(parser.add_subparsers(dest='command'))\n"
-    "args = parser.parse_args(['serve', *sys.argv[1:]])\n"
-    "try:\n"
-    "    sys.exit(int(args.func(args) or 0))\n"
-    "except KvfenceError as e:\n"
-    "    print(f'kvfence: error: {e}', file=sys.stderr)\n"
-    "    sys.exit(2)\n"
-)
-
-
-def serve_command(python: str = sys.executable) -> list[str]:
-    """The argv prefix that runs `kvfence serve` (what `python -m kvfence serve` runs)."""
-    return [python, "-c", _SERVE_ENTRY]
-
-
-def detect_serve(python: str = sys.executable) -> ServeCapabilities:
-    import importlib.util
-
-    if importlib.util.find_spec("kvfence.commands.serve") is None:
-        return ServeCapabilities(False, "this build has no `kvfence serve` (no kvfence.commands.serve module)")
-    try:
-        proc = subprocess.run([*serve_command(python), "--help"], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return ServeCapabilities(False, f"`kvfence serve --help` did not run: {e}")
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return ServeCapabilities(False, f"`kvfence serve --help` failed ({last})")
-    text = proc.stdout
-    options = frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", text))
-    disagg: tuple[str, ...] | None = None
-    for flag in ("--disagg", "--disaggregated", "--pd"):
-        if flag in options:
-            disagg = (flag,)
-            break
-    if disagg is None:
-        for flag in ("--mode", "--serving-mode", "--deployment"):
-            m = re.search(re.escape(flag) + r"\s+\{([^}]*)\}", text)
-            if m:
-                choice = next((c for c in m.group(1).split(",") if "disagg" in c or c.strip() == "pd"), None)
-                if choice:
-                    disagg = (flag, choice.strip())
-                    break
-    noverify = next((o for o in sorted(options) if re.fullmatch(r"--(no|disable|skip)-verif\w*", o)), None)
-    m = re.search(r"--role\s+\{([^}]*)\}", text)
-    roles = tuple(r.strip() for r in m.group(1).split(",")) if m else ()
-    return ServeCapabilities(True, "", options, disagg, (noverify,) if noverify else None, roles)
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# `kvfence serve` flags per launch kind: `--role aggregated` is one process; plain `kvfence serve` is a router plus
+# one prefill and one decode worker on loopback; `--no-verify` has decode admit handoffs without checking them.
+LAUNCH_ARGS: dict[str, tuple[str, ...]] = {
+    "agg": ("--role", "aggregated"),
+    "disagg": (),
+    "disagg-noverify": ("--no-verify",),
+}
+LAUNCH_KINDS = tuple(LAUNCH_ARGS)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -286,25 +220,20 @@ def rss_bytes(pids: Sequence[int]) -> int | None:
     return total if seen else None
 
 
-class Unavailable(Exception):
-    """This build cannot launch the requested deployment kind; the message says why."""
-
-
 @dataclass
 class LaunchedServer:
-    """A kvfence deployment this tool started: its URL, its processes, and the log they write."""
+    """A `kvfence serve` this tool started: its URL, its process (disagg: the parent of three), and its log."""
 
     label: str
     kind: str
     url: str
-    how: str  # the command line or launcher used, for the report
-    procs: list[subprocess.Popen[bytes]]
+    how: str  # the command line, for the report
+    proc: subprocess.Popen[bytes]
     log_path: Path
-    _launcher: Any = None
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [self.proc.pid]
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -312,26 +241,39 @@ class LaunchedServer:
         except OSError:
             return ""
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self._launcher is not None:
-            self._launcher.stop(grace_s)
-            return
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until /health answers 200; stop the server and raise RuntimeError if it exits or times out first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.label}: server exited with code {self.proc.returncode} before it was ready\n"
+                    f"--- {self.log_path} ---\n{self.log_tail()}"
+                )
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.label}: {self.url}/health not ready within {timeout:.0f} s\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group (a disagg parent stops its workers), SIGKILL after `grace_s`."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is not None:
+                return
+            try:
+                os.killpg(self.proc.pid, sig)  # the server leads its own session (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(timeout=wait_s)
+                return
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait(timeout=5)
+                continue
 
     def __enter__(self) -> LaunchedServer:
         return self
@@ -340,112 +282,53 @@ class LaunchedServer:
         self.stop()
 
 
-def _wait_ready(server: LaunchedServer, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in server.procs if p.poll() is not None]
-        if dead:
-            server.stop()
-            raise RuntimeError(
-                f"{server.label}: server exited with code {dead[0].returncode} before it was ready\n"
-                f"--- {server.log_path} ---\n{server.log_tail()}"
-            )
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    server.stop()
-    raise RuntimeError(f"{server.label}: {server.url}/health not ready within {timeout:.0f} s\n{server.log_tail()}")
-
-
 def launch_server(
     kind: str,
     *,
     label: str | None = None,
     model: str | None = None,
     server_args: Sequence[str] = (),
-    caps: ServeCapabilities | None = None,
     host: str = "127.0.0.1",
     ready_timeout_s: float = 300.0,
     log_dir: str | os.PathLike[str] | None = None,
 ) -> LaunchedServer:
-    """Start one kvfence deployment of `kind` (agg / disagg / disagg-noverify) on a free loopback port.
+    """Start `kvfence serve` as deployment `kind` (see LAUNCH_ARGS) on a free port of `host`; wait for /health.
 
-    Raises `Unavailable` when this build cannot serve that kind (with the reason), and
-    RuntimeError when the server starts but dies or never answers /health.
+    Raises RuntimeError when the server dies or never answers /health.
     """
-    assert kind in LAUNCH_KINDS, kind
-    caps = caps or detect_serve()
+    from kvfence.disagg.launcher import free_port
+
     label = label or kind
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-"))
-    log_path = log_dir / f"{label}.log"
+    log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-")) / f"{label}.log"
+    port = free_port(host)
     model_args = ["--model", str(model)] if model else []
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log = open(log_path, "wb")  # noqa: SIM115 - the children write to it until stop()
-    try:
-        if kind == "agg" or caps.disagg_args is not None:
-            if not caps.available:
-                raise Unavailable(caps.reason)
-            extra: list[str] = ["--role", "aggregated"] if kind == "agg" else []
-            if kind != "agg":
-                extra += list(caps.disagg_args or ())
-            if kind == "disagg-noverify":
-                if caps.noverify_args is None:
-                    raise Unavailable("`kvfence serve --help` shows no flag that switches KV verification off")
-                extra += list(caps.noverify_args)
-            port = _free_port(host)
-            args = [*model_args, "--host", host, "--port", str(port), *extra, *server_args]
-            proc = subprocess.Popen(
-                [*serve_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-            how = "kvfence serve " + shlex.join(args)
-            server = LaunchedServer(label, kind, f"http://{host}:{port}", how, [proc], log_path)
-        else:
-            server = _launch_disagg_workers(kind, label, host, model_args, server_args, log, log_path, caps)
-    finally:
-        log.close()
-    _wait_ready(server, ready_timeout_s)
+    args = [*model_args, "--host", host, "--port", str(port), *LAUNCH_ARGS[kind], *server_args]
+    with open(log_path, "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfence", "serve", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
+    server = LaunchedServer(label, kind, f"http://{host}:{port}", "kvfence serve " + shlex.join(args), proc, log_path)
+    server.wait_ready(ready_timeout_s)
     return server
 
 
-def _launch_disagg_workers(
-    kind: str,
-    label: str,
-    host: str,
-    model_args: list[str],
-    server_args: Sequence[str],
-    log: Any,
-    log_path: Path,
-    caps: ServeCapabilities,
-) -> LaunchedServer:
-    """Disaggregated mode through kvfence.disagg.launcher when `kvfence serve` has no flag for it."""
-    try:
-        from kvfence.disagg.launcher import LaunchConfig, Launcher
-    except ImportError as e:
-        why = caps.reason or "`kvfence serve --help` shows no disaggregated mode"
-        raise Unavailable(f"{why}, and kvfence.disagg.launcher is not importable ({e})") from None
-    decode_args: tuple[str, ...] = ()
-    if kind == "disagg-noverify":
-        help_text = subprocess.run(
-            [sys.executable, "-m", "kvfence.disagg.worker_main", "--help"], capture_output=True, text=True, timeout=120
-        ).stdout
-        if "--no-verify" not in help_text:
-            raise Unavailable(
-                "neither `kvfence serve` nor kvfence.disagg.worker_main has a flag to switch verification off"
-            )
-        decode_args = ("--no-verify",)
-    config = LaunchConfig(host=host, common_args=(*model_args, *server_args), decode_args=decode_args)
-    launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
-    why = f"`kvfence serve` roles {', '.join(caps.roles)}" if caps.roles else "no `kvfence serve`"
-    why += " start one process each, no single-command disaggregated mode"
-    how = f"kvfence.disagg.launcher ({why}): " + " | ".join(
-        shlex.join(launcher.command(r)[1:]) for r in ("router", "prefill", "decode")
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags `bench serve` and `bench soak` share: how `--launch` starts servers, what to send, where to."""
+    p.add_argument("--model", dest="model_dir", help="model directory for --launch (default: the server's default)")
+    p.add_argument("--server-args", default="", help="extra arguments for every launched server (one quoted string)")
+    p.add_argument("--launch-timeout", type=float, default=300.0, help="seconds a launched server may take to start")
+    p.add_argument("--model-name", help="model name to send (default: the first of /v1/models)")
+    p.add_argument(
+        "--i-am-authorised",
+        "--i-am-authorized",
+        dest="allow_remote",
+        action="store_true",
+        help="allow a non-loopback target you are authorised to load",
     )
-    launcher.start()
-    procs = [launcher.procs[r] for r in ("router", "prefill", "decode")]
-    return LaunchedServer(label, kind, launcher.base_url, how, procs, log_path, _launcher=launcher)
 
 
 # ---- running one target --------------------------------------------------------------------------------------------
@@ -830,21 +713,13 @@ def run_bench(
     skipped: list[tuple[str, str]] = []
     requests: list[BenchRequest] | None = None
     model = cfg.model
-    caps = detect_serve() if launch else None
     tokenizer_dir = cfg.tokenizer_dir or model_dir
     for label, url, kind in targets:
         server: LaunchedServer | None = None
         try:
             if url is None:
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
-                try:
-                    server = launch_server(
-                        kind, model=model_dir, server_args=server_args, caps=caps, ready_timeout_s=ready_timeout_s
-                    )
-                except Unavailable as e:
-                    skipped.append((label, str(e)))
-                    say(f"[{label}] skipped: {e}")
-                    continue
+                server = launch_server(kind, model=model_dir, server_args=server_args, ready_timeout_s=ready_timeout_s)
                 url = server.url
             facts = asyncio.run(_facts(url, model))
             model = facts.model
@@ -919,10 +794,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KINDS",
         help=f"start kvfence servers one at a time on free loopback ports: comma list of {', '.join(LAUNCH_KINDS)}",
     )
-    p.add_argument("--model", dest="model_dir", help="model directory for --launch (default: the server's default)")
-    p.add_argument("--server-args", default="", help="extra arguments for every launched server (one quoted string)")
-    p.add_argument("--launch-timeout", type=float, default=300.0, help="seconds a launched server may take to start")
-    p.add_argument("--model-name", help="model name to send (default: the first of /v1/models)")
+    add_launch_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory, to keep special tokens out of random prompts")
     p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
     p.add_argument(
@@ -940,13 +812,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results (every request) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write latency CDFs and throughput bars (matplotlib)")
-    p.add_argument(
-        "--i-am-authorised",
-        "--i-am-authorized",
-        dest="allow_remote",
-        action="store_true",
-        help="allow a non-loopback target you are authorised to load",
-    )
     p.set_defaults(func=_run)
 
 

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -47,6 +48,7 @@ from kvfence.bench.client import (
     read_server_facts,
     send_completion,
 )
+from kvfence.bench.serve import add_launch_arguments, launch_server, rss_bytes, vocab_size_of
 
 MAX_CLIENTS = 256
 MAX_DURATION_S = 4 * 3600.0
@@ -218,8 +220,6 @@ def _find_rss(obj: Any) -> int | None:
 
 
 async def _sample(client: httpx.AsyncClient, url: str, pids: list[int], t0: float, phase: str) -> Sample:
-    from kvfence.bench.serve import rss_bytes
-
     info = await get_json(client, f"{url}/server_info")
     stats = (info or {}).get("stats") or {}
     pages: dict[str, int] = {}
@@ -457,32 +457,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
     target.add_argument("--launch", choices=["agg", "disagg"], help="start a kvfence deployment on a free port")
-    p.add_argument("--model", dest="model_dir", help="model directory for --launch")
-    p.add_argument("--server-args", default="", help="extra arguments for the launched server (one quoted string)")
-    p.add_argument("--launch-timeout", type=float, default=300.0)
+    add_launch_arguments(p)
     p.add_argument("--pid", type=int, action="append", default=[], help="server process id(s), for RSS with --url")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--duration", type=float, default=15.0, help="seconds of load")
     p.add_argument("--mix", type=SoakMix.parse, default=SoakMix(), help="normal=0.7,overlength=0.15,abort=0.15")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-name", help="model name to send (default: the first of /v1/models)")
     p.add_argument("--max-rss-growth-mb", type=float, default=256.0)
     p.add_argument("--settle-timeout", type=float, default=30.0)
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as JSON")
-    p.add_argument(
-        "--i-am-authorised",
-        "--i-am-authorized",
-        dest="allow_remote",
-        action="store_true",
-        help="allow a non-loopback target you are authorised to load",
-    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    import shlex
-
-    from kvfence.bench.serve import Unavailable, launch_server, vocab_size_of
     from kvfence.errors import KvfenceError
 
     options = dict(
@@ -497,15 +484,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         url, pids = args.url, list(args.pid)
         if args.launch:
-            try:
-                server = launch_server(
-                    args.launch,
-                    model=args.model_dir,
-                    server_args=shlex.split(args.server_args),
-                    ready_timeout_s=args.launch_timeout,
-                )
-            except Unavailable as e:
-                raise KvfenceError(f"cannot launch {args.launch}: {e}") from None
+            server = launch_server(
+                args.launch,
+                model=args.model_dir,
+                server_args=shlex.split(args.server_args),
+                ready_timeout_s=args.launch_timeout,
+            )
             url, pids = server.url, server.pids
         try:
             report = run_soak(url, args.clients, args.duration, args.mix, pids=pids, **options)
