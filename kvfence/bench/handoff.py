@@ -275,6 +275,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", action="store_true", help="run sender and receiver as threads of one process")
+    p.add_argument(
+        "--e2e-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N alternating rounds of end-to-end serving with verification on and off on real "
+        "router/prefill/decode processes (kvfence.disagg.bench_e2e; default 0: skip)",
+    )
+    p.add_argument("--e2e-model", default=None, metavar="DIR", help="model for --e2e-rounds (default: built-in)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -290,6 +299,12 @@ def _run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         processes=not args.threads,
     )
+    if args.e2e_rounds > 0:
+        from kvfence.disagg import bench_e2e
+
+        return bench_e2e.main(
+            ["--rounds", str(args.e2e_rounds), *(["--model", args.e2e_model] if args.e2e_model else [])]
+        )
     return 0
 
 
