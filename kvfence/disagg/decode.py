@@ -373,15 +373,10 @@ class DecodeWorker:
 
     # -- numbers ----------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        s = self.engine.stats()
+        pool = P.engine_pool_stats(self.engine)
         return {
-            "pages_total": s.num_pages,
-            "pages_used": s.num_used_pages,
-            "pages_free": s.num_free_pages,
-            "pages_quarantined": s.num_quarantined_pages,
-            "page_size": self.engine.resolved.page_size,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting + len(self.queued),
+            **pool,
+            "num_waiting": pool["num_waiting"] + len(self.queued),
             "handoffs_in_flight": len(self.incoming),
             "handoffs_quarantined": len(self.ending),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},

@@ -213,15 +213,8 @@ class PrefillWorker:
 
     # -- numbers ----------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        s = self.engine.stats()
         return {
-            "pages_total": s.num_pages,
-            "pages_used": s.num_used_pages,
-            "pages_free": s.num_free_pages,
-            "pages_quarantined": s.num_quarantined_pages,
-            "page_size": self.engine.resolved.page_size,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
+            **P.engine_pool_stats(self.engine),
             "handoffs_in_flight": len(self.handoffs),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
         }

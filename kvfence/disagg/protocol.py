@@ -177,6 +177,20 @@ class WorkerStats(Message):
     stats: dict[str, Any]
 
 
+def engine_pool_stats(engine: Any) -> dict[str, Any]:
+    """The engine half of a worker's WorkerStats payload: its KV pool and request queues."""
+    s = engine.stats()
+    return {
+        "pages_total": s.num_pages,
+        "pages_used": s.num_used_pages,
+        "pages_free": s.num_free_pages,
+        "pages_quarantined": s.num_quarantined_pages,
+        "page_size": engine.resolved.page_size,
+        "num_running": s.num_running,
+        "num_waiting": s.num_waiting,
+    }
+
+
 @dataclass(frozen=True)
 class Shutdown(Message):
     kind: ClassVar[str] = "shutdown"
