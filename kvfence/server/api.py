@@ -469,6 +469,16 @@ class OpenAIServer:
         m.observe_choice(ttft, now - (choice.t_first or now), choice.num_output_tokens)
         m.e2e.observe(now - t0)
 
+    async def _collect_or_error(
+        self, request: Request, choices: list[_Choice]
+    ) -> tuple[dict[str, str], Response | None]:
+        """Run every choice to the end; (integrity headers, the error response if any choice failed, else None)."""
+        await self._collect(request, choices)
+        headers = _integrity_header(choices)
+        if (err := self._failed(choices)) is not None:
+            return headers, err.response(headers, {"kvfence": {"integrity": [c.integrity for c in choices]}})
+        return headers, None
+
     async def _collect(self, request: Request, choices: list[_Choice]) -> None:
         """Run every choice to the end; a client that disconnects meanwhile aborts them."""
 
@@ -524,10 +534,9 @@ class OpenAIServer:
         self.metrics.prompt_tokens.inc(self._count_prompts(choices))
         if req.stream:
             return await self._stream(choices, lambda c, ch: self._completion_chunk(req, base_id, c, ch), req, base_id)
-        await self._collect(request, choices)
-        headers = _integrity_header(choices)
-        if (err := self._failed(choices)) is not None:
-            return err.response(headers, {"kvfence": {"integrity": [c.integrity for c in choices]}})
+        headers, error = await self._collect_or_error(request, choices)
+        if error is not None:
+            return error
         body = p.CompletionResponse(
             id=base_id,
             model=req.model,
@@ -576,10 +585,9 @@ class OpenAIServer:
         self.metrics.prompt_tokens.inc(len(choices[0].prompt_ids))
         if req.stream:
             return await self._stream(choices, lambda c, ch: self._chat_chunk(req, base_id, c, ch), req, base_id)
-        await self._collect(request, choices)
-        headers = _integrity_header(choices)
-        if (err := self._failed(choices)) is not None:
-            return err.response(headers, {"kvfence": {"integrity": [c.integrity for c in choices]}})
+        headers, error = await self._collect_or_error(request, choices)
+        if error is not None:
+            return error
         body = p.ChatCompletionResponse(
             id=base_id,
             model=req.model,
