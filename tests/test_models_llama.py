@@ -158,6 +158,34 @@ def test_batch_of_8_with_chunked_prefill_matches_transformers(make_model, arch: 
     runner.alloc.check()
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_decode_batch_of_20_matches_transformers(make_model, monkeypatch, arch: str) -> None:
+    """20 rows per decode step: the projections take the oneDNN kernel (models.linear), not MKL."""
+    from kvfence.models import linear
+
+    routed: list[bool] = []
+    real = linear._use_onednn
+    monkeypatch.setattr(linear, "_use_onednn", lambda x, w: routed.append(real(x, w)) or routed[-1])
+    d = make_model(arch, seed=3)
+    lm = load_model(d, progress=False)
+    ref = hf_model(d)
+    prompts = {f"s{i}": prompt_of(2 + i % 7, seed=40 + i) for i in range(20)}
+    runner = PagedRunner(lm)
+    first = runner.forward([(sid, p, "last") for sid, p in prompts.items()])
+    generated = {sid: [int(lg[0].argmax())] for sid, lg in zip(prompts, first, strict=True)}
+    logits = {sid: [lg[0]] for sid, lg in zip(prompts, first, strict=True)}
+    for _ in range(3):
+        step = runner.forward([(sid, [generated[sid][-1]], "last") for sid in prompts])
+        for sid, lg in zip(prompts, step, strict=True):
+            logits[sid].append(lg[0])
+            generated[sid].append(int(lg[0].argmax()))
+    for sid, prompt in prompts.items():
+        full = hf_logits(ref, prompt + generated[sid][:-1])
+        assert_close(torch.stack(logits[sid]), full[len(prompt) - 1 :])
+        assert full[len(prompt) - 1 :].argmax(-1).tolist() == generated[sid], sid
+    assert any(routed) == linear.onednn_available(torch.float32)
+
+
 ROPE_VARIANTS = {
     "llama3": {
         "rope_type": "llama3",

@@ -63,8 +63,63 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks: list[SeqChunk], page_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
-    """Lay out one forward. Vectorised with numpy: it runs once per engine step, on the critical path."""
+    """Lay out one forward. It runs once per engine step, on the critical path: decode batches (one
+    token per sequence, most steps) take a shorter path that yields the same fields."""
     assert chunks, "empty batch"
+    if all(len(c.token_ids) == 1 for c in chunks):
+        return _build_decode(chunks, page_size, device)
+    return _build_general(chunks, page_size, device)
+
+
+def _build_decode(chunks: list[SeqChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
+    """One new token per sequence: no query padding, no causal structure, one mask row per sequence."""
+    B = len(chunks)
+    starts = [c.start for c in chunks]  # [B] tokens already in the pool = position of the new token
+    K = max(starts) + 1
+    P = -(-K // page_size)
+    kv_pages = np.zeros((B, P), dtype=np.int64)  # [B, P]
+    slot_mapping = []
+    for b, c in enumerate(chunks):
+        n = (c.start + page_size) // page_size  # pages that hold this sequence's context
+        assert len(c.page_table) >= n, (
+            f"page table of {len(c.page_table)} pages cannot hold {c.start + 1} tokens at page size {page_size}"
+        )
+        row = c.page_table[:P]  # like the general path: pages past the context (masked) are listed too
+        kv_pages[b, : len(row)] = row
+        slot_mapping.append(c.page_table[c.start // page_size] * page_size + c.start % page_size)
+    totals = np.array(starts, dtype=np.int64) + 1  # [B]
+    k_pos = np.arange(K)
+    visible = k_pos[None, :] < totals[:, None]  # [B, K]
+    slots = (kv_pages[:, :, None] * page_size + np.arange(page_size)).reshape(B, P * page_size)[:, :K]  # [B, K]
+    kv_slots = np.where(visible, slots, 0)  # [B, K]
+    attn_bias = None
+    if int(totals.min()) == K:
+        mask_mode = "none"
+    else:
+        mask_mode = "bias"
+        attn_bias = torch.from_numpy(np.where(visible, np.float32(0), np.float32("-inf"))[:, None, None, :])
+    logits_rows = [b for b, c in enumerate(chunks) if c.logits != "none"]
+    dev = torch.device(device)
+    return ForwardBatch(
+        input_ids=torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long, device=dev),
+        positions=torch.from_numpy(totals - 1).to(dev),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+        q_index=torch.arange(B, device=dev)[:, None],
+        q_valid=torch.ones(B, 1, dtype=torch.bool, device=dev),
+        kv_slots=torch.from_numpy(kv_slots).to(dev),
+        kv_lens=torch.from_numpy(totals).to(dev),
+        attn_mask=torch.from_numpy(visible[:, None, None, :]).to(dev),
+        logits_index=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        is_decode=True,
+        page_size=page_size,
+        kv_pages=torch.from_numpy(kv_pages).to(dev),
+        mask_mode=mask_mode,
+        attn_bias=None if attn_bias is None else attn_bias.to(dev),
+    )
+
+
+def _build_general(chunks: list[SeqChunk], page_size: int, device: torch.device | str) -> ForwardBatch:
+    """Any mix of prefill chunks and decode tokens, queries padded to the longest chunk."""
     B = len(chunks)
     ns = np.fromiter((len(c.token_ids) for c in chunks), np.int64, B)  # [B] new tokens per sequence
     starts = np.fromiter((c.start for c in chunks), np.int64, B)  # [B]

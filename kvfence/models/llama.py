@@ -29,6 +29,7 @@ from kvfence.errors import UnsupportedArchitectureError
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import paged_attention, store_kv
+from kvfence.models.linear import linear, linear_add
 
 # --- config helpers ------------------------------------------------------------------------------------
 
@@ -155,13 +156,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xf if weight is None else weight * xf
 
 
-def _linear_residual(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + a @ w.T (+ b): one GEMM that accumulates into the residual when there is no bias."""
-    if b is None:
-        return torch.addmm(x, a, w.t())
-    return x + F.linear(a, w, b)
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm block; q/k/v and gate/up are single fused matrices."""
 
@@ -203,7 +197,7 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_w, self.qkv_b)  # [T, (H + 2 Hkv) D]
+        qkv = linear(h, self.qkv_w, self.qkv_b)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
@@ -216,11 +210,11 @@ class DecoderLayer(nn.Module):
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        x = _linear_residual(x, attn.reshape(T, H * D), self.o_w, self.o_b)
+        x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b)
         h = rms_norm(x, self.post_norm, self.eps)
-        gu = F.linear(h, self.gate_up_w, self.gate_up_b)  # [T, 2I]
+        gu = linear(h, self.gate_up_w, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]) * gu[:, self.I :]  # [T, I]
-        return _linear_residual(x, act, self.down_w, self.down_b)
+        return linear_add(x, act, self.down_w, self.down_b)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -344,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = rms_norm(x, self.norm, self.eps)
-        return F.linear(x, self.lm_head).float()  # [N, vocab]
+        return linear(x, self.lm_head).float()  # [N, vocab]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,60 @@
+"""models.linear: the oneDNN projection path agrees with F.linear, and is skipped where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfence.models import linear as L
+
+needs_onednn = pytest.mark.skipif(not L.onednn_available(torch.float32), reason="this torch build has no oneDNN")
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, L.ONEDNN_MIN_ROWS - 1, L.ONEDNN_MIN_ROWS, 37, 300])
+def test_linear_matches_f_linear(rows: int) -> None:
+    x, w, b = _rand(rows, 48, seed=1), _rand(40, 48, seed=2), _rand(40, seed=3)
+    with torch.inference_mode():
+        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [3, 64])
+def test_linear_add_matches_residual_plus_product(rows: int) -> None:
+    r, x, w, b = _rand(rows, 40, seed=4), _rand(rows, 48, seed=5), _rand(40, 48, seed=6), _rand(40, seed=7)
+    with torch.inference_mode():
+        out = L.linear_add(r, x, w)
+        torch.testing.assert_close(out, r + F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear_add(r, x, w, b), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert out.data_ptr() != r.data_ptr()  # the residual is not overwritten
+
+
+@needs_onednn
+def test_linear_takes_a_non_contiguous_input() -> None:
+    x = _rand(32, 96, seed=8)[:, :48]  # a column slice: row stride 96
+    w = _rand(40, 48, seed=9)
+    with torch.inference_mode():
+        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_route_by_rows_dtype_and_grad() -> None:
+    w = _rand(40, 48)
+    with torch.inference_mode():
+        assert L._use_onednn(_rand(L.ONEDNN_MIN_ROWS, 48), w)
+        assert L._use_onednn(_rand(2, 8, 48), w)  # rows counted over leading dims
+        assert not L._use_onednn(_rand(L.ONEDNN_MIN_ROWS - 1, 48), w)
+        assert not L._use_onednn(_rand(32, 48).double(), w.double())  # fp64: not probed, F.linear
+        assert not L._use_onednn(_rand(32, 48).half(), w.half())
+    assert not L._use_onednn(_rand(32, 48), w)  # autograd on: oneDNN op has no backward here
+
+
+def test_unsupported_dtype_is_never_probed_usable() -> None:
+    assert not L.onednn_available(torch.float64)
+    assert not L.onednn_available(torch.float16)
