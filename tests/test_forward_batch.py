@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -52,3 +53,35 @@ def test_dispatch_takes_decode_path_only_for_one_token_chunks() -> None:
 def test_decode_path_rejects_a_short_page_table() -> None:
     with pytest.raises(AssertionError, match="cannot hold"):
         build_forward_batch([SeqChunk([3], 8, [0, 1])], 4)  # 9 tokens need 3 pages of 4
+
+
+def test_mixed_batch_is_split_into_decode_and_prefill_parts() -> None:
+    chunks = [SeqChunk([1], 6, [0, 1]), SeqChunk([2, 3, 4], 0, [2]), SeqChunk([5], 2, [3]), SeqChunk([6, 7], 4, [4, 5])]
+    fb = build_forward_batch(chunks, 4)
+    assert [rows.tolist() for rows, _ in fb.parts] == [[0, 4], [1, 2, 3, 5, 6]]
+    decode, prefill = (part for _, part in fb.parts)
+    assert decode.is_decode and decode.batch_size == 2 and not decode.parts
+    assert not prefill.is_decode and prefill.batch_size == 2 and not prefill.parts
+    assert not build_forward_batch(chunks[1::2], 4).parts  # prefill chunks only: nothing to split
+
+
+def test_split_attention_equals_padded_attention() -> None:
+    from kvfence.models.attention import paged_attention, store_kv
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [
+        SeqChunk([1], 9, [3, 0, 5]),
+        SeqChunk([2] * 6, 0, [1, 7]),
+        SeqChunk([3], 3, [2]),
+        SeqChunk([4] * 3, 5, [4, 6]),
+    ]
+    fb = build_forward_batch(chunks, 4)
+    assert fb.parts
+    k_cache, v_cache = torch.randn(32, 2, 8, generator=g), torch.randn(32, 2, 8, generator=g)
+    k_cache[fb.slot_mapping] = float("nan")  # this forward's slots are written before attention
+    store_kv(k_cache, torch.randn(fb.num_tokens, 2, 8, generator=g), fb)
+    store_kv(v_cache, torch.randn(fb.num_tokens, 2, 8, generator=g), fb)
+    q = torch.randn(fb.num_tokens, 4, 8, generator=g)
+    split = paged_attention(q, k_cache, v_cache, fb, 0.3)
+    padded = paged_attention(q, k_cache, v_cache, dataclasses.replace(fb, parts=()), 0.3)
+    torch.testing.assert_close(split, padded, rtol=1e-6, atol=1e-6)

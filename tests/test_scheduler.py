@@ -525,3 +525,19 @@ def test_decode_context_cache_equals_a_fresh_gather_and_rebuilds_on_change() -> 
         lens = [n + 1 for n in lens]
     assert used == [False, True, True, True, False, True]
     assert cc.num_rebuilds == 2
+
+
+def test_decode_context_cache_capacity_doubles_when_the_budget_allows() -> None:
+    reqs = tuple(Request(f"r{i}", [1] * 100, SamplingParams()) for i in range(2))
+    tables = [list(range(0, 30)), list(range(30, 60))]
+
+    def steady(cc: DecodeContextCache, n: int) -> bool:
+        cc.prepare(reqs, build_forward_batch([SeqChunk([3], n, t) for t in tables], 4))
+        return cc.prepare(reqs, build_forward_batch([SeqChunk([3], n + 1, t) for t in tables], 4))
+
+    roomy = DecodeContextCache(bytes_per_token=1)  # default budget: 2 x 102 tokens, rounded to 64
+    assert steady(roomy, 100) and roomy.cap == 256
+    tight = DecodeContextCache(bytes_per_token=1, max_bytes=2 * 192)  # only K + 32 fits
+    assert steady(tight, 100) and tight.cap == 192
+    none = DecodeContextCache(bytes_per_token=1, max_bytes=2 * 64)  # not even that: attention gathers
+    assert not steady(none, 100) and none.cap == 0 and not none.bufs

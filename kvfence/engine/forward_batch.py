@@ -52,6 +52,10 @@ class ForwardBatch:
     # The runner's per-layer copy of a steady decode batch's context (see engine.runner.DecodeContextCache):
     # context_cache.context(flat_pool_view, fb) -> [B, Hkv, K, D]. None: attention gathers from the pool.
     context_cache: Any = None
+    # A batch mixing one-token rows (decode) with longer chunks (prefill) also comes split in two:
+    # (rows of T, the same sequences laid out alone), so attention need not pad every decode row
+    # to the longest chunk. Empty for an unmixed batch.
+    parts: tuple[tuple[torch.Tensor, ForwardBatch], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +179,17 @@ def _build_general(chunks: list[SeqChunk], page_size: int, device: torch.device 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
+    parts: tuple[tuple[torch.Tensor, ForwardBatch], ...] = ()
+    one = ns == 1
+    if one.any() and not one.all():  # decode rows beside prefill chunks: each kind attends on its own
+        parts = tuple(
+            (
+                t(np.concatenate([np.arange(row0[b], row0[b] + ns[b]) for b in idx])),
+                build_forward_batch([chunks[b] for b in idx], page_size, dev),
+            )
+            for idx in (np.flatnonzero(one), np.flatnonzero(~one))
+        )
+
     return ForwardBatch(
         input_ids=t(input_ids),
         positions=t(positions),
@@ -190,4 +205,5 @@ def _build_general(chunks: list[SeqChunk], page_size: int, device: torch.device 
         kv_pages=t(kv_pages),
         mask_mode=mask_mode,
         attn_bias=None if attn_bias is None else attn_bias.to(dev),
+        parts=parts,
     )

@@ -70,10 +70,13 @@ class DecodeContextCache:
             return False
         if self.bufs and K <= self.cap:
             return True  # append this step's token to the copies
-        cap = -(-(K + 32) // 64) * 64  # room for a few dozen appends before the next rebuild
-        if len(requests) * cap * self.bytes_per_token > self.max_bytes:
+        # Room to grow: double the context when that fits the byte budget (a 128-token prompt then
+        # decodes to 256 with one build), else a few dozen appends before the next rebuild.
+        room = [c for c in (2 * K, K + 32) if len(requests) * -(-c // 64) * 64 * self.bytes_per_token <= self.max_bytes]
+        if not room:
             self.cap, self.bufs = 0, {}
             return False
+        cap = -(-room[0] // 64) * 64
         self.cap, self.bufs, self._append_rows = cap, {}, None  # rebuilt from the pool, layer by layer, now
         self.num_rebuilds += 1
         return True

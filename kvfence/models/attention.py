@@ -58,6 +58,11 @@ def paged_attention(
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
+    if fb.parts:  # mixed decode + prefill: each part attends without the other's padding
+        out = q.new_empty(T, H, v_cache.shape[-1])
+        for rows, part in fb.parts:
+            out[rows] = paged_attention(q[rows], k_cache, v_cache, part, scale)
+        return out
     if fb.is_decode and fb.context_cache is not None and fb.mask_mode in ("none", "bias"):
         return _decode_attention(q, k_cache, v_cache, fb, scale)
     if fb.context_cache is not None:
@@ -66,10 +71,14 @@ def paged_attention(
     else:
         k = gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
         v = gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
+    B, Q = fb.q_index.shape
+    dense = fb.mask_mode == "causal"  # B fresh prompts of Q tokens each: rows of T are already [B, Q] in order
     if fb.is_decode:
         # one token per sequence, row b is sequence b; query heads grouped by their KV head (h // G),
         # which is what enable_gqa would do, minus its overhead: [B, Hkv, G, D]
         qp = q.reshape(T, Hkv, H // Hkv, q.shape[-1])
+    elif dense:
+        qp = q.view(B, Q, H, q.shape[-1]).transpose(1, 2)  # [B, H, Q, D]
     else:
         qp = q[fb.q_index].transpose(1, 2)  # [B, H, Q, D]
     # A boolean mask sends CPU SDPA down a slow path; the batch says when none is needed
@@ -90,6 +99,8 @@ def paged_attention(
     )  # [B, H, Q, Dv] ([B, Hkv, G, Dv] for decode)
     if fb.is_decode:
         return out.reshape(T, H, out.shape[-1]).to(q.dtype)  # [T, H, Dv]
+    if dense:
+        return out.transpose(1, 2).reshape(T, H, out.shape[-1]).to(q.dtype)  # [T, H, Dv]
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
 
 
@@ -106,9 +117,8 @@ def _decode_attention(
     Hkv = k_cache.shape[1]
     kt = fb.context_cache.context(k_cache, fb, transposed=True)  # [B, Hkv, D, K]
     v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
-    qg = q.reshape(B, Hkv, H // Hkv, D).to(kt.dtype)  # [B, Hkv, G, D]: query heads grouped by KV head
-    scores = torch.matmul(qg, kt)  # [B, Hkv, G, K]
-    scores.mul_(scale)
+    qg = (q * scale).reshape(B, Hkv, H // Hkv, D).to(kt.dtype)  # [B, Hkv, G, D]: query heads grouped by KV head
+    scores = torch.matmul(qg, kt)  # [B, Hkv, G, K], already scaled
     if fb.mask_mode == "bias":
         scores.add_(fb.attn_bias.to(scores.dtype))  # [B, 1, 1, K]: -inf past each sequence's length
     out = torch.matmul(scores.softmax(-1), v)  # [B, Hkv, G, Dv]
