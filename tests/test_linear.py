@@ -58,3 +58,33 @@ def test_route_by_rows_dtype_and_grad() -> None:
 def test_unsupported_dtype_is_never_probed_usable() -> None:
     assert not L.onednn_available(torch.float64)
     assert not L.onednn_available(torch.float16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_packed_weight_gives_the_same_products(rows: int) -> None:
+    x, w, b, r = _rand(rows, 48, seed=10), _rand(40, 48, seed=11), _rand(40, seed=12), _rand(rows, 40, seed=13)
+    packed = L.pack_weight(w)
+    assert packed is not None and packed.is_mkldnn
+    with torch.inference_mode():
+        torch.testing.assert_close(L.linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear_add(r, x, w, None, packed), r + F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_no_packed_copy_where_onednn_does_not_apply() -> None:
+    assert L.pack_weight(_rand(8, 8).double()) is None
+
+
+@needs_onednn
+def test_model_packs_its_loaded_weights(make_model) -> None:
+    from kvfence.models.loader import load_model
+
+    lm = load_model(make_model("LlamaForCausalLM"), progress=False)
+    layer = lm.model.layers[0]
+    assert set(layer.packed) == {"qkv_w", "o_w", "gate_up_w", "down_w"}
+    with torch.inference_mode():
+        for name, packed in layer.packed.items():
+            w = getattr(layer, name)
+            x = _rand(3, w.shape[1], seed=14)
+            torch.testing.assert_close(L.linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert lm.model.lm_head_packed is not None

@@ -160,12 +160,13 @@ def test_batch_of_8_with_chunked_prefill_matches_transformers(make_model, arch: 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_decode_batch_of_20_matches_transformers(make_model, monkeypatch, arch: str) -> None:
-    """20 rows per decode step: the projections take the oneDNN kernel (models.linear), not MKL."""
+    """20 rows per decode step: the projections take the oneDNN kernels (models.linear), not MKL."""
     from kvfence.models import linear
 
     routed: list[bool] = []
-    real = linear._use_onednn
-    monkeypatch.setattr(linear, "_use_onednn", lambda x, w: routed.append(real(x, w)) or routed[-1])
+    for name in ("_use_onednn", "_use_packed"):
+        real = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda x, w, real=real: routed.append(real(x, w)) or routed[-1])
     d = make_model(arch, seed=3)
     lm = load_model(d, progress=False)
     ref = hf_model(d)

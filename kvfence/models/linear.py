@@ -13,6 +13,11 @@ Whether oneDNN is usable is probed once per dtype — the op exists, runs, and a
 with `F.linear` on a small product — and the answer is cached; anything else
 (CUDA tensors, fp16, a build without oneDNN, a failed probe) takes `F.linear`.
 
+A model may also keep a oneDNN-blocked copy of each weight (`pack_weight`, made once
+after loading; it costs a second copy of the weights in memory). With it, oneDNN
+skips re-blocking the weight on every call and is at least as fast as MKL from one
+row up, and about 2x faster from 4 rows up, so every projection takes it.
+
 What it does not know: model shapes, or anything about the batch beyond its row count.
 """
 
@@ -38,14 +43,29 @@ def onednn_available(dtype: torch.dtype) -> bool:
         w = torch.randn(24, 40, generator=g).to(dtype)
         b = torch.randn(24, generator=g).to(dtype)
         r = torch.randn(ONEDNN_MIN_ROWS, 24, generator=g).to(dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        z = torch.ops.mkldnn._linear_pointwise.binary(x, r, w, None, "add")
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        results = [
+            (torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""), F.linear(x, w, b)),
+            (torch.ops.mkldnn._linear_pointwise.binary(x, r, w, None, "add"), r + F.linear(x, w)),
+            (torch.ops.mkldnn._linear_pointwise(x[:1], packed, b, "none", [], ""), F.linear(x[:1], w, b)),
+            (torch.ops.mkldnn._linear_pointwise.binary(x, r, packed, None, "add"), r + F.linear(x, w)),
+        ]
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    ok_y = torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol * 10)
-    ok_z = torch.allclose(z.float(), (r + F.linear(x, w)).float(), rtol=tol, atol=tol * 10)
-    return bool(ok_y and ok_z)
+    return all(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * 10) for got, want in results)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-blocked copy of w [out, in] for `linear`/`linear_add`, or None where oneDNN is not usable."""
+    if w.device.type != "cpu" or not onednn_available(w.dtype):
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+
+
+def _use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    return packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and not torch.is_grad_enabled()
 
 
 def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -59,17 +79,28 @@ def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [..., in]; w: [out, in]; b: [out] or None -> [..., out]."""
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [..., in]; w: [out, in]; b: [out] or None; packed: pack_weight(w) or None -> [..., out]."""
+    if _use_packed(x, packed):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
     if _use_onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
     return F.linear(x, w, b)
 
 
-def linear_add(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x @ w^T (+ b), a new tensor. residual: [T, out]; x: [T, in]; w: [out, in]."""
-    if _use_onednn(x, w) and b is None and residual.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), w, None, "add")
+def linear_add(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + x @ w^T (+ b), a new tensor. residual: [T, out]; x: [T, in]; w: [out, in]; packed as in linear."""
+    if b is None and residual.dtype == x.dtype and (_use_packed(x, packed) or _use_onednn(x, w)):
+        weight = packed if _use_packed(x, packed) else w
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), weight, None, "add")
     if b is None:
         return torch.addmm(residual, x, w.t())  # one GEMM accumulating into the residual
     return residual + F.linear(x, w, b)

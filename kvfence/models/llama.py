@@ -29,7 +29,7 @@ from kvfence.errors import UnsupportedArchitectureError
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import paged_attention, store_kv
-from kvfence.models.linear import linear, linear_add
+from kvfence.models.linear import linear, linear_add, pack_weight
 
 # --- config helpers ------------------------------------------------------------------------------------
 
@@ -182,6 +182,11 @@ class DecoderLayer(nn.Module):
         self.down_w = _param(E, I, dtype=dtype)
         self.down_b = _param(E, dtype=dtype) if mlp_bias else None
         self.I = I
+        self.packed: dict[str, torch.Tensor | None] = {}  # weight name -> oneDNN-blocked copy (models.linear)
+
+    def pack_weights(self) -> None:
+        """Refresh the blocked copies of the four projection weights from the loaded values."""
+        self.packed = {name: pack_weight(getattr(self, name)) for name in ("qkv_w", "o_w", "gate_up_w", "down_w")}
 
     def forward(
         self,
@@ -197,7 +202,7 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = linear(h, self.qkv_w, self.qkv_b)  # [T, (H + 2 Hkv) D]
+        qkv = linear(h, self.qkv_w, self.qkv_b, self.packed.get("qkv_w"))  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
@@ -210,11 +215,11 @@ class DecoderLayer(nn.Module):
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b)
+        x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b, self.packed.get("o_w"))
         h = rms_norm(x, self.post_norm, self.eps)
-        gu = linear(h, self.gate_up_w, self.gate_up_b)  # [T, 2I]
+        gu = linear(h, self.gate_up_w, self.gate_up_b, self.packed.get("gate_up_w"))  # [T, 2I]
         act = F.silu(gu[:, : self.I]) * gu[:, self.I :]  # [T, I]
-        return linear_add(x, act, self.down_w, self.down_b)
+        return linear_add(x, act, self.down_w, self.down_b, self.packed.get("down_w"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -254,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
         self.scale = self.D**-0.5
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by load_weights
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -321,6 +327,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
+        for layer in self.layers:
+            layer.pack_weights()
+        self.lm_head_packed = pack_weight(self.lm_head)
         return loaded
 
     # --- forward -------------------------------------------------------------------------------------
@@ -338,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = rms_norm(x, self.norm, self.eps)
-        return linear(x, self.lm_head).float()  # [N, vocab]
+        return linear(x, self.lm_head, None, self.lm_head_packed).float()  # [N, vocab]
 
 
 class MistralForCausalLM(LlamaForCausalLM):
