@@ -11,7 +11,7 @@ from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.engine.request import Request
 from kvfence.engine.runner import DecodeContextCache
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.models.attention import gather_context, paged_attention
+from kvfence.models.attention import gather_context, paged_attention, store_kv
 
 
 def test_transposed_key_copy_and_decode_attention_match_a_fresh_gather() -> None:
@@ -30,16 +30,17 @@ def test_transposed_key_copy_and_decode_attention_match_a_fresh_gather() -> None
     used = []
     for _ in range(5):
         fb = build_forward_batch([SeqChunk([3], n, t) for n, t in zip(lens, tables, strict=True)], page)
-        k_cache[fb.slot_mapping] = torch.randn(fb.num_tokens, Hkv, D, generator=g)  # this step's K/V, stored first
-        v_cache[fb.slot_mapping] = torch.randn(fb.num_tokens, Hkv, D, generator=g)
-        q = torch.randn(fb.num_tokens, H, D, generator=g)
-        want = paged_attention(q, k_cache, v_cache, fb, 0.3)  # SDPA over a gather from the pool
         use = cc.prepare(reqs, fb)
         used.append(use)
+        fbc = dataclasses.replace(fb, context_cache=cc) if use else fb
+        store_kv(k_cache, torch.randn(fb.num_tokens, Hkv, D, generator=g), fbc)  # this step's K/V, stored first
+        store_kv(v_cache, torch.randn(fb.num_tokens, Hkv, D, generator=g), fbc)
+        q = torch.randn(fb.num_tokens, H, D, generator=g)
+        want = paged_attention(q, k_cache, v_cache, fb, 0.3)  # SDPA over a gather from the pool
         if use:
             kt = cc.context(k_cache, fb, transposed=True)  # [B, Hkv, D, K]
             assert torch.equal(kt.transpose(-1, -2), gather_context(k_cache, fb).transpose(1, 2))
-            got = paged_attention(q, k_cache, v_cache, dataclasses.replace(fb, context_cache=cc), 0.3)
+            got = paged_attention(q, k_cache, v_cache, fbc, 0.3)
             assert fb.mask_mode == "bias"
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             ref = F.scaled_dot_product_attention(

@@ -285,3 +285,14 @@ def test_kv_layout_shapes(make_model) -> None:
     assert [(b.name, b.token_shape) for b in layout.buffers] == [("k", (2, 32)), ("v", (2, 32))]  # head_dim 32
     assert layout.bytes_per_page == 3 * 2 * 2 * 32 * 16 * 4
     assert lm.kv_layout(16, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_rope_tables_regrow_and_equal_the_per_token_formula(make_model) -> None:
+    model = load_model(make_model("LlamaForCausalLM"), progress=False).model
+    small, _ = model._rope_tables(10)
+    cos, sin = model._rope_tables(200)  # past the first table: regrown
+    assert small.shape[0] == 64 and cos.shape[0] == 256 and sin.shape == cos.shape
+    pos = torch.tensor([0, 5, 63, 64, 199])
+    freqs = pos[:, None].float() * model.inv_freq[None, :]
+    assert torch.equal(cos[pos], torch.cat([freqs.cos(), freqs.cos()], -1) * model.rope_scale)
+    assert torch.equal(sin[pos], torch.cat([-freqs.sin(), freqs.sin()], -1) * model.rope_scale)

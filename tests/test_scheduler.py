@@ -29,7 +29,7 @@ from kvfence.errors import InvalidRequestError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.models.attention import gather_context, paged_attention
+from kvfence.models.attention import gather_context, paged_attention, store_kv
 
 PAGE = 4
 
@@ -514,9 +514,10 @@ def test_decode_context_cache_equals_a_fresh_gather_and_rebuilds_on_change() -> 
             for n, t in zip(lens, tables, strict=True):
                 for pos in range(n):
                     cache[t[pos // page] * page + pos % page] = torch.randn(2, 8, generator=g)
-        cache[fb.slot_mapping] = torch.randn(fb.num_tokens, 2, 8, generator=g)  # this step's K, stored first
         use = cc.prepare(reqs, fb)
         used.append(use)
+        # this step's K, stored first; into the copies too once they exist
+        store_kv(cache, torch.randn(fb.num_tokens, 2, 8, generator=g), dataclasses.replace(fb, context_cache=cc))
         want = gather_context(cache, fb).transpose(1, 2)  # [B, Hkv, K, D], zero past each length
         if use:
             got = cc.context(cache, fb)

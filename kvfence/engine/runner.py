@@ -31,9 +31,9 @@ class DecodeContextCache:
     """Per-(layer, buffer) contiguous copies [B, Hkv, cap, D] of a decode batch's context.
 
     Valid while the batch is the same Request objects in the same order, each exactly one
-    token longer than at the previous step; such a step appends each row's new token
-    (read back from the pool after the model stored it). Any other decode batch rebuilds
-    the copies from the pool; rows are zero past their length, so masking stays NaN-safe.
+    token longer than at the previous step; such a step appends each row's new token as
+    the model stores it into the pool (`store_kv` calls `append`). Any other decode batch
+    rebuilds the copies from the pool; rows are zero past their length, so masking stays NaN-safe.
     """
 
     def __init__(self, bytes_per_token: int, max_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
@@ -90,7 +90,7 @@ class DecodeContextCache:
         K = int(fb.kv_slots.shape[1])
         key = (cache.data_ptr(), transposed)
         buf = self.bufs.get(key)
-        if buf is None:
+        if buf is None:  # first use since prepare() (re)built: copy the context from the pool, new token included
             ctx = gather_context(cache, fb)  # [B, K, H, D], zero past each length
             B, H, rest = ctx.shape[0], ctx.shape[2], tuple(ctx.shape[3:])
             if transposed:
@@ -100,15 +100,24 @@ class DecodeContextCache:
                 buf = cache.new_zeros(B, H, self.cap, *rest)  # [B, H, cap, D]
                 buf[:, :, :K] = ctx.transpose(1, 2)
             self.bufs[key] = buf
-        else:
-            new = cache[fb.slot_mapping]  # [B, H, *rest]: each row's new token
+        return buf[..., :K] if transposed else buf[:, :, :K]
+
+    def append(self, cache: torch.Tensor, new: torch.Tensor, fb: ForwardBatch) -> None:
+        """new: [B, H, *rest], this step's rows just stored into `cache` -> also into its copies.
+
+        Copies that do not exist yet are built from the pool on first use, which then already
+        holds these rows; so only copies made in an earlier step take the append.
+        """
+        for transposed in (True, False):
+            buf = self.bufs.get((cache.data_ptr(), transposed))
+            if buf is None:
+                continue
             rows = self._rows(buf, fb, transposed)
             if transposed:  # one element per (b, h, d) at column `position`
                 buf.view(-1).index_copy_(0, rows, new.reshape(-1))
             else:  # one [*rest] block per (b, h) at row `position`
                 B, H, cap = buf.shape[:3]
                 buf.view(B * H * cap, *buf.shape[3:]).index_copy_(0, rows, new.reshape(B * H, *new.shape[2:]))
-        return buf[..., :K] if transposed else buf[:, :, :K]
 
     def _rows(self, buf: torch.Tensor, fb: ForwardBatch, transposed: bool) -> torch.Tensor:
         """Flat offsets where this step's tokens go in `buf`, computed once per step and layout."""

@@ -18,8 +18,12 @@ from kvfence.engine.forward_batch import ForwardBatch
 
 
 def store_kv(cache: torch.Tensor, new: torch.Tensor, fb: ForwardBatch) -> None:
-    """cache: [S, *shape] flat pool view; new: [T, *shape] -> written at fb.slot_mapping."""
-    cache.index_copy_(0, fb.slot_mapping, new.to(cache.dtype))
+    """cache: [S, *shape] flat pool view; new: [T, *shape] -> written at fb.slot_mapping (and into the
+    runner's context copies of a steady decode batch, which then need not read it back)."""
+    new = new.to(cache.dtype)
+    cache.index_copy_(0, fb.slot_mapping, new)
+    if fb.context_cache is not None:
+        fb.context_cache.append(cache, new, fb)
 
 
 def gather_context(cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

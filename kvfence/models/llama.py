@@ -218,7 +218,7 @@ class DecoderLayer(nn.Module):
         x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b, self.packed.get("o_w"))
         h = rms_norm(x, self.post_norm, self.eps)
         gu = linear(h, self.gate_up_w, self.gate_up_b, self.packed.get("gate_up_w"))  # [T, 2I]
-        act = F.silu(gu[:, : self.I]) * gu[:, self.I :]  # [T, I]
+        act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
         return linear_add(x, act, self.down_w, self.down_b, self.packed.get("down_w"))
 
 
@@ -260,6 +260,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
         self.scale = self.D**-0.5
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by load_weights
+        self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
+        self._rope_sin: torch.Tensor | None = None
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -334,15 +336,29 @@ class LlamaForCausalLM(nn.Module):
 
     # --- forward -------------------------------------------------------------------------------------
 
+    def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (first half negated) for positions 0..n-1, each [n, D] in our dtype.
+
+        Computed once and regrown by doubling when a longer position comes, so a forward only
+        indexes them; each row is the same elementwise formula as computing it per token.
+        """
+        if self._rope_cos is None or self._rope_cos.shape[0] < num_positions:
+            n = max(64, 1 << (num_positions - 1).bit_length())
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
+            cos = freqs.cos() * self.rope_scale
+            sin = freqs.sin() * self.rope_scale
+            self._rope_cos = torch.cat([cos, cos], -1).to(self.dtype)  # [n, D]
+            self._rope_sin = torch.cat([-sin, sin], -1).to(self.dtype)  # [n, D]
+        assert self._rope_sin is not None
+        return self._rope_cos, self._rope_sin
+
     @torch.no_grad()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
         x = F.embedding(fb.input_ids, self.embed)  # [T, E]
-        freqs = fb.positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2] float32
-        cos = freqs.cos() * self.rope_scale
-        sin = freqs.sin() * self.rope_scale
-        cos = torch.cat([cos, cos], -1).to(self.dtype)[:, None, :]  # [T, 1, D]
-        sin = torch.cat([-sin, sin], -1).to(self.dtype)[:, None, :]  # [T, 1, D]
+        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
+        cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
+        sin = sin_table[fb.positions][:, None, :]  # [T, 1, D]
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
