@@ -93,12 +93,15 @@ class DecodeContextCache:
         if buf is None:  # first use since prepare() (re)built: copy the context from the pool, new token included
             ctx = gather_context(cache, fb)  # [B, K, H, D], zero past each length
             B, H, rest = ctx.shape[0], ctx.shape[2], tuple(ctx.shape[3:])
+            # zero only past K: the first K columns are overwritten by the context right away
             if transposed:
-                buf = cache.new_zeros(B, H, *rest, self.cap)  # [B, H, D, cap]
+                buf = cache.new_empty(B, H, *rest, self.cap)  # [B, H, D, cap]
                 buf[..., :K] = ctx.permute(0, 2, 3, 1)
+                buf[..., K:] = 0
             else:
-                buf = cache.new_zeros(B, H, self.cap, *rest)  # [B, H, cap, D]
+                buf = cache.new_empty(B, H, self.cap, *rest)  # [B, H, cap, D]
                 buf[:, :, :K] = ctx.transpose(1, 2)
+                buf[:, :, K:] = 0
             self.bufs[key] = buf
         return buf[..., :K] if transposed else buf[:, :, :K]
 
