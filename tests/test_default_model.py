@@ -180,3 +180,18 @@ def test_default_model_serves_like_transformers(kvfence_cache_dir: Path) -> None
         tokens.append(int(lm.model(build_forward_batch([chunk], 16), pool)[0].argmax()))
         chunk = SeqChunk([tokens[-1]], len(prompt) + len(tokens) - 1, [0, 1, 2, 3])
     assert tokens == expected
+
+
+def test_default_model_has_about_5m_parameters(kvfence_cache_dir: Path) -> None:
+    model = transformers.AutoModelForCausalLM.from_pretrained(ensure_default_model(), local_files_only=True)
+    assert 4.5e6 <= sum(p.numel() for p in model.parameters()) <= 5.5e6
+
+
+def test_stale_default_model_from_an_older_shape_is_rebuilt(kvfence_cache_dir: Path) -> None:
+    target = default_model_dir()
+    make_tiny_model(target, "LlamaForCausalLM", seed=0, hidden_size=64, intermediate_size=176, num_hidden_layers=2)
+    d = ensure_default_model()
+    assert d == target
+    config = json.loads((d / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 4)
+    assert sorted(p.name for p in d.parent.iterdir()) == [DEFAULT_MODEL_NAME]  # old copy and tmp dirs removed

@@ -81,16 +81,17 @@ def _build_decode(chunks: list[SeqChunk], page_size: int, device: torch.device |
     starts = [c.start for c in chunks]  # [B] tokens already in the pool = position of the new token
     K = max(starts) + 1
     P = -(-K // page_size)
-    kv_pages = np.zeros((B, P), dtype=np.int64)  # [B, P]
-    slot_mapping = []
-    for b, c in enumerate(chunks):
-        n = (c.start + page_size) // page_size  # pages that hold this sequence's context
-        assert len(c.page_table) >= n, (
+    for c in chunks:
+        assert len(c.page_table) * page_size > c.start, (
             f"page table of {len(c.page_table)} pages cannot hold {c.start + 1} tokens at page size {page_size}"
         )
-        row = c.page_table[:P]  # like the general path: pages past the context (masked) are listed too
-        kv_pages[b, : len(row)] = row
-        slot_mapping.append(c.page_table[c.start // page_size] * page_size + c.start % page_size)
+    # like the general path: pages past a context (masked) are listed too, zero where a table is short
+    rows = [c.page_table[:P] for c in chunks]
+    if all(len(r) == P for r in rows):
+        kv_pages = np.array(rows, dtype=np.int64)  # [B, P]
+    else:
+        kv_pages = np.array([r + [0] * (P - len(r)) for r in rows], dtype=np.int64)  # [B, P]
+    slot_mapping = [c.page_table[c.start // page_size] * page_size + c.start % page_size for c in chunks]
     totals = np.array(starts, dtype=np.int64) + 1  # [B]
     k_pos = np.arange(K)
     visible = k_pos[None, :] < totals[:, None]  # [B, K]

@@ -54,9 +54,9 @@ _TINY_DEFAULTS: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-_DEFAULT_MODEL_CONFIG: dict[str, Any] = {
+_DEFAULT_MODEL_CONFIG: dict[str, Any] = {  # 4.98M parameters with the 2048-token tokenizer, untied head
     "hidden_size": 256,
-    "intermediate_size": 688,
+    "intermediate_size": 1024,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -279,18 +279,35 @@ def ensure_default_model() -> Path:
     sees a half-written model and two racing processes both end up with a valid one.
     """
     target = default_model_dir()
-    if (target / "config.json").is_file():
+    stale = (target / "config.json").is_file() and not _is_current_default(target)
+    if (target / "config.json").is_file() and not stale:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.old-", dir=target.parent))
     try:
         make_tiny_model(tmp, "LlamaForCausalLM", seed=0, **_DEFAULT_MODEL_CONFIG)
+        if stale:  # built by an older kvfence with another shape: move it aside, then put ours in
+            try:
+                os.rename(target, old / "model")
+            except OSError:
+                pass  # another process moved it first
         try:
             os.rename(tmp, target)
         except OSError:
             if not (target / "config.json").is_file():  # not a lost race: a real failure
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return target
+
+
+def _is_current_default(path: Path) -> bool:
+    """True if the config.json at `path` has this version's default model shape."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(k) == v for k, v in _DEFAULT_MODEL_CONFIG.items() if k != "initializer_range")
