@@ -30,6 +30,7 @@ import torch
 
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
+from kvfence.models.linear import onednn_available
 
 BASELINES = ("generate", "generate_batch")
 
@@ -165,11 +166,13 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.vocab_size or 1000
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     n, i, o = args.num_prompts, args.input_len, args.output_len
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    kernel = "oneDNN, packed weights" if onednn_available(dtype) else "F.linear"
     print(
         f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
-        f"model {model_dir}; torch threads {torch.get_num_threads()}; best of {args.repeats} interleaved runs"
+        f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence projections: {kernel}; "
+        f"best of {args.repeats} interleaved runs"
     )
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     pad_id = 0
     systems: list[tuple[str, Callable[[], Result]]] = [("kvfence", lambda: run_kvfence(engine, prompts, o))]
     if "generate" in baselines:
