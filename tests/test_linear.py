@@ -88,3 +88,15 @@ def test_model_packs_its_loaded_weights(make_model) -> None:
             x = _rand(3, w.shape[1], seed=14)
             torch.testing.assert_close(L.linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert lm.model.lm_head_packed is not None
+
+
+@needs_onednn
+def test_kernel_bench_prints_a_row_per_shape_and_row_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfence.bench import kernels
+
+    assert kernels.main(["--hidden", "32", "--intermediate", "48", "--vocab", "64", "--rows", "1,20"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [(r[0], r[1]) for r in rows] == [
+        (n, w) for n in ("1", "20") for w in ("qkv", "o", "gate_up", "down", "lm_head")
+    ]
+    assert all(float(r[5][:-1]) > 0 and float(r[6][:-1]) > 0 for r in rows)
