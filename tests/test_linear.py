@@ -100,3 +100,12 @@ def test_kernel_bench_prints_a_row_per_shape_and_row_count(capsys: pytest.Captur
         (n, w) for n in ("1", "20") for w in ("qkv", "o", "gate_up", "down", "lm_head")
     ]
     assert all(float(r[5][:-1]) > 0 and float(r[6][:-1]) > 0 for r in rows)
+
+
+@needs_onednn
+def test_packed_route_starts_at_two_rows() -> None:
+    packed = L.pack_weight(_rand(40, 48))
+    with torch.inference_mode():
+        assert not L._use_packed(_rand(1, 48), packed)  # batch-1 decode: MKL
+        assert L._use_packed(_rand(L.PACKED_MIN_ROWS, 48), packed)
+        assert not L._use_packed(_rand(8, 48), None)

@@ -15,8 +15,10 @@ with `F.linear` on a small product — and the answer is cached; anything else
 
 A model may also keep a oneDNN-blocked copy of each weight (`pack_weight`, made once
 after loading; it costs a second copy of the weights in memory). With it, oneDNN
-skips re-blocking the weight on every call and is at least as fast as MKL from one
-row up, and about 2x faster from 4 rows up, so every projection takes it.
+skips re-blocking the weight on every call: from 2 rows up it beats MKL (about 2x
+from 32 rows), so those products take it; a single row (batch-1 decode) stays on
+MKL, whose GEMV is faster on narrow weights. `python -m kvfence.bench.kernels`
+measures the three kernels side by side.
 
 What it does not know: model shapes, or anything about the batch beyond its row count.
 """
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 ONEDNN_MIN_ROWS = 16  # measured crossover on the 2-core EPYC: MKL wins below, oneDNN from here up
+PACKED_MIN_ROWS = 2  # with a packed weight oneDNN wins from 2 rows; at 1 row MKL's GEMV is faster overall
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -65,7 +68,13 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    return packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and not torch.is_grad_enabled()
+    return (
+        packed is not None
+        and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]
+        and x.device.type == "cpu"
+        and x.dtype == packed.dtype
+        and not torch.is_grad_enabled()
+    )
 
 
 def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
