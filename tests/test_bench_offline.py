@@ -25,6 +25,14 @@ def test_short_run_prints_every_system_with_a_ratio(tiny_llama_dir: Path, capsys
     assert rows["kvfence"].split()[1] == "3"  # requests column
 
 
+def test_unpacked_baseline_is_our_engine_on_f_linear(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "offline", "--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "5"]
+    assert main([*argv, "--output-len", "4", "--repeats", "1", "--baselines", "unpacked"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("kvfence, F.linear projections")]
+    assert row.split()[-1] == "2/2"  # same greedy tokens: only the kernel differs
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

@@ -16,43 +16,47 @@ def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, L.ONEDNN_MIN_ROWS - 1, L.ONEDNN_MIN_ROWS, 37, 300])
-def test_linear_matches_f_linear(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])
+def test_packed_linear_matches_f_linear(rows: int) -> None:
     x, w, b = _rand(rows, 48, seed=1), _rand(40, 48, seed=2), _rand(40, seed=3)
+    packed = L.pack_weight(w)
+    assert packed is not None and packed.is_mkldnn
     with torch.inference_mode():
-        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(L.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [3, 64])
+@pytest.mark.parametrize("rows", [1, 64])
 def test_linear_add_matches_residual_plus_product(rows: int) -> None:
     r, x, w, b = _rand(rows, 40, seed=4), _rand(rows, 48, seed=5), _rand(40, 48, seed=6), _rand(40, seed=7)
+    packed = L.pack_weight(w)
     with torch.inference_mode():
-        out = L.linear_add(r, x, w)
+        out = L.linear_add(r, x, w, None, packed)
         torch.testing.assert_close(out, r + F.linear(x, w), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(L.linear_add(r, x, w, b), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear_add(r, x, w, b, packed), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear_add(r, x, w), r + F.linear(x, w), rtol=1e-5, atol=1e-5)  # unpacked
     assert out.data_ptr() != r.data_ptr()  # the residual is not overwritten
 
 
 @needs_onednn
-def test_linear_takes_a_non_contiguous_input() -> None:
+def test_packed_linear_takes_a_non_contiguous_input() -> None:
     x = _rand(32, 96, seed=8)[:, :48]  # a column slice: row stride 96
     w = _rand(40, 48, seed=9)
     with torch.inference_mode():
-        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(L.linear(x, w, None, L.pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_route_by_rows_dtype_and_grad() -> None:
+def test_packed_route_only_where_it_applies() -> None:
     w = _rand(40, 48)
+    packed = L.pack_weight(w)
     with torch.inference_mode():
-        assert L._use_onednn(_rand(L.ONEDNN_MIN_ROWS, 48), w)
-        assert L._use_onednn(_rand(2, 8, 48), w)  # rows counted over leading dims
-        assert not L._use_onednn(_rand(L.ONEDNN_MIN_ROWS - 1, 48), w)
-        assert not L._use_onednn(_rand(32, 48).double(), w.double())  # fp64: not probed, F.linear
-        assert not L._use_onednn(_rand(32, 48).half(), w.half())
-    assert not L._use_onednn(_rand(32, 48), w)  # autograd on: oneDNN op has no backward here
+        assert L._use_packed(_rand(1, 48), packed)  # batch-1 decode too
+        assert L._use_packed(_rand(2, 8, 48), packed)  # any leading dims
+        assert not L._use_packed(_rand(8, 48), None)  # nothing packed: F.linear
+        assert not L._use_packed(_rand(8, 48).double(), packed)
+    assert not L._use_packed(_rand(8, 48), packed)  # autograd on: the oneDNN op has no backward here
 
 
 def test_unsupported_dtype_is_never_probed_usable() -> None:
@@ -60,23 +64,12 @@ def test_unsupported_dtype_is_never_probed_usable() -> None:
     assert not L.onednn_available(torch.float16)
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_packed_weight_gives_the_same_products(rows: int) -> None:
-    x, w, b, r = _rand(rows, 48, seed=10), _rand(40, 48, seed=11), _rand(40, seed=12), _rand(rows, 40, seed=13)
-    packed = L.pack_weight(w)
-    assert packed is not None and packed.is_mkldnn
-    with torch.inference_mode():
-        torch.testing.assert_close(L.linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(L.linear_add(r, x, w, None, packed), r + F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
 def test_no_packed_copy_where_onednn_does_not_apply() -> None:
     assert L.pack_weight(_rand(8, 8).double()) is None
 
 
 @needs_onednn
-def test_model_packs_its_loaded_weights(make_model) -> None:
+def test_model_packs_its_loaded_weights_and_can_drop_them(make_model) -> None:
     from kvfence.models.loader import load_model
 
     lm = load_model(make_model("LlamaForCausalLM"), progress=False)
@@ -88,6 +81,10 @@ def test_model_packs_its_loaded_weights(make_model) -> None:
             x = _rand(3, w.shape[1], seed=14)
             torch.testing.assert_close(L.linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert lm.model.lm_head_packed is not None
+    lm.model.pack_weights(False)
+    assert layer.packed == {} and lm.model.lm_head_packed is None
+    lm.model.pack_weights()
+    assert set(layer.packed) == {"qkv_w", "o_w", "gate_up_w", "down_w"} and lm.model.lm_head_packed is not None
 
 
 @needs_onednn
@@ -100,12 +97,3 @@ def test_kernel_bench_prints_a_row_per_shape_and_row_count(capsys: pytest.Captur
         (n, w) for n in ("1", "20") for w in ("qkv", "o", "gate_up", "down", "lm_head")
     ]
     assert all(float(r[5][:-1]) > 0 and float(r[6][:-1]) > 0 for r in rows)
-
-
-@needs_onednn
-def test_packed_route_starts_at_two_rows() -> None:
-    packed = L.pack_weight(_rand(40, 48))
-    with torch.inference_mode():
-        assert not L._use_packed(_rand(1, 48), packed)  # batch-1 decode: MKL
-        assert L._use_packed(_rand(L.PACKED_MIN_ROWS, 48), packed)
-        assert not L._use_packed(_rand(8, 48), None)

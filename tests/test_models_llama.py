@@ -164,9 +164,8 @@ def test_decode_batch_of_20_matches_transformers(make_model, monkeypatch, arch: 
     from kvfence.models import linear
 
     routed: list[bool] = []
-    for name in ("_use_onednn", "_use_packed"):
-        real = getattr(linear, name)
-        monkeypatch.setattr(linear, name, lambda x, w, real=real: routed.append(real(x, w)) or routed[-1])
+    real = linear._use_packed
+    monkeypatch.setattr(linear, "_use_packed", lambda x, p: routed.append(real(x, p)) or routed[-1])
     d = make_model(arch, seed=3)
     lm = load_model(d, progress=False)
     ref = hf_model(d)
@@ -296,3 +295,14 @@ def test_rope_tables_regrow_and_equal_the_per_token_formula(make_model) -> None:
     freqs = pos[:, None].float() * model.inv_freq[None, :]
     assert torch.equal(cos[pos], torch.cat([freqs.cos(), freqs.cos()], -1) * model.rope_scale)
     assert torch.equal(sin[pos], torch.cat([-freqs.sin(), freqs.sin()], -1) * model.rope_scale)
+
+
+def test_unpacked_projections_match_transformers_too(make_model) -> None:
+    """Without the oneDNN copies (pack_weights(False)) every projection takes F.linear: same oracle."""
+    d = make_model("LlamaForCausalLM", seed=4)
+    lm = load_model(d, progress=False)
+    lm.model.pack_weights(False)
+    assert all(not layer.packed for layer in lm.model.layers) and lm.model.lm_head_packed is None
+    prompt = prompt_of(19, seed=5)
+    (logits,) = PagedRunner(lm).forward([("s", prompt, "all")])
+    assert_close(logits, hf_logits(hf_model(d), prompt))

@@ -36,13 +36,15 @@ def _shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: in
     }
 
 
-def _median_us(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, float]:
+def _median_us(fns: dict[str, Callable[[], object]], calls: int, evict: torch.Tensor | None) -> dict[str, float]:
     for fn in fns.values():  # warm-up: oneDNN builds its primitive on the first call of a shape
         for _ in range(3):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(calls):
         for name, fn in fns.items():
+            if evict is not None:  # stream a buffer bigger than the caches first, as a decode step does
+                evict.add_(1)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--rows", default="1,32,2048", help="comma-separated row counts (default: 1,32,2048)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--cold", action="store_true", help="evict the caches (stream 128 MiB) before every timed call")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,14 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         print("oneDNN is not usable in this torch build: models.linear uses F.linear only")
         return 0
     shapes = _shapes(args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
-    print(f"projection kernels, fp32, torch threads {torch.get_num_threads()}; median us per call, interleaved")
+    evict = torch.zeros(32 << 20) if args.cold else None  # 128 MiB of fp32
+    caches = "caches evicted before each call" if args.cold else "warm caches"
+    threads = torch.get_num_threads()
+    print(f"projection kernels, fp32, torch threads {threads}, {caches}; median us per call, interleaved")
     columns = ("F.linear", "oneDNN", "packed", "oneDNN/F", "packed/F")
     header = f"{'rows':>5}  {'weight':8}  " + "  ".join(f"{c:>9}" for c in columns)
     print(header)
     print("-" * len(header))
     g = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
-        calls = 20 if rows >= 1024 else 300
+        calls = 20 if rows >= 1024 or args.cold else 300
         for name, (out_f, in_f) in shapes.items():
             x = torch.randn(rows, in_f, generator=g)
             w = torch.randn(out_f, in_f, generator=g) * in_f**-0.5
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         "packed": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
                     },
                     calls,
+                    evict,
                 )
             print(
                 f"{rows:>5}  {name:8}  {us['aten']:>9.1f}  {us['onednn']:>9.1f}  {us['packed']:>9.1f}  "

@@ -9,6 +9,8 @@ them end to end through
                     one request after another when N == 1;
   - generate_batch: transformers continuous batching (`model.generate_batch`) with a
                     KV cache sized for the workload;
+  - unpacked:       our engine again, its projections on F.linear (MKL) instead of
+                    oneDNN-packed weights (models.linear): what the kernel choice is worth;
 then print output and total (prompt + output) tokens per second, the ratio of ours
 to each baseline, and how many requests produced the same greedy tokens as ours.
 Each system first runs a small warm-up that is not timed.
@@ -32,7 +34,7 @@ from kvfence.config import add_engine_arguments, engine_config_from_args, resolv
 from kvfence.errors import KvfenceError
 from kvfence.models.linear import onednn_available
 
-BASELINES = ("generate", "generate_batch")
+BASELINES = ("generate", "generate_batch", "unpacked")
 
 
 @dataclass
@@ -58,7 +60,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def run_kvfence(engine: Any, prompts: list[list[int]], output_len: int) -> Result:
+def run_kvfence(engine: Any, prompts: list[list[int]], output_len: int, system: str = "kvfence") -> Result:
     from kvfence.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
@@ -67,7 +69,7 @@ def run_kvfence(engine: Any, prompts: list[list[int]], output_len: int) -> Resul
     done = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
     outs = [c.token_ids for c in done]
-    return Result("kvfence", dt, len(prompts), sum(map(len, prompts)), sum(map(len, outs)), outs)
+    return Result(system, dt, len(prompts), sum(map(len, prompts)), sum(map(len, outs)), outs)
 
 
 def _hf_model(model_dir: str, dtype: torch.dtype, attn: str) -> Any:
@@ -167,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     n, i, o = args.num_prompts, args.input_len, args.output_len
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    kernel = "oneDNN, packed weights" if onednn_available(dtype) else "F.linear"
+    packs = hasattr(engine.runner.model, "pack_weights") and onednn_available(engine.runner.model.dtype)
+    kernel = "oneDNN, packed weights" if packs else "F.linear"
     print(
         f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
         f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence projections: {kernel}; "
@@ -178,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
     if "generate" in baselines:
         hf = _hf_model(model_dir, dtype, "sdpa")
         systems.append(("transformers generate", lambda: run_hf_generate(hf, prompts, o, pad_id)))
+    if "unpacked" in baselines:
+        plain = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
+        if not packs:
+            raise KvfenceError(f"--baselines unpacked: this model ({type(plain.runner.model).__name__}) runs unpacked")
+        plain.runner.model.pack_weights(False)
+        name = "kvfence, F.linear projections"
+        systems.append((name, lambda: run_kvfence(plain, prompts, o, name)))
     if "generate_batch" in baselines:
         hf_cb = _hf_model(model_dir, dtype, "sdpa")
         systems.append(("transformers generate_batch", lambda: run_hf_generate_batch(hf_cb, prompts, o, pad_id)))
@@ -211,7 +221,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--baselines",
         default="generate,generate_batch",
         metavar="LIST",
-        help="comma-separated: generate, generate_batch, or none (default: both)",
+        help="comma-separated: generate, generate_batch, unpacked, or none (default: generate,generate_batch)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--repeats", type=int, default=2, metavar="R", help="runs per system, interleaved; best is kept")

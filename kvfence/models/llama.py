@@ -184,9 +184,10 @@ class DecoderLayer(nn.Module):
         self.I = I
         self.packed: dict[str, torch.Tensor | None] = {}  # weight name -> oneDNN-blocked copy (models.linear)
 
-    def pack_weights(self) -> None:
-        """Refresh the blocked copies of the four projection weights from the loaded values."""
-        self.packed = {name: pack_weight(getattr(self, name)) for name in ("qkv_w", "o_w", "gate_up_w", "down_w")}
+    def pack_weights(self, enabled: bool = True) -> None:
+        """Refresh the blocked copies of the four projection weights from the loaded values (or drop them)."""
+        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
+        self.packed = {name: pack_weight(getattr(self, name)) for name in names} if enabled else {}
 
     def forward(
         self,
@@ -329,10 +330,18 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
-        for layer in self.layers:
-            layer.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head)
+        self.pack_weights()
         return loaded
+
+    def pack_weights(self, enabled: bool = True) -> None:
+        """Make (or drop, enabled=False) the oneDNN-blocked weight copies the projections run on.
+
+        load_weights makes them; dropping them sends every projection to F.linear (MKL), which
+        `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
+        """
+        for layer in self.layers:
+            layer.pack_weights(enabled)
+        self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
     # --- forward -------------------------------------------------------------------------------------
 
