@@ -39,22 +39,13 @@ from kvfence.transfer.mooncake_engine import (
     lane_queue_limit,
     mooncake_available,
 )
+from tests.test_faults import EXPECTED, drive, same_bytes  # the fault matrix and its helpers, shared
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
 )
 NUM_PAGES = 320  # 4 (layer, buffer) slices a page: 300 reversed pages are 1,200 entries, above the lane queue
 FAULT_CONFIG = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
-
-EXPECTED = {  # as tests/test_faults.py
-    "placeholder_handoff": "token_count_mismatch",
-    "short_write": "coverage_gap",
-    "drop_page": "coverage_gap",
-    "corrupt_byte": "digest_mismatch",
-    "reorder_pages": "digest_mismatch",
-    "stale_page": "digest_mismatch",
-    "wrong_layout": "layout_mismatch",
-}
 
 
 def seed_pool(pool: KVPool, seed: int) -> None:
@@ -158,21 +149,6 @@ class Rig:
             rid, ids, self.p_alloc, self.p_pool, self.sender, self.receiver.address, self.config, self.faults
         )
         return pre, dec, [self.p_pool.read_page(p) for p in pages]
-
-
-def drive(*handoffs, until=None, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for h in handoffs:
-            h.poll()
-        if until() if until is not None else all(h.settled for h in handoffs):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"not settled: {[(type(h).__name__, h.state) for h in handoffs]}")
-
-
-def same_bytes(src: list[bytes], dst_pool: KVPool, dst_pages: list[int]) -> bool:
-    return all(s == dst_pool.read_page(d) for s, d in zip(src, dst_pages, strict=True))
 
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
