@@ -200,6 +200,23 @@ def test_prefill_logits_match_transformers_at_every_position(pair: Pair) -> None
     assert rel_err(ours, ref) < REL_TOL
 
 
+def test_projections_are_packed_and_unpacked_matches_transformers_too(pair: Pair) -> None:
+    from kvfence.models.linear import Linear, onednn_available
+
+    linears = [m for m in pair.ours.modules() if isinstance(m, Linear)]
+    assert linears and all((m.packed is not None) == onednn_available(torch.float32) for m in linears)
+    (ids,) = prompts(3, [13])
+    packed = PagedRunner(pair.ours, pair.cls, pair.config).forward([("a", ids, "all")])
+    pair.ours.pack_weights(False)
+    try:
+        assert all(m.packed is None for m in linears)
+        unpacked = PagedRunner(pair.ours, pair.cls, pair.config).forward([("a", ids, "all")])
+    finally:
+        pair.ours.pack_weights()
+    ref = hf_logits(pair.hf, ids)
+    assert rel_err(packed, ref) < REL_TOL and rel_err(unpacked, ref) < REL_TOL
+
+
 def test_every_decode_step_matches_transformers_full_forward(pair: Pair) -> None:
     (ids,) = prompts(2, [6])
     runner = PagedRunner(pair.ours, pair.cls, pair.config)

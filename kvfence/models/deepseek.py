@@ -33,6 +33,7 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import store_kv
 from kvfence.models.dsa import Indexer
+from kvfence.models.linear import Linear
 from kvfence.models.mla import MLAttention, RMSNorm, Rotary
 from kvfence.models.moe import GatedMLP, MoE
 
@@ -109,7 +110,7 @@ class _MLAForCausalLM(nn.Module):
                 for i in range(self.num_layers)
             )
             self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device="cpu")
         self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -198,7 +199,16 @@ class _MLAForCausalLM(nn.Module):
         missing = sorted(set(expected) - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        self.pack_weights()
         return loaded
+
+    def pack_weights(self, enabled: bool = True) -> None:
+        """Make (or drop) the oneDNN-blocked copies every Linear projects with (see models.linear).
+
+        The routed experts keep their stacked weights on F.linear: they run a few rows each."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(enabled)
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.models.attention import store_kv
+from kvfence.models.linear import Linear
 from kvfence.models.mla import RopeTable, apply_rope
 
 
@@ -38,11 +39,11 @@ class Indexer(nn.Module):
         self.rope_dim = c.qk_rope_head_dim
         self.topk = c.index_topk
         assert self.head_dim >= self.rope_dim, (self.head_dim, self.rope_dim)
-        self.wq_b = nn.Linear(c.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wk = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = Linear(c.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
         # kept in float32, as the reference implementation keeps it
-        self.weights_proj = nn.Linear(c.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = Linear(c.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         self.softmax_scale = self.head_dim**-0.5
 
     def _rotate(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:

@@ -17,15 +17,18 @@ Whether oneDNN is usable is probed once per dtype (the ops exist, run, and agree
 with `F.linear` on small products) and cached; without a packed copy (CUDA, fp16,
 a build without oneDNN, a failed probe, autograd on) a product takes `F.linear`.
 
-What it does not know: model shapes, or which weights a model chose to pack.
+What it does not know: model shapes, or which weights a model chose to pack (Llama-family models pack
+their fused projections and lm_head; DeepSeek / GLM-5 models every `Linear`, not the stacked routed experts).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -87,3 +90,21 @@ def linear_add(
     if b is None:
         return torch.addmm(residual, x, w.t())  # one GEMM accumulating into the residual
     return residual + F.linear(x, w, b)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward takes the packed oneDNN route once `pack()` has made a copy of its weight.
+
+    For models built from modules (DeepSeek / GLM-5): they call `pack()` on every Linear after loading.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed: torch.Tensor | None = None  # pack_weight(self.weight), kept out of the state dict
+
+    def pack(self, enabled: bool = True) -> None:
+        """Make (or drop) the packed copy from the current weight values."""
+        self.packed = pack_weight(self.weight) if enabled else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)

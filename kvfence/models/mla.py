@@ -27,6 +27,7 @@ from torch import nn
 from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.errors import UnsupportedArchitectureError
 from kvfence.models.attention import store_kv
+from kvfence.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -142,15 +143,15 @@ class MLAttention(nn.Module):
         bias = bool(getattr(c, "attention_bias", False))
         H, R = self.num_heads, self.kv_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, H * self.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = Linear(c.hidden_size, H * self.qk_head_dim, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, self.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_proj = Linear(c.hidden_size, self.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6, dtype)  # fixed eps, as in the checkpoints' code
-            self.q_b_proj = nn.Linear(self.q_lora_rank, H * self.qk_head_dim, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, R + self.qk_rope_head_dim, bias=bias, dtype=dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, H * self.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, R + self.qk_rope_head_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(R, 1e-6, dtype)
-        self.kv_b_proj = nn.Linear(R, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(H * self.v_head_dim, c.hidden_size, bias=bias, dtype=dtype)
+        self.kv_b_proj = Linear(R, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = Linear(H * self.v_head_dim, c.hidden_size, bias=bias, dtype=dtype)
 
     def project_query(self, x: torch.Tensor) -> Query:
         """x: [T, hidden] -> q [T, H, qk_head_dim], q_resid [T, q_lora_rank] or None."""

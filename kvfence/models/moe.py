@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfence.models.linear import Linear
+
 
 def _check_act(hf_config: Any) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
@@ -31,9 +33,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
