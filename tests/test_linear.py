@@ -56,6 +56,8 @@ def test_packed_route_only_where_it_applies() -> None:
         assert L._use_packed(_rand(2, 8, 48), packed)  # any leading dims
         assert not L._use_packed(_rand(8, 48), None)  # nothing packed: F.linear
         assert not L._use_packed(_rand(8, 48).double(), packed)
+        assert not L._use_packed(_rand(0, 48), packed)  # no rows: F.linear returns the empty product
+        assert L.linear(_rand(0, 48), _rand(40, 48), None, packed).shape == (0, 40)
     assert not L._use_packed(_rand(8, 48), packed)  # autograd on: the oneDNN op has no backward here
 
 

@@ -65,7 +65,13 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    return packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype and not torch.is_grad_enabled()
+    return (
+        packed is not None
+        and x.numel() > 0  # no rows (a step that wants no logits): nothing for oneDNN to do
+        and x.device.type == "cpu"
+        and x.dtype == packed.dtype
+        and not torch.is_grad_enabled()
+    )
 
 
 @functools.cache
