@@ -6,6 +6,7 @@ Pool conservation (`allocator.check()`, pages back to baseline) is checked after
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,28 @@ def test_prefill_only_then_prefilled_decode_equals_aggregated(loaded: Any, refer
         decode.allocator.check()
     assert [out[f"r{i}"] for i in range(len(prompts))] == reference
     assert decode.allocator.num_free == decode.allocator.num_pages
+
+
+def test_report_pending_gives_a_prefilled_first_token_without_a_forward(loaded: Any, monkeypatch) -> None:
+    engine = make_engine(loaded, page_size=8)
+    prompt = prompts_of([20])[0]
+    engine.reserve("a", len(prompt))
+    engine.add_prefilled_request("a", prompt, 7, dataclasses.replace(GREEDY, max_tokens=3))
+    real_execute = engine.runner.execute
+
+    def no_forward(*args: Any) -> Any:
+        raise AssertionError("report_pending ran the model")
+
+    monkeypatch.setattr(engine.runner, "execute", no_forward)
+    (first,) = engine.report_pending()
+    assert (first.request_id, first.new_token_ids, first.finished) == ("a", [7], False)
+    assert engine.report_pending() == []  # reported once
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    rest = [t for o in engine.step() for t in o.new_token_ids]
+    assert len(rest) == 1  # the next step brings only the second token, not the first again
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.num_pages
 
 
 def test_reserve_refuses_when_the_pool_is_short_and_release_undoes_it(loaded: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from kvfence.disagg import protocol as P
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
 from kvfence.disagg.router import params_from_dict
+from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
@@ -287,34 +288,39 @@ class DecodeWorker:
             h.poll()
             if h.released:
                 del self.ending[rid]
+        self._send_tokens(self.engine.report_pending())  # just-admitted first tokens, before a forward
         worked = False
         if self.engine.has_unfinished_requests():
             worked = True
-            tokens: list[P.Message] = []  # one frame per step for all requests' new tokens
-            for out in self.engine.step():
-                run = self.running.get(out.request_id)
-                if run is None:
-                    continue
-                run.num_output_tokens = out.num_output_tokens
-                record = None
-                if out.finished or not run.sent_record:  # the record rides on the first and the last chunk
-                    record, run.sent_record = run.record, True
-                if out.finished:
-                    del self.running[out.request_id]
-                tokens.append(
-                    P.Tokens(
-                        out.request_id,
-                        list(out.new_token_ids),
-                        text=out.new_text,
-                        finished=out.finished,
-                        finish_reason=out.finish_reason,
-                        integrity=record,
-                        num_output_tokens=out.num_output_tokens,
-                    )
-                )
-            if (msg := P.batch(tokens)) is not None:
-                self._out(msg)
+            self._send_tokens(self.engine.step())
         return worked
+
+    def _send_tokens(self, outputs: list[RequestOutput]) -> None:
+        """One frame for all these requests' new tokens; the record rides on the first and the last chunk."""
+        tokens: list[P.Message] = []
+        for out in outputs:
+            run = self.running.get(out.request_id)
+            if run is None:
+                continue
+            run.num_output_tokens = out.num_output_tokens
+            record = None
+            if out.finished or not run.sent_record:
+                record, run.sent_record = run.record, True
+            if out.finished:
+                del self.running[out.request_id]
+            tokens.append(
+                P.Tokens(
+                    out.request_id,
+                    list(out.new_token_ids),
+                    text=out.new_text,
+                    finished=out.finished,
+                    finish_reason=out.finish_reason,
+                    integrity=record,
+                    num_output_tokens=out.num_output_tokens,
+                )
+            )
+        if (msg := P.batch(tokens)) is not None:
+            self._out(msg)
 
     def _admit(self, rid: str, inc: _Incoming) -> None:
         h = inc.handoff

@@ -275,6 +275,15 @@ class LLMEngine:
         if sched.chunks:
             sampled = self.runner.execute(sched)
             report += self.scheduler.update_from_output(sched, sampled)
+        return self._outputs_of(report)
+
+    def report_pending(self) -> list[RequestOutput]:
+        """Outputs of requests that changed outside a forward (a prefilled request's first token), now,
+        without running the model; `step` would otherwise report them after its next forward."""
+        report, self._pending = self._pending, []
+        return self._outputs_of(report)
+
+    def _outputs_of(self, report: list[Request]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         seen: set[str] = set()
         for req in report:
