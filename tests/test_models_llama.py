@@ -109,6 +109,21 @@ def check_prefill_then_decode(d: Path, prompt: list[int], steps: int) -> float:
     return max(rel_err(prefill, full[: len(prompt)]), rel_err(torch.stack(step_logits), full[len(prompt) - 1 :]))
 
 
+def check_steps_against_full_forward(
+    ref: transformers.PreTrainedModel,
+    prompts: dict[str, list[int]],
+    logits: dict[str, list[torch.Tensor]],
+    generated: dict[str, list[int]],
+) -> None:
+    """Each sequence's logits at every sampled step equal transformers' full forward of prompt + tokens."""
+    for sid, prompt in prompts.items():
+        full = hf_logits(ref, prompt + generated[sid][:-1])
+        assert_close(torch.stack(logits[sid]), full[len(prompt) - 1 :])
+        # transformers' greedy choice at every step of this sequence is our token, so its greedy
+        # decoding of the prompt is our output (generate itself is checked in the batch-1 tests)
+        assert full[len(prompt) - 1 :].argmax(-1).tolist() == generated[sid], sid
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prefill_and_decode_match_transformers(make_model, arch: str) -> None:
     d = make_model(arch)
@@ -148,12 +163,7 @@ def test_batch_of_8_with_chunked_prefill_matches_transformers(make_model, arch: 
         for (sid, _, _), lg in zip(step, runner.forward(step), strict=True):
             logits[sid].append(lg[0])
             generated[sid].append(int(lg[0].argmax()))
-    for sid, prompt in prompts.items():
-        full = hf_logits(ref, prompt + generated[sid][:-1])
-        assert_close(torch.stack(logits[sid]), full[len(prompt) - 1 :])
-        # transformers' greedy choice at every step of this sequence is our token, so its greedy
-        # decoding of the prompt is our output (generate itself is checked in the batch-1 tests)
-        assert full[len(prompt) - 1 :].argmax(-1).tolist() == generated[sid], sid
+    check_steps_against_full_forward(ref, prompts, logits, generated)
     assert runner.alloc.num_used == sum(-(-(len(p) + len(generated[s]) - 1) // PAGE_SIZE) for s, p in prompts.items())
     runner.alloc.check()
 
@@ -179,10 +189,7 @@ def test_decode_batch_of_20_matches_transformers(make_model, monkeypatch, arch: 
         for sid, lg in zip(prompts, step, strict=True):
             logits[sid].append(lg[0])
             generated[sid].append(int(lg[0].argmax()))
-    for sid, prompt in prompts.items():
-        full = hf_logits(ref, prompt + generated[sid][:-1])
-        assert_close(torch.stack(logits[sid]), full[len(prompt) - 1 :])
-        assert full[len(prompt) - 1 :].argmax(-1).tolist() == generated[sid], sid
+    check_steps_against_full_forward(ref, prompts, logits, generated)
     assert any(routed) == linear.onednn_available(torch.float32)
 
 
