@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> int:
         hf = _hf_model(model_dir, dtype, "sdpa")
         systems.append(("transformers generate", lambda: run_hf_generate(hf, prompts, o, pad_id)))
     if "unpacked" in baselines:
-        plain = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
         if not packs:
-            raise KvfenceError(f"--baselines unpacked: this model ({type(plain.runner.model).__name__}) runs unpacked")
+            raise KvfenceError(f"--baselines unpacked: this model ({type(engine.runner.model).__name__}) runs unpacked")
+        plain = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
         plain.runner.model.pack_weights(False)
         name = "kvfence, F.linear projections"
         systems.append((name, lambda: run_kvfence(plain, prompts, o, name)))

@@ -284,12 +284,12 @@ def ensure_default_model() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
-    old = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.old-", dir=target.parent))
+    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # where a stale copy is moved aside
     try:
         make_tiny_model(tmp, "LlamaForCausalLM", seed=0, **_DEFAULT_MODEL_CONFIG)
         if stale:  # built by an older kvfence with another shape: move it aside, then put ours in
             try:
-                os.rename(target, old / "model")
+                os.rename(target, old)
             except OSError:
                 pass  # another process moved it first
         try:
