@@ -138,3 +138,10 @@ def test_many_row_counts_do_not_grow_memory_without_bound() -> None:
             L.linear(x, w, None, packed)
             L.linear_add(r[:rows], x, w, None, packed)
     assert _rss_mib() - before < 120
+
+
+def test_a_model_loaded_for_another_device_keeps_no_packed_copies(make_model) -> None:
+    from kvfence.models.loader import load_model
+
+    lm = load_model(make_model("LlamaForCausalLM"), progress=False, device="meta")  # any non-CPU device
+    assert all(not layer.packed for layer in lm.model.layers) and lm.model.lm_head_packed is None

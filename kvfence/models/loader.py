@@ -209,6 +209,8 @@ def load_model(
     loaded = model.load_weights(_stream(plan, progress))
     assert loaded == set(model.weight_shapes()), "checked plan and loaded tensors disagree"
     model = model.to(device).eval()
+    if torch.device(device).type != "cpu" and hasattr(model, "pack_weights"):
+        model.pack_weights(False)  # oneDNN copies serve CPU products only: free the host memory
     return LoadedModel(
         model=model,
         hf_config=hf_config,
