@@ -144,18 +144,23 @@ def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesse
     assert "kvfence_handoff_verified_total" in metrics  # the router's integrity counters, on the same page
 
 
-def test_worker_processes_over_tcp_match_aggregated_and_catch_a_corrupt_byte(
-    workers: WorkerProcesses, tiny_llama_dir: Path
-) -> None:
-    reqs = requests_mix(12, seed=1)
-    bad = ("bad", [5] * 40, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    got = _run(workers.router, [*reqs, bad])
-    want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+def _assert_exact_and_corrupt_caught(router: Any, model_dir: Path, reqs: list, bad: tuple) -> None:
+    """Run reqs plus `bad` (whose page the workers' corrupt_byte fault hits): every good request is
+    token-exact against aggregated and verified; `bad` fails with digest_mismatch."""
+    got = _run(router, [*reqs, bad])
+    want = reference(model_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
     for (rid, _, _), ref in zip(reqs, want, strict=True):
         assert [t for c in got[rid] for t in c.token_ids] == ref.token_ids, rid
         assert got[rid][-1].integrity["status"] == "verified"
-    last = got["bad"][-1]
+    last = got[bad[0]][-1]
     assert last.finish_reason == "error" and last.integrity["reason"] == "digest_mismatch", last
+
+
+def test_worker_processes_over_tcp_match_aggregated_and_catch_a_corrupt_byte(
+    workers: WorkerProcesses, tiny_llama_dir: Path
+) -> None:
+    bad = ("bad", [5] * 40, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    _assert_exact_and_corrupt_caught(workers.router, tiny_llama_dir, requests_mix(12, seed=1), bad)
     roles = _wait_pools_free(workers.router)
     assert roles["prefill"]["pages_total"] == 64 and roles["decode"]["pages_total"] == 128
     assert workers.router.integrity_counts["rejected"] == 1
@@ -171,15 +176,8 @@ def test_worker_processes_over_mooncake_match_aggregated_and_catch_a_corrupt_byt
         pytest.skip(f"Mooncake unavailable: {status.reason}")
     w = WorkerProcesses(tiny_llama_dir, tmp_path, faults="corrupt_byte@bad#0", transport="mooncake")
     try:
-        reqs = requests_mix(6, seed=4)
         bad = ("bad", [7] * 33, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        got = _run(w.router, [*reqs, bad])
-        want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
-        for (rid, _, _), ref in zip(reqs, want, strict=True):
-            assert [t for c in got[rid] for t in c.token_ids] == ref.token_ids, rid
-            assert got[rid][-1].integrity["status"] == "verified"
-        last = got["bad"][-1]
-        assert last.finish_reason == "error" and last.integrity["reason"] == "digest_mismatch", last
+        _assert_exact_and_corrupt_caught(w.router, tiny_llama_dir, requests_mix(6, seed=4), bad)
         _wait_pools_free(w.router, timeout=30)
     finally:
         w.close()

@@ -4,6 +4,7 @@ allocators balance, and an innocent transfer running at the same time verifies w
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -116,30 +117,40 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault:
     faults = FaultInjector().enable(fault, request_id="bad", page=1)
     rig = Rig(transport, faults)
     try:
-        baseline_p, baseline_d = rig.p_alloc.num_free, rig.d_alloc.num_free
-        bad_pre, bad_dec, _ = rig.pair("bad", 37, seed=1)  # 5 pages of 8
-        good_pre, good_dec, good_src = rig.pair("good", 29, seed=2)
-        bad_pre.send()
-        good_pre.send()
-        drive(bad_pre, bad_dec, good_pre, good_dec)
-
-        assert faults.fired[fault] >= 1
-        assert bad_dec.state == DecodeState.FAILED
-        assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
-        assert bad_pre.state == PrefillState.FAILED and "rejected" in bad_pre.reason
-        assert good_dec.state == DecodeState.READY and good_dec.record.status == "verified"
-        assert good_pre.state == PrefillState.RELEASED
-        assert same_bytes(good_src, rig.d_pool, good_dec.pages)
-        assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
-        assert rig.metrics.value("kvfence_handoff_verified_total") == 1
-
-        rig.d_alloc.free("good")  # the decode scheduler would do this when the request finishes
-        for alloc in (rig.p_alloc, rig.d_alloc):
-            alloc.check()
-        assert (rig.p_alloc.num_free, rig.d_alloc.num_free) == (baseline_p, baseline_d)
-        assert rig.d_alloc.num_quarantined == 0
+        check_fault_case(rig, rig.pair, fault, faults, "bad", "good")
     finally:
         rig.close()
+
+
+def check_fault_case(rig: Any, make_pair: Any, fault: str, faults: FaultInjector, bad: str, good: str) -> Any:
+    """Hand off `bad` (37 tokens, which the fault hits) beside `good` (29 tokens) and check the fault is caught
+    with its expected reason, the innocent transfer lands byte-exact and verified, and every page comes back.
+
+    rig: has p_alloc, d_alloc, d_pool, metrics; make_pair(rid, num_tokens, seed) -> (prefill, decode, source
+    bytes). Returns the good request's PrefillHandoff for transport-specific checks."""
+    baseline_p, baseline_d = rig.p_alloc.num_free, rig.d_alloc.num_free
+    bad_pre, bad_dec, _ = make_pair(bad, 37, seed=1)  # 5 pages of 8
+    good_pre, good_dec, good_src = make_pair(good, 29, seed=2)
+    bad_pre.send()
+    good_pre.send()
+    drive(bad_pre, bad_dec, good_pre, good_dec)
+
+    assert faults.fired[fault] >= 1
+    assert bad_dec.state == DecodeState.FAILED
+    assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
+    assert bad_pre.state == PrefillState.FAILED and "rejected" in bad_pre.reason
+    assert good_dec.state == DecodeState.READY and good_dec.record.status == "verified"
+    assert good_pre.state == PrefillState.RELEASED
+    assert same_bytes(good_src, rig.d_pool, good_dec.pages)
+    assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
+    assert rig.metrics.value("kvfence_handoff_verified_total") == 1
+
+    rig.d_alloc.free(good)  # the decode scheduler would do this when the request finishes
+    for alloc in (rig.p_alloc, rig.d_alloc):
+        alloc.check()
+    assert (rig.p_alloc.num_free, rig.d_alloc.num_free) == (baseline_p, baseline_d)
+    assert rig.d_alloc.num_quarantined == 0
+    return good_pre
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])
