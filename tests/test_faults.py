@@ -49,31 +49,29 @@ class Rig:
             self.receiver = TcpReceiver(self.d_pool, faults=faults)
             self.sender = TcpSender(self.p_pool, tcfg, faults)
 
-    def prefill(self, rid: str, num_tokens: int, seed: int) -> tuple[list[int], list[int]]:
-        """Allocate prefill pages for `rid` and write its 'KV' (seeded random); returns (token ids, pages)."""
-        pages = self.p_alloc.allocate(rid, -(-num_tokens // LAYOUT.page_size))
-        g = torch.Generator().manual_seed(seed)
-        for layer in self.p_pool.tensors:
-            for t in layer.values():
-                t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
-        return [seed * 1000 + i for i in range(num_tokens)], pages
-
     def pair(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
-        """Prefill + decode handoffs for one request; also returns a snapshot of the source pages' bytes."""
-        ids, src_pages = self.prefill(rid, num_tokens, seed)
-        dec = DecodeHandoff(
-            Expectation(rid, num_tokens, token_hash(ids)), self.d_alloc, self.d_pool, self.receiver,
-            self.config, self.metrics,
-        )  # fmt: skip
-        dec.start()
-        pre = PrefillHandoff(
-            rid, ids, self.p_alloc, self.p_pool, self.sender, self.receiver.address, self.config, self.faults
-        )
-        return pre, dec, [self.p_pool.read_page(p) for p in src_pages]
+        return handoff_pair(self, rid, num_tokens, seed)
 
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()
+
+
+def handoff_pair(rig: Any, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
+    """Prefill + decode handoffs for one request on `rig` (p_alloc, p_pool, d_alloc, d_pool, sender, receiver,
+    config, metrics, faults); prefill's pages get seeded random 'KV'. Also returns a snapshot of their bytes."""
+    pages = rig.p_alloc.allocate(rid, -(-num_tokens // rig.p_pool.layout.page_size))
+    g = torch.Generator().manual_seed(seed)
+    for layer in rig.p_pool.tensors:
+        for t in layer.values():
+            t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
+    ids = [seed * 1000 + i for i in range(num_tokens)]
+    dec = DecodeHandoff(
+        Expectation(rid, num_tokens, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config, rig.metrics
+    )
+    dec.start()
+    pre = PrefillHandoff(rid, ids, rig.p_alloc, rig.p_pool, rig.sender, rig.receiver.address, rig.config, rig.faults)
+    return pre, dec, [rig.p_pool.read_page(p) for p in pages]
 
 
 def drive(*handoffs, until=None, timeout: float = 10.0) -> None:

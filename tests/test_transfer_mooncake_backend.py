@@ -39,7 +39,7 @@ from kvfence.transfer.mooncake_engine import (
     lane_queue_limit,
     mooncake_available,
 )
-from tests.test_faults import EXPECTED, check_fault_case, drive, same_bytes  # the fault matrix, shared
+from tests.test_faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
@@ -134,21 +134,7 @@ class Rig:
         seed_pool(self.d_pool, 99)
 
     def pair_of(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
-        pages = self.p_alloc.allocate(rid, -(-num_tokens // LAYOUT.page_size))
-        g = torch.Generator().manual_seed(seed)
-        for layer in self.p_pool.tensors:
-            for t in layer.values():
-                t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
-        ids = [seed * 1000 + i for i in range(num_tokens)]
-        dec = DecodeHandoff(
-            Expectation(rid, num_tokens, token_hash(ids)), self.d_alloc, self.d_pool, self.receiver,
-            self.config, self.metrics,
-        )  # fmt: skip
-        dec.start()
-        pre = PrefillHandoff(
-            rid, ids, self.p_alloc, self.p_pool, self.sender, self.receiver.address, self.config, self.faults
-        )
-        return pre, dec, [self.p_pool.read_page(p) for p in pages]
+        return handoff_pair(self, rid, num_tokens, seed)
 
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
