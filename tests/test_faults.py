@@ -175,7 +175,7 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: st
         drive(bad_pre, bad_dec, good_pre, good_dec)
 
         assert faults.fired["delayed_write_after_abort"] >= 1
-        assert bad_dec.released and not bad_dec.released_by_deadline  # released because the sender settled
+        assert bad_dec.released and not bad_dec.overdue  # released because the sender settled
         assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
         assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
         assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # strict: poisoned

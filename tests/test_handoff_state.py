@@ -122,17 +122,47 @@ def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
     receiver.close()
 
 
-def test_one_sided_receiver_keeps_quarantine_until_the_deadline_when_the_sender_never_settles() -> None:
-    _, d_pool, _, receiver, _, config = setup(one_sided=True, transfer_timeout_s=0.05, quarantine_timeout_s=0.3)
+def test_one_sided_slot_no_sender_ever_bound_settles_when_it_fails() -> None:
+    _, d_pool, _, receiver, _, config = setup(one_sided=True, transfer_timeout_s=0.05)
     d_alloc = PageAllocator(N)
     dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9))), d_alloc, d_pool, receiver, config)
     dec.start()
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    assert dec.record.reason == "timeout"
+    assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N  # no manifest: nobody can write
+    d_alloc.check()
+    receiver.close()
+
+
+def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() -> None:
+    """A one-sided sender that got the request bound may write at any time: no deadline frees its pages, only
+    its own word (last frame, or `fenced` on another connection) does."""
+    _, d_pool, p_pool, receiver, _, config = setup(one_sided=True, quarantine_timeout_s=0.3)
+    now = [0.0]
+    d_alloc = PageAllocator(N)
+    ids = list(range(9))
+    dec = DecodeHandoff(Expectation("r", 9, token_hash(ids)), d_alloc, d_pool, receiver, config, clock=lambda: now[0])
+    dec.start()
+    core, link = receiver.core, FakeLink()
+    core.on_frame(
+        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1, 2]).to_bytes()
+    )
+    assert dec.poll() == DecodeState.TRANSFERRING
+    dec.abort("client went away")
+    assert dec.state == DecodeState.ABORTED and not dec.released and d_alloc.num_quarantined == 3
+    now[0] += 3600.0  # an hour past the quarantine deadline
+    dec.poll()
+    assert dec.overdue and not dec.severed  # nothing to cut: the writes do not pass through the connection
     assert not dec.released and d_alloc.num_quarantined == 3 and d_alloc.num_free == N - 3
     other = d_alloc.allocate("other", N - 3)
     assert not set(other) & set(dec.quarantined)
-    wait_for(lambda: dec.poll() == DecodeState.FAILED and dec.released, timeout=3)
-    assert dec.released_by_deadline and d_alloc.num_quarantined == 0 and d_alloc.num_free == 3
+    d_alloc.free("other")
+    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": "y"})  # another transfer's fence: not ours
+    dec.poll()
+    assert not dec.released
+    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": "x"})  # on a new connection
+    dec.poll()
+    assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N
     d_alloc.check()
     receiver.close()
 

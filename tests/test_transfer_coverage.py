@@ -58,12 +58,13 @@ def test_verification_passes_iff_every_page_landed_exactly_once(num_tokens: int,
     m = build_manifest("r", "x", ids, SRC, src_pages)
     core = ReceiverCore(dst)
     slot = core.expect("r", dst_pages)
-    core.on_frame(_Link(), {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
+    link = _Link()  # every frame of a transfer comes on the connection its manifest came on
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
     payload = {i: SRC.read_page(p) for i, p in enumerate(src_pages)}
     payload[num_pages] = SRC.read_page(src_pages[0])
     for i in sends:
         core.receive_page("r", "x", i, LAYOUT.bytes_per_page, fill_from_bytes(payload[i]))
-    core.on_frame(_Link(), {"t": "done", "rid": "r", "xid": "x"})
+    core.on_frame(link, {"t": "done", "rid": "r", "xid": "x"})
     assert slot.status == SlotStatus.COMPLETE and slot.settled
 
     res = verify_handoff(m, Expectation("r", num_tokens, token_hash(ids)), LAYOUT, dst_pages, slot.coverage, dst)

@@ -165,7 +165,7 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -
 
     assert faults.fired["delayed_write_after_abort"] >= 1
     assert bad_pre.handle.pages_sent == 5  # the late writes really went out, into the quarantined pages
-    assert bad_dec.released and not bad_dec.released_by_deadline  # released by the sender's `aborted`
+    assert bad_dec.released and not bad_dec.overdue  # released by the sender's `aborted`
     assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
     assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
     assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # poisoned on release
@@ -213,7 +213,7 @@ def test_decode_abort_mid_transfer_stops_the_sender_and_settles(pair: Pair) -> N
     drive(pre, dec)
     assert pre.state == PrefillState.FAILED and pre.handle.status == SendStatus.ABORTED
     assert 2 <= pre.handle.pages_sent < 40  # stopped early
-    assert dec.released and not dec.released_by_deadline and dec.record.reason == "aborted"
+    assert dec.released and not dec.overdue and dec.record.reason == "aborted"
     for alloc in (rig.p_alloc, rig.d_alloc):
         alloc.check()
         assert alloc.num_free == NUM_PAGES
@@ -227,8 +227,29 @@ def test_prefill_abort_mid_transfer_fails_decode_cleanly(pair: Pair) -> None:
     pre.abort("prefill shutting down")
     drive(pre, dec)
     assert dec.state == DecodeState.ABORTED and "prefill aborted" in dec.record.detail
-    assert dec.released and not dec.released_by_deadline
+    assert dec.released and not dec.overdue
     assert pre.handle.pages_sent < 40 and pre.handle.status == SendStatus.ABORTED
+    for alloc in (rig.p_alloc, rig.d_alloc):
+        alloc.check()
+        assert alloc.num_free == NUM_PAGES
+
+
+def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences(pair: Pair) -> None:
+    """Decode loses the control connection after prefill got the page table. The pages stay quarantined (no
+    deadline is short enough to free them: quarantine 600 s) until the sender's thread has ended and it says
+    so with `fenced` over a new connection."""
+    rig = _slow_rig(pair)
+    rig.config = HandoffConfig(transfer_timeout_s=30, ack_timeout_s=30, quarantine_timeout_s=600)
+    pre, dec, _ = rig.pair_of("cut", 40 * LAYOUT.page_size, seed=8)
+    pre.send()
+    drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
+    dec.slot.link.sever()  # the control connection breaks; prefill's writer may be mid-write
+    drive(pre, dec, until=lambda: dec.state == DecodeState.FAILED)
+    assert dec.record.reason == "transfer_error" and "control connection" in dec.record.detail
+    drive(pre, dec)
+    assert pre.handle.sender_done and pre.handle.final_sent  # its `fenced` frame went out on a new connection
+    assert dec.released and not dec.overdue and dec.slot.sender_final and not dec.slot.link_closed
+    assert pre.handle.pages_sent < 40
     for alloc in (rig.p_alloc, rig.d_alloc):
         alloc.check()
         assert alloc.num_free == NUM_PAGES
@@ -246,8 +267,8 @@ def _read_frame(s: socket.socket) -> dict:
     return header
 
 
-def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_the_deadline(pair: Pair) -> None:
-    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=0.5))
+def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_the_sender_fences(pair: Pair) -> None:
+    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=0.3))
     ids = list(range(16))
     seed_pool(rig.p_pool, 8)
     for rid, get_table in (("lost-after", True), ("lost-before", False)):
@@ -264,17 +285,25 @@ def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_th
             else:  # a malformed manifest is refused, so no page table goes out
                 s.sendall(_frame({"t": "manifest", "rid": rid, "xid": "x"}, b"{not a manifest"))
                 assert _read_frame(s)["t"] == "error"
-        t0 = time.monotonic()
         drive(dec, until=lambda dec=dec: dec.state == DecodeState.FAILED)
         assert dec.record.reason == "transfer_error"
-        drive(dec)
-        waited = time.monotonic() - t0
-        if get_table:  # prefill knew where to write and may still be writing: only the deadline frees the pages
-            assert dec.released_by_deadline and waited >= 0.5
-        else:
-            assert dec.released and not dec.released_by_deadline
-        assert rig.d_alloc.num_free == NUM_PAGES
-        rig.d_alloc.check()
+        if not get_table:
+            drive(dec)
+            assert dec.released and not dec.overdue
+            continue
+        # prefill knew where to write and may still be writing: past the deadline the pages stay quarantined
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            dec.poll()
+            time.sleep(0.01)
+        assert dec.overdue and not dec.released and rig.d_alloc.num_quarantined == 2
+        with socket.create_connection(parse_address(rig.receiver.address)) as s:  # the sender, reconnected
+            assert _read_frame(s)["t"] == "hello"
+            s.sendall(_frame({"t": "fenced", "rid": rid, "xid": "x"}))
+            drive(dec, until=lambda dec=dec: dec.released)
+        assert rig.d_alloc.num_quarantined == 0
+    assert rig.d_alloc.num_free == NUM_PAGES
+    rig.d_alloc.check()
 
 
 def test_handoff_between_two_processes(pair: Pair) -> None:
@@ -369,7 +398,7 @@ def test_a_failed_mooncake_write_aborts_the_transfer_with_the_engine_error(
     assert "simulated" in pre.handle.reason and pre.handle.pages_sent == 1  # nothing after the failed chunk
     assert dec.state == DecodeState.ABORTED and "simulated" in dec.record.detail
     assert dec.slot.coverage.num_covered == 1  # the failed chunk's page was never marked
-    assert dec.released and not dec.released_by_deadline  # the sender's `abort` settles it: it stopped writing
+    assert dec.released and not dec.overdue  # the sender's `abort` settles it: it stopped writing
     assert rig.d_alloc.num_free == NUM_PAGES and rig.p_alloc.num_free == NUM_PAGES
 
 

@@ -43,10 +43,11 @@ class DecodeConfig:
     deadline_s: float = 60.0  # reserve -> verified (including waiting for pages and the first token)
     verify: bool = True  # False ONLY to demonstrate what the checks protect against
     strict: bool = False  # poison quarantined and released pages
+    io_timeout_s: float = 10.0  # a data connection that moves no byte this long in the middle of a frame is dropped
 
     def __post_init__(self) -> None:
         assert self.transport in ("tcp", "mooncake", "local"), self.transport
-        assert self.deadline_s > 0, self.deadline_s
+        assert self.deadline_s > 0 and self.io_timeout_s > 0, (self.deadline_s, self.io_timeout_s)
 
 
 class _EngineReservations:
@@ -127,11 +128,23 @@ class DecodeWorker:
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeReceiver
 
-                receiver = MooncakeReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
+                receiver = MooncakeReceiver(
+                    engine.pool,
+                    self.config.listen_host,
+                    self.config.listen_port,
+                    faults,
+                    io_timeout_s=self.config.io_timeout_s,
+                )
             else:
                 from kvfence.transfer.tcp import TcpReceiver
 
-                receiver = TcpReceiver(engine.pool, self.config.listen_host, self.config.listen_port, faults)
+                receiver = TcpReceiver(
+                    engine.pool,
+                    self.config.listen_host,
+                    self.config.listen_port,
+                    faults,
+                    io_timeout_s=self.config.io_timeout_s,
+                )
         self.receiver = receiver
         self.metrics = metrics if metrics is not None else IntegrityMetrics()
         self._pages = _EngineReservations(engine)
@@ -385,6 +398,7 @@ class DecodeWorker:
             "num_waiting": pool["num_waiting"] + len(self.queued),
             "handoffs_in_flight": len(self.incoming),
             "handoffs_quarantined": len(self.ending),
+            "handoffs_overdue": sum(h.overdue for h in self.ending.values()),  # a write could still land
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
         }
 

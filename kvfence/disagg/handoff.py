@@ -15,11 +15,16 @@ them (an illegal one raises), and what each side does on entering a state:
   registers them with its receiver, and admits the request only after
   `integrity.verify` passes. A FAILED or ABORTED request's pages go to the allocator's
   quarantine; they are released (and poisoned again in strict mode) only once the
-  receive slot is settled (no write of that transfer can still land) or the
-  quarantine deadline passed.
-- Prefill keeps its source pages until decode's verdict arrives, the send ended in an
-  error/abort and the send thread is done reading them, or the ack deadline passed;
-  then it frees them (poisoned first in strict mode).
+  receive slot is settled: no write of that transfer can still land. No deadline frees
+  a page. When the quarantine deadline passes with the slot still unsettled (a write
+  stuck mid-page), decode cuts the transfer's connection (`Receiver.sever`) so the
+  stuck write fails, and releases once it has ended. A one-sided transfer (Mooncake)
+  cannot be cut from decode: its pages stay quarantined (`overdue`, logged) until the
+  sender's last frame or its `fenced` frame says its writer is gone.
+- Prefill keeps its source pages until decode's verdict arrives or the send ended, and
+  in both cases only once the send thread has stopped reading them (`sender_done`);
+  then it frees them (poisoned first in strict mode). When the ack deadline passes with
+  the send thread still inside a write, prefill cuts its connection so the write fails.
 - Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8), counted in
   the `IntegrityMetrics` passed in.
 
@@ -32,6 +37,7 @@ the worker's business (`disagg.protocol`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +50,8 @@ from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_h
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
+
+logger = logging.getLogger(__name__)
 
 
 class IllegalTransition(RuntimeError):
@@ -89,7 +97,8 @@ PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 class HandoffConfig:
     transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
     ack_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
-    quarantine_timeout_s: float = 30.0  # decode: longest a failed request's pages wait for the sender to settle
+    quarantine_timeout_s: float = 30.0  # decode: how long a failed request's transfer may take to settle before
+    # decode cuts its connection (the pages stay quarantined until it has settled, however long that takes)
     verify: bool = True  # False only to demonstrate what an unverified handoff admits
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
@@ -140,7 +149,8 @@ class DecodeHandoff:
         self.result: VerifyResult | None = None
         self.quarantined: list[int] = []
         self.released = False  # quarantine over (or never needed)
-        self.released_by_deadline = False
+        self.overdue = False  # the quarantine deadline passed with a write still possible
+        self.severed = False  # ... and decode cut the transfer's connection to end it
         self._started_at = clock()
         self._failed_at: float | None = None
 
@@ -235,17 +245,29 @@ class DecodeHandoff:
         self._maybe_release(self._failed_at)
 
     def _maybe_release(self, now: float) -> None:
+        """Release the quarantine once no write can land (invariant 5); past the deadline, end a stuck write."""
         slot = self.slot
         assert slot is not None and self._failed_at is not None
-        by_deadline = now - self._failed_at > self.config.quarantine_timeout_s
-        if not (slot.settled or by_deadline):
+        if slot.settled:
+            if self.config.strict and self.quarantined:
+                self.pool.poison(self.quarantined)  # whatever landed late is wiped before reuse
+            self.allocator.release_quarantine(self.request_id)
+            self.receiver.forget(self.request_id)
+            self.released = True
             return
-        if self.config.strict and self.quarantined:
-            self.pool.poison(self.quarantined)  # whatever landed late is wiped before reuse
-        self.allocator.release_quarantine(self.request_id)
-        self.receiver.forget(self.request_id)
-        self.released = True
-        self.released_by_deadline = by_deadline and not slot.settled
+        if not self.overdue and now - self._failed_at > self.config.quarantine_timeout_s:
+            self.overdue = True
+            self.severed = self.receiver.sever(self.request_id)
+            logger.warning(
+                "decode: request %s: transfer %s not settled %.0fs after it ended (%d page write(s) in progress); "
+                "%s; its %d page(s) stay quarantined until no write can land",
+                self.request_id,
+                slot.transfer_id,
+                self.config.quarantine_timeout_s,
+                slot.writing,
+                "cut its connection" if self.severed else "its writer cannot be cut from here (waiting for the sender)",
+                len(self.quarantined),
+            )
 
     def _emit(self, result: VerifyResult, verify_s: float | None) -> None:
         slot = self.slot
@@ -300,6 +322,7 @@ class PrefillHandoff:
         self.handle: SendHandle | None = None
         self.reason = ""
         self.released = False
+        self.severed = False  # the ack deadline passed with the send thread still running: its connection was cut
         self.released_pages: list[int] = []
         self._send_deadline = float("inf")
         self._ack_deadline: float | None = None
@@ -364,9 +387,11 @@ class PrefillHandoff:
             elif self._ack_deadline is not None and now > self._ack_deadline:
                 self._fail(f"no verdict from decode within {self.config.ack_timeout_s}s")
         if self.state in (_P.RELEASED, _P.FAILED) and not self.released:
-            done_reading = h is None or h.sender_done
-            if done_reading or (self._ack_deadline is not None and now > self._ack_deadline):
+            if h is None or h.sender_done:  # no thread reads the source pages any more
                 self._release()
+            elif not self.severed and self._ack_deadline is not None and now > self._ack_deadline:
+                h.abort("ack deadline passed")
+                self.severed = h.sever()  # a send blocked on a stalled connection fails; then we release
         return self.state
 
     def _fail(self, reason: str) -> None:

@@ -210,6 +210,12 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long (default 300)"
     )
+    g.add_argument(
+        "--kv-io-timeout-s",
+        type=float,
+        default=10.0,
+        help="KV data connections: drop one that moves no byte this long in the middle of a frame (default 10)",
+    )
     g.add_argument("--strict-kv", action="store_true", help="poison KV pages when they are quarantined or freed")
     g.add_argument(
         "--no-verify",
@@ -344,6 +350,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
     from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.transfer.base import TransferConfig
 
     engine = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
     faults = parse_faults(args.inject_fault)
@@ -354,7 +361,12 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         settings={"model_dir": model_dir, "transport": args.transport, "verify": not args.no_verify},
     )
     if args.role == "prefill":
-        config = PrefillConfig(transport=args.transport, deadline_s=args.handoff_deadline_s, strict=args.strict_kv)
+        config = PrefillConfig(
+            transport=args.transport,
+            deadline_s=args.handoff_deadline_s,
+            strict=args.strict_kv,
+            transfer=TransferConfig(io_timeout_s=args.kv_io_timeout_s),
+        )
         if args.throttle_kv_send:
             if args.transport != "tcp":
                 raise KvfenceError("--throttle-kv-send works with --transfer-backend tcp only")
@@ -374,6 +386,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             deadline_s=args.handoff_deadline_s,
             verify=not args.no_verify,
             strict=args.strict_kv,
+            io_timeout_s=args.kv_io_timeout_s,
         ),
         faults=faults,
     )
@@ -403,7 +416,8 @@ def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
                 conn.send, conn.throttled = send, True  # type: ignore[method-assign]
             return conn
 
-    return SlowTcpSender(pool, TransferConfig(max_transfer_pages=1), parse_faults(args.inject_fault))
+    config = TransferConfig(max_transfer_pages=1, io_timeout_s=args.kv_io_timeout_s)
+    return SlowTcpSender(pool, config, parse_faults(args.inject_fault))
 
 
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
@@ -536,6 +550,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--router-timeout-s", args.router_timeout_s),
         ("--reconnect-timeout-s", args.reconnect_timeout_s),
         ("--torch-threads", args.torch_threads),
+        ("--kv-io-timeout-s", args.kv_io_timeout_s),
     ):
         if value is not None:
             common += [flag, str(value)]

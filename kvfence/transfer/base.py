@@ -10,6 +10,8 @@ move (`PageMover`) and how frames travel (`Link`):
                          done      {rid, xid, pages}       last frame of a complete transfer
                          abort     {rid, xid, reason}      last frame of a transfer prefill gave up
                          aborted   {rid, xid}              last frame after decode asked to abort
+                         fenced    {rid, xid}              on any connection: the transfer's writer is gone
+                                                           (a one-sided sender whose last frame was lost)
     receiver -> sender   chunk_ack {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
                          verdict   {rid, xid, ok, reason}  decode verified (or rejected) the pages
                          abort     {rid, xid, reason}      decode gave up: stop sending
@@ -23,13 +25,18 @@ move (`PageMover`) and how frames travel (`Link`):
 - The sender sends at most `max_transfer_pages` pages per chunk and keeps at most
   `max_inflight_bytes` un-acknowledged (a single chunk larger than the bound is sent
   alone), so one transfer cannot flood the receiver (invariant 7).
-- A receive slot is `settled` once no write from this transfer can land any more: the
-  sender's last frame arrived, the connection closed, or decode closed the slot, the
+- A receive slot is `settled` once no write from this transfer can land any more: no page
+  write is in progress (`writing == 0`) and either the sender's last frame arrived, the
+  connection closed (its reader thread has exited), or decode closed the slot and the
   transport is two-sided (every write passes through `ReceiverCore.receive_page`, which
-  drops writes to a closed slot and counts the ones in progress) and no write is in
-  progress. A one-sided transport (RDMA, Mooncake) sets `one_sided=True`: there a closed
-  slot is settled only by the sender's last frame, the connection closing, or the
-  quarantine deadline in `disagg.handoff`.
+  drops writes to a closed slot and counts the ones in progress). A one-sided transport
+  (RDMA, Mooncake) sets `one_sided=True`: there a closed slot is settled only by the
+  sender's last frame or its `fenced` frame (the sender's word, on any connection, that
+  its writer for this transfer is gone). No deadline ever settles a slot: a writer that
+  is stuck mid-page is cut off (`ReceiverCore.sever` shuts its connection down, so the
+  blocked read fails and the write ends) and the slot settles when its write has ended.
+- Page frames count only on the connection the transfer's manifest came in on; a page for
+  the same transfer arriving on another connection is discarded.
 
 What it does not know: sockets (`transfer.tcp`) or queues (`transfer.local`), whether
 the landed pages are right (`integrity.verify`), or what to do with an ending
@@ -69,17 +76,30 @@ class TransferConfig:
     max_inflight_bytes: int = 64 << 20  # bytes sent but not yet acknowledged by the receiver
     send_timeout_s: float = 30.0  # the whole send (manifest to last frame)
     connect_timeout_s: float = 5.0
+    io_timeout_s: float = 10.0  # a socket that moves no byte for this long in the middle of a frame is dropped
 
     def __post_init__(self) -> None:
         assert self.max_transfer_pages > 0, self.max_transfer_pages
         assert self.max_inflight_bytes > 0, self.max_inflight_bytes
-        assert self.send_timeout_s > 0 and self.connect_timeout_s > 0
+        assert self.send_timeout_s > 0 and self.connect_timeout_s > 0 and self.io_timeout_s > 0
 
 
 class Link(Protocol):
-    """One direction of a connection: sends one frame (header + payload pieces) atomically."""
+    """One direction of a connection: sends one frame (header + payload pieces) atomically.
+
+    A link may also have `sever()`: shut the connection down at once, from any thread, so that a
+    read or write blocked on it fails (TCP). `ReceiverCore.sever` and `SendHandle.sever` use it."""
 
     def send(self, header: Header, payload: Payload = ()) -> None: ...
+
+
+def sever_link(link: object) -> bool:
+    """Shut `link` down if it can be; True when it could (see `Link`)."""
+    sever = getattr(link, "sever", None)
+    if sever is None:
+        return False
+    sever()
+    return True
 
 
 # -- receiver side ------------------------------------------------------------------------------------------
@@ -118,9 +138,12 @@ class ReceiveSlot:
     @property
     def settled(self) -> bool:
         """No write of this transfer can land in `dest_pages` any more."""
+        if self.writing:  # a transport thread holds views into a destination page right now
+            return False
         if self.sender_final or self.link_closed:
             return True
-        return self.closed and not self.one_sided and self.writing == 0
+        # one-sided: once a manifest bound a sender (`link`), it may know where to write without us
+        return self.closed and (not self.one_sided or self.link is None)
 
 
 class ReceiverCore:
@@ -162,6 +185,16 @@ class ReceiverCore:
     def slot(self, request_id: str) -> ReceiveSlot | None:
         return self._slots.get(request_id)
 
+    def sever(self, request_id: str) -> bool:
+        """Cut the connection carrying `request_id`'s transfer, so a write stuck in the middle of a page fails
+        and the slot can settle; True when there was a connection that could be cut. Every transfer on that
+        connection fails with it (a connection stalled mid-frame carries nothing else anyway). A one-sided
+        transfer is not cut: its writes do not pass through the connection, so cutting it proves nothing."""
+        slot = self._slots.get(request_id)
+        if slot is None or slot.one_sided or slot.link is None or slot.link_closed:
+            return False
+        return sever_link(slot.link)
+
     def _close(self, request_id: str, header: Header) -> None:
         slot = self._slots.get(request_id)
         if slot is None:
@@ -185,6 +218,15 @@ class ReceiverCore:
             self._on_manifest(link, slot, rid, xid, payload)
             return
         if slot is None or slot.transfer_id != xid:
+            return
+        if kind == "fenced":  # the sender's writer for this transfer is gone (sent on any connection)
+            with slot.lock:
+                slot.sender_final = True
+                if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
+                    slot.status = SlotStatus.ERROR
+                    slot.error = "the sender fenced the transfer before it completed"
+            return
+        if link is not slot.link:  # the transfer's frames come on the connection its manifest came on
             return
         with slot.lock:
             if kind == "done":
@@ -229,12 +271,19 @@ class ReceiverCore:
             link.send(reply)
 
     def receive_page(
-        self, rid: str, xid: str, index: int, nbytes: int, fill: Callable[[list[memoryview] | None, int], None]
+        self,
+        rid: str,
+        xid: str,
+        index: int,
+        nbytes: int,
+        fill: Callable[[list[memoryview] | None, int], None],
+        link: Link | None = None,
     ) -> None:
         """Land one page: `fill(views, nbytes)` must consume exactly `nbytes` of input, writing into
-        `views` (the destination page, logical order) or discarding when `views` is None."""
+        `views` (the destination page, logical order) or discarding when `views` is None. Transports pass
+        the `link` the page came on: a page from any other connection than the manifest's is discarded."""
         slot = self._slots.get(rid)
-        if slot is None or slot.transfer_id != xid:
+        if slot is None or slot.transfer_id != xid or (link is not None and link is not slot.link):
             fill(None, nbytes)
             return
         with slot.lock:
@@ -322,6 +371,9 @@ class SendHandle:
         self.chunks_sent = 0
         self.max_chunk_pages = 0
         self.sender_done = False  # the send thread exited: no more reads of the source pages
+        self.final_sent = False  # the transfer's last frame (done/abort/aborted) reached the connection
+        self.link: Link | None = None  # the connection carrying the transfer, once connected
+        self.address = ""  # the receiver's address
         self.local_abort: str | None = None
         self.remote_abort: str | None = None
         self.started_at = time.monotonic()
@@ -339,6 +391,11 @@ class SendHandle:
             if self.local_abort is None:
                 self.local_abort = reason
             self._cond.notify_all()
+
+    def sever(self) -> bool:
+        """Cut the connection this transfer runs on, so a send thread blocked writing to it fails and stops
+        reading the source pages; True when there was a connection that could be cut (`sever_link`)."""
+        return self.link is not None and sever_link(self.link)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until `finished` (tests and benchmarks; workers poll)."""
@@ -554,10 +611,12 @@ def run_send(
             handle.pages_sent += len(chunk)
             handle.bytes_sent += nbytes
         link.send(_last_frame(handle))
+        handle.final_sent = True
     except KvfenceError as e:  # the mover failed (a refused write, a peer it cannot write to)
         handle._set(SendStatus.ERROR, str(e))
         try:
             link.send({"t": "abort", "rid": rid, "xid": xid, "reason": str(e)})
+            handle.final_sent = True
         except OSError:
             pass
     except OSError as e:
@@ -596,6 +655,7 @@ class Receiver(Protocol):
     def abort(self, request_id: str, reason: str) -> None: ...
     def verdict(self, request_id: str, ok: bool, reason: str = "") -> None: ...
     def forget(self, request_id: str) -> None: ...
+    def sever(self, request_id: str) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -622,6 +682,9 @@ class ReceiverBase:
 
     def forget(self, request_id: str) -> None:
         self.core.forget(request_id)
+
+    def sever(self, request_id: str) -> bool:
+        return self.core.sever(request_id)
 
 
 class SenderLink(Link, Protocol):
@@ -654,6 +717,7 @@ class SenderBase:
 
     def send(self, address: str, manifest: HandoffManifest, src_pages: Sequence[int]) -> SendHandle:
         handle = self._new_handle(manifest)
+        handle.address = address
         self.core.add(handle)
         try:
             link = self._connect(address)
@@ -664,6 +728,7 @@ class SenderBase:
                 handle._cond.notify_all()
             return handle
         link.handles = [h for h in link.handles if not (h.finished and h.sender_done)] + [handle]
+        handle.link = link
         threading.Thread(
             target=self._transfer,
             args=(link, handle, list(src_pages)),

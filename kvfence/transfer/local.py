@@ -116,7 +116,7 @@ class LocalReceiver(ReceiverBase):
                 off = 0
                 for idx, nb in zip(header["idx"], header["nb"], strict=True):
                     self.core.receive_page(
-                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb])
+                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb]), reply
                     )
                     off += nb
                 if not reply.closed:

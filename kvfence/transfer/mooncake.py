@@ -24,7 +24,12 @@ link is a TCP connection with the framing of `transfer.tcp`; on it travel the fr
 - The receiver core is `one_sided=True`: once decode closed a slot, writes may still land until the sender's
   last frame (`done`/`abort`/`aborted`) arrives. A control connection that closes after `dest` went out does
   not settle the slot either (the sender may still be inside a write): the request fails and its pages stay
-  quarantined until `disagg.handoff`'s quarantine deadline. Closing a `MooncakeSender` aborts its transfers
+  quarantined, past any deadline, until the sender's writer is provably gone. The sender proves it: when its
+  send thread ended without its last frame reaching decode, it reconnects and sends
+
+      sender -> receiver   fenced  {rid, xid}   this transfer's writer has stopped: nothing more will land
+
+  which settles the slot whatever connection it comes on. Closing a `MooncakeSender` aborts its transfers
   and waits for their last frames first, so a clean shutdown settles at once.
 - Fault hooks sit where `transfer.base.run_send` and `ReceiverCore.receive_page` put them: drop_page,
   reorder_pages, corrupt_byte (the flipped page is written from a registered staging buffer), short_write
@@ -121,6 +126,7 @@ class MooncakeReceiver(TcpReceiver):
         faults: FaultInjector | None = None,
         hostname: str | None = None,
         protocol: str = "tcp",
+        io_timeout_s: float = 10.0,
     ) -> None:
         """`host`/`port`: the control listener; `hostname`: the address prefill's engine writes to (default host)."""
         self.endpoint = _open_endpoint(hostname or host, protocol)
@@ -134,7 +140,7 @@ class MooncakeReceiver(TcpReceiver):
                 "bases": [[b.addr, b.page_nbytes] for b in pool_buffer_bases(pool)],
                 "regions": [[r.addr, r.nbytes] for r in regions],
             }
-            super().__init__(pool, host, port, faults, one_sided=True)  # starts accepting: everything is set
+            super().__init__(pool, host, port, faults, one_sided=True, io_timeout_s=io_timeout_s)  # starts accepting
         except BaseException:
             self.endpoint.close()
             raise
@@ -193,7 +199,7 @@ class MooncakeReceiver(TcpReceiver):
         if plen or len(idx) != len(sizes) or any(not 0 <= nb <= bpp for nb in sizes):
             raise ValueError(f"malformed pages notice: {len(idx)} pages, sizes {sizes[:4]}..., payload {plen}")
         for i, nb in zip(idx, sizes, strict=True):
-            self.core.receive_page(rid, xid, i, nb, self._fill(rid, xid, i))
+            self.core.receive_page(rid, xid, i, nb, self._fill(rid, xid, i), conn)
         conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": sum(sizes)})
 
     def _fill(self, rid: str, xid: str, index: int) -> Callable[[list[memoryview] | None, int], None]:
@@ -362,9 +368,27 @@ class MooncakeSender(TcpSender):
 
     # -- one transfer ------------------------------------------------------------------------------------------
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
-        """`transfer.base.run_send` (same bounds, fault hooks and last frames) with one-sided page writes."""
+        """`transfer.base.run_send` (same bounds, fault hooks and last frames) with one-sided page writes; when
+        the last frame could not reach decode after it sent its page table, `_fence` tells it another way."""
         assert isinstance(link, _SenderConn) and isinstance(handle, MooncakeSendHandle)
         run_send(link, handle, self.pool, src_pages, self.config, self.faults, _OneSidedWrites(self, link, handle))
+        if not handle.final_sent and handle.dest_pages is not None:
+            self._fence(handle)
+
+    def _fence(self, handle: MooncakeSendHandle) -> None:
+        """Decode keeps the pages of a transfer it gave us a page table for quarantined until our last frame: a
+        one-sided write may still land. Our send thread has ended, so no write of ours can come any more; say
+        so with a `fenced` frame over a new control connection, retrying until it goes out or we close."""
+        frame = {"t": "fenced", "rid": handle.request_id, "xid": handle.transfer_id}
+        wait = 0.2
+        while not self.closed:
+            try:
+                self._connect(handle.address).send(frame)
+                handle.final_sent = True
+                return
+            except (OSError, ValueError):
+                time.sleep(wait)
+                wait = min(wait * 2, 5.0)
 
     def _write_chunk(
         self,

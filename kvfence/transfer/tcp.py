@@ -89,12 +89,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 class _Conn:
-    """One socket; `send` writes one whole frame under a lock (frames of concurrent transfers interleave)."""
+    """One socket; `send` writes one whole frame under a lock (frames of concurrent transfers interleave).
+
+    The socket carries a timeout (`io_timeout_s`): a read or write that moves no byte for that long in the
+    middle of a frame fails and the connection is dropped. Between frames a connection may idle as long as
+    it likes (`read_frame_header` waits through timeouts until a frame starts)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._wlock = threading.Lock()
         self.closed = False
+        self.severed = False
         self.handles: list[SendHandle] = []
 
     def send(self, header: Header, payload: Payload = ()) -> None:
@@ -102,17 +107,43 @@ class _Conn:
         hb = json.dumps(header, separators=(",", ":")).encode()
         prefix = _PREFIX.pack(len(hb), sum(len(v) for v in views))
         with self._wlock:
-            if self.closed:
+            if self.closed or self.severed:
                 raise ConnectionResetError("connection closed")
-            _sendmsg_all(self.sock, [memoryview(prefix), memoryview(hb), *views])
+            try:
+                _sendmsg_all(self.sock, [memoryview(prefix), memoryview(hb), *views])
+            except OSError:
+                self.sever()  # part of a frame may have gone out: nothing after it could be parsed
+                raise
 
     def read_frame_header(self) -> tuple[Header, int] | None:
-        try:
-            prefix = _recv_exact(self.sock, _PREFIX.size)
-        except (ConnectionError, OSError):
+        """The next frame's header and payload length; None when the connection ended between frames."""
+        prefix = bytearray(_PREFIX.size)
+        view = memoryview(prefix)
+        while True:
+            try:
+                n = self.sock.recv_into(view)
+            except TimeoutError:  # idle between frames: fine, unless we were told to stop
+                if self.closed or self.severed:
+                    return None
+                continue
+            except OSError:
+                return None
+            break
+        if n == 0:
             return None
+        if n < len(prefix):  # a frame has started: the rest must come within the timeout
+            _recvmsg_all(self.sock, [view[n:]])
         hlen, plen = _PREFIX.unpack(prefix)
         return json.loads(bytes(_recv_exact(self.sock, hlen))), plen
+
+    def sever(self) -> None:
+        """Shut the socket down (from any thread): a read or write blocked on it fails at once. The thread
+        that owns the connection closes it when it sees the failure."""
+        self.severed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self.closed:
@@ -145,8 +176,11 @@ class TcpReceiver(ReceiverBase):
         port: int = 0,
         faults: FaultInjector | None = None,
         one_sided: bool = False,
+        io_timeout_s: float = 10.0,
     ) -> None:
+        assert io_timeout_s > 0, io_timeout_s
         self.core = ReceiverCore(pool, faults, one_sided)
+        self.io_timeout_s = io_timeout_s
         self._listener = socket.create_server((host, port))
         self.address = f"{self._scheme}{host}:{self._listener.getsockname()[1]}"
         self._conns: list[_Conn] = []
@@ -165,6 +199,7 @@ class TcpReceiver(ReceiverBase):
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.io_timeout_s)  # a sender stalled mid-frame is dropped, never waited on forever
             conn = _Conn(sock)
             with self._lock:
                 self._conns.append(conn)
@@ -217,7 +252,7 @@ class TcpReceiver(ReceiverBase):
                 if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
                     raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
                 for idx, nb in zip(header["idx"], sizes, strict=True):
-                    self.core.receive_page(rid, xid, int(idx), int(nb), fill)
+                    self.core.receive_page(rid, xid, int(idx), int(nb), fill, conn)
                 conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
             else:
                 self.core.on_frame(conn, header, _read_control_payload(conn, header, plen))
@@ -272,10 +307,10 @@ class TcpSender(SenderBase):
     def _connect(self, address: str) -> _Conn:
         with self._lock:
             conn = self._conns.get(address)
-            if conn is not None and not conn.closed:
+            if conn is not None and not conn.closed and not conn.severed:
                 return conn
             sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
-            sock.settimeout(None)
+            sock.settimeout(self.config.io_timeout_s)  # a decode that stops reading fails the send, never hangs it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self._new_conn(sock)
             self._conns[address] = conn

@@ -1,0 +1,240 @@
+"""No page goes back to a free list while any transport thread could still write into it or read from it.
+
+The attack: a prefill whose data connection stalls in the middle of a page (a partition, a SIGSTOP'd
+process later resumed) while the deadlines run out. Decode must not hand the pages to another request
+until the stuck write has provably ended; prefill must not reuse source pages a blocked send still reads.
+Every test here runs the real TCP transport threads and sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+import torch
+
+from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig, PrefillHandoff, PrefillState
+from kvfence.integrity.digest import token_hash
+from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.verify import Expectation
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.layout import KVBufferSpec, KVLayout
+from kvfence.kv.pool import KVPool
+from kvfence.transfer.base import SendStatus, SlotStatus, TransferConfig
+from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
+
+LAYOUT = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float32)
+BPP = LAYOUT.bytes_per_page
+
+
+def seeded_pool(num_pages: int, seed: int, layout: KVLayout = LAYOUT) -> KVPool:
+    pool = KVPool(layout, num_pages)
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.tensors:
+        for t in layer.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return pool
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.002)
+
+
+def frame(header: dict, payload: bytes = b"", payload_len: int | None = None) -> bytes:
+    """A frame in the TCP transport's wire format; `payload_len` may announce more than `payload` carries."""
+    hb = json.dumps(header).encode()
+    return struct.pack("<II", len(hb), len(payload) if payload_len is None else payload_len) + hb + payload
+
+
+class StalledPrefill:
+    """A prefill that sends its manifest, then half of page 0, then stops sending (but stays connected)."""
+
+    def __init__(self, address: str, rid: str, ids: list[int], src: KVPool) -> None:
+        self.rid = rid
+        self.page = src.read_page(0)
+        self.sock = socket.create_connection(parse_address(address))
+        manifest = build_manifest(rid, "x", ids, src, list(range(-(-len(ids) // LAYOUT.page_size))))
+        self.sock.sendall(frame({"t": "manifest", "rid": rid, "xid": "x"}, manifest.to_bytes()))
+        pages = {"t": "pages", "rid": rid, "xid": "x", "seq": 0, "idx": [0], "nb": [BPP]}
+        self.sock.sendall(frame(pages, self.page[: BPP // 2], payload_len=BPP))
+
+    def resume(self) -> None:
+        """The stalled process wakes up and sends the rest of its page and its `done`."""
+        try:
+            self.sock.sendall(self.page[BPP // 2 :] + frame({"t": "done", "rid": self.rid, "xid": "x", "pages": 2}))
+        except OSError:
+            pass  # decode cut the connection: nothing of it can land
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def send_and_verify(rid: str, ids: list[int], src: KVPool, receiver: TcpReceiver, dec: DecodeHandoff) -> None:
+    alloc = PageAllocator(src.num_pages)
+    alloc.allocate(rid, dec.num_pages)
+    sender = TcpSender(src)
+    pre = PrefillHandoff(rid, ids, alloc, src, sender, receiver.address, HandoffConfig())
+    pre.send()
+    wait_for(lambda: dec.poll() == DecodeState.READY and pre.poll() == PrefillState.RELEASED)
+    sender.close()
+
+
+def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_owners_pages() -> None:
+    d_pool, d_alloc = KVPool(LAYOUT, 2), PageAllocator(2)  # two pages: the next request must reuse them
+    receiver = TcpReceiver(d_pool, io_timeout_s=600)  # the socket timeout stays out of it: only deadlines act
+    now = [0.0]
+    config = HandoffConfig(transfer_timeout_s=1, ack_timeout_s=1, quarantine_timeout_s=1)
+    ids_a = list(range(8))
+    dec_a = DecodeHandoff(
+        Expectation("a", 8, token_hash(ids_a)), d_alloc, d_pool, receiver, config, clock=lambda: now[0]
+    )
+    pages_a = dec_a.start()
+    stalled = StalledPrefill(receiver.address, "a", ids_a, seeded_pool(2, seed=1))
+    wait_for(lambda: receiver.core.slot("a").writing == 1)  # the receiver thread is inside page 0's write
+
+    now[0] += 2  # the transfer deadline passes: request a fails
+    assert dec_a.poll() == DecodeState.FAILED and dec_a.record.reason == "timeout"
+    assert not dec_a.released and d_alloc.num_quarantined == 2  # a write is in progress: nothing is freed
+    now[0] += 2  # the quarantine deadline passes: decode cuts the stalled connection, never frees by clock
+    dec_a.poll()
+    assert dec_a.overdue and dec_a.severed
+    wait_for(lambda: dec_a.poll() == DecodeState.FAILED and dec_a.released)  # once the stuck write has failed
+    assert receiver.core.slot("a") is None and d_alloc.num_free == 2
+
+    ids_b = list(range(100, 108))
+    dec_b = DecodeHandoff(Expectation("b", 8, token_hash(ids_b)), d_alloc, d_pool, receiver, HandoffConfig())
+    assert sorted(dec_b.start()) == sorted(pages_a)  # the very pages the stalled write was aimed at
+    send_and_verify("b", ids_b, seeded_pool(2, seed=2), receiver, dec_b)
+    verified = [d_pool.read_page(p) for p in dec_b.pages]
+
+    stalled.resume()
+    time.sleep(0.3)
+    assert [d_pool.read_page(p) for p in dec_b.pages] == verified, "a late write changed verified pages"
+    d_alloc.check()
+    stalled.close()
+    receiver.close()
+
+
+def test_a_receiver_drops_a_connection_that_stalls_mid_frame_without_waiting_for_any_deadline() -> None:
+    d_pool, d_alloc = KVPool(LAYOUT, 4), PageAllocator(4)
+    receiver = TcpReceiver(d_pool, io_timeout_s=0.3)
+    ids = list(range(8))
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec.start()
+    stalled = StalledPrefill(receiver.address, "r", ids, seeded_pool(2, seed=1))
+    wait_for(lambda: dec.poll() == DecodeState.FAILED, timeout=5)
+    assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
+    assert dec.released and d_alloc.num_free == 4 and not dec.overdue
+    stalled.close()
+    receiver.close()
+
+
+def test_idle_connections_survive_the_socket_timeout_between_frames() -> None:
+    d_pool, d_alloc = KVPool(LAYOUT, 4), PageAllocator(4)
+    receiver = TcpReceiver(d_pool, io_timeout_s=0.2)
+    src = seeded_pool(4, seed=3)
+    sender = TcpSender(src, TransferConfig(io_timeout_s=0.2))
+    for n, rid in enumerate(("first", "second")):  # the second transfer reuses the connection after idling
+        if n:
+            time.sleep(0.6)
+        ids = list(range(n, n + 8))
+        dec = DecodeHandoff(Expectation(rid, 8, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+        dec.start()
+        p_alloc = PageAllocator(4)
+        p_alloc.allocate(rid, 2)
+        pre = PrefillHandoff(rid, ids, p_alloc, src, sender, receiver.address, HandoffConfig())
+        pre.send()
+        wait_for(lambda dec=dec, pre=pre: dec.poll() == DecodeState.READY and pre.poll() == PrefillState.RELEASED)
+        d_alloc.free(rid)
+    assert len(sender._conns) == 1 and not next(iter(sender._conns.values())).closed
+    sender.close()
+    receiver.close()
+
+
+def test_pages_of_a_transfer_arriving_on_another_connection_are_discarded() -> None:
+    d_pool, d_alloc = KVPool(LAYOUT, 4), PageAllocator(4)
+    receiver = TcpReceiver(d_pool)
+    src = seeded_pool(2, seed=4)
+    ids = list(range(8))
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dest = dec.start()
+    before = d_pool.read_page(dest[0])
+    owner = socket.create_connection(parse_address(receiver.address))
+    owner.sendall(
+        frame({"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, src, [0, 1]).to_bytes())
+    )
+    wait_for(lambda: receiver.core.slot("r").status == SlotStatus.RECEIVING)
+    intruder = socket.create_connection(parse_address(receiver.address))
+    pages = {"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0], "nb": [BPP]}
+    intruder.sendall(frame(pages, src.read_page(0)) + frame({"t": "done", "rid": "r", "xid": "x", "pages": 1}))
+    intruder.recv(1 << 16)  # its chunk_ack: the frame was read (and dropped)
+    slot = receiver.core.slot("r")
+    assert slot.coverage.num_covered == 0 and slot.status == SlotStatus.RECEIVING and not slot.sender_final
+    assert d_pool.read_page(dest[0]) == before
+    for s in (owner, intruder):
+        s.close()
+    receiver.close()
+
+
+class Blackhole:
+    """A listener that accepts and never reads: a decode that stopped (SIGSTOP) with its socket open."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.conns: list[socket.socket] = []
+
+    def accept(self) -> None:
+        self.listener.settimeout(5)
+        self.conns.append(self.listener.accept()[0])
+
+    def close(self) -> None:
+        for s in [*self.conns, self.listener]:
+            s.close()
+
+
+BIG = KVLayout("LlamaForCausalLM", 4, (KVBufferSpec("k", (8, 64)), KVBufferSpec("v", (8, 64))), 16, torch.float32)
+
+
+def test_prefill_keeps_source_pages_while_a_blocked_send_still_reads_them_then_cuts_it_at_the_ack_deadline() -> None:
+    src = seeded_pool(64, seed=5, layout=BIG)  # 64 pages of 256 KiB: far more than the socket buffers hold
+    alloc = PageAllocator(64)
+    alloc.allocate("r", 64)
+    hole = Blackhole()
+    sender = TcpSender(src, TransferConfig(max_transfer_pages=64, max_inflight_bytes=1 << 40, io_timeout_s=600))
+    now = [0.0]
+    config = HandoffConfig(transfer_timeout_s=1, ack_timeout_s=1)
+    pre = PrefillHandoff("r", list(range(64 * 16)), alloc, src, sender, hole.address, config, clock=lambda: now[0])
+    handle = pre.send()
+    hole.accept()
+    time.sleep(0.3)
+    assert handle.status == SendStatus.SENDING and not handle.sender_done  # blocked inside sendmsg
+    for _ in range(3):  # send deadline, then ack deadline: the send thread is still reading the pages
+        now[0] += 1.5
+        pre.poll()
+        assert pre.state == PrefillState.FAILED
+        assert not pre.released or handle.sender_done, "source pages freed while a send still reads them"
+    assert pre.severed
+    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
+    assert handle.sender_done and alloc.num_free == 64
+    alloc.check()
+    sender.close()
+    hole.close()
+
+
+def test_a_sender_whose_peer_stops_reading_fails_on_the_socket_timeout() -> None:
+    src = seeded_pool(64, seed=6, layout=BIG)
+    hole = Blackhole()
+    sender = TcpSender(src, TransferConfig(max_transfer_pages=64, max_inflight_bytes=1 << 40, io_timeout_s=0.3))
+    handle = sender.send(hole.address, build_manifest("r", "x", list(range(64 * 16)), src, list(range(64))), range(64))
+    hole.accept()
+    assert handle.wait_sender_done(timeout=10)
+    assert handle.status == SendStatus.ERROR and "timed out" in handle.reason
+    sender.close()
+    hole.close()
