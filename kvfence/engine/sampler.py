@@ -40,7 +40,7 @@ class Sampler:
         M, V = logits.shape
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         scaled = logits.float() / temps[:, None]  # [M, V]
-        sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)  # [M, V] each
+        sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True, stable=True)  # [M, V]; ties by token id
         top_k = [p.top_k if p.top_k > 0 else V for p in params]
         if any(k < V for k in top_k):
             ks = torch.tensor(top_k)

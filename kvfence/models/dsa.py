@@ -8,6 +8,13 @@ context key it may see as sum_h w_h * relu(q_h . k / sqrt(d)), keep the
 `index_topk` highest, and let attention see only those. A query with at most
 `index_topk` visible keys sees all of them.
 
+Selection is batch-invariant: keys often score exactly equal (relu makes whole
+rows 0.0), and `torch.topk` breaks such ties by an order that depends on the
+row's length, i.e. on how far the batch is padded (transformers' reference
+indexer calls `topk` and so inherits this). Here ties go to the earlier key
+position (a stable sort), and a key the query may not see is never selected,
+so a request picks the same keys alone, in any batch, and in any chunking.
+
 What it does not know: the attention itself (`models.mla`), nor which layers run an
 indexer: on GLM-5 "shared" layers reuse the selection of the last "full" layer
 (the model passes it along).
@@ -22,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfence.engine.forward_batch import ForwardBatch
-from kvfence.models.attention import store_kv
+from kvfence.models.attention import gather_context, store_kv
 from kvfence.models.linear import Linear
 from kvfence.models.mla import RopeTable, apply_rope
 
@@ -65,13 +72,21 @@ class Indexer(nn.Module):
         q = self._rotate(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), rope)  # [T, Hi, Di]
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5  # [T, Hi]
 
-        ctx_k = index_k[fb.kv_slots].float()  # [B, K, Di]
+        ctx_k = gather_context(index_k, fb).float()  # [B, K, Di], zero past each sequence
         qb = q.float()[fb.q_index]  # [B, Q, Hi, Di]
         per_head = F.relu(torch.einsum("bqhd,bkd->bqhk", qb, ctx_k) * self.softmax_scale)  # [B, Q, Hi, K]
         scores = torch.einsum("bqh,bqhk->bqk", weights[fb.q_index], per_head)  # [B, Q, K]
-        visible = fb.attn_mask[:, 0]  # [B, Q, K]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        topk = min(self.topk, scores.shape[-1])
-        chosen = scores.topk(topk, dim=-1).indices  # [B, Q, topk]
-        key_mask = torch.zeros_like(visible).scatter_(-1, chosen, True)  # [B, Q, K]
-        return key_mask
+        return select_top_keys(scores, fb.attn_mask[:, 0], self.topk)
+
+
+def select_top_keys(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """scores, visible: [B, Q, K] -> [B, Q, K] bool, the k best visible keys of each query.
+
+    Ties are broken by key position (the earlier key wins) and invisible keys are never
+    chosen, so the answer for one query depends only on its own visible scores: not on
+    the padding to K, nor on the other rows.
+    """
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(k, scores.shape[-1])
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]  # [B, Q, k]
+    return torch.zeros_like(visible).scatter_(-1, order, True) & visible  # [B, Q, K]

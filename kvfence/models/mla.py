@@ -26,7 +26,7 @@ from torch import nn
 
 from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.errors import UnsupportedArchitectureError
-from kvfence.models.attention import store_kv
+from kvfence.models.attention import gather_context, store_kv
 from kvfence.models.linear import Linear
 
 
@@ -190,8 +190,10 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :Dn, :], w_kv[:, Dn:, :]  # [H, Dn, R], [H, Dv, R]
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, R]
 
-        ctx_latent = cache["latent"][fb.kv_slots].to(x.dtype)  # [B, K, R]
-        ctx_rope = cache["rope"][fb.kv_slots].to(x.dtype)  # [B, K, Dr]
+        # zero past each sequence's length: padding slots point into other pages, whose bytes (NaN poison
+        # included) would otherwise reach this sequence through probs (0) x value (NaN) = NaN
+        ctx_latent = gather_context(cache["latent"], fb).to(x.dtype)  # [B, K, R]
+        ctx_rope = gather_context(cache["rope"], fb).to(x.dtype)  # [B, K, Dr]
         qb_latent = q_latent[fb.q_index]  # [B, Q, H, R]
         qb_rope = q_rope[fb.q_index]  # [B, Q, H, Dr]
         scores = torch.einsum("bqhr,bkr->bhqk", qb_latent, ctx_latent)
