@@ -2,10 +2,20 @@
 
 What it knows: the list of faults the handoff code can simulate (each one a real
 failure mode of a PD deployment, `placeholder_handoff` being the 2026 incident),
-and for each enabled fault which request it targets and which logical page. A
+and for each enabled fault which requests it targets and which logical page. A
 `FaultInjector` is an object a test (or an explicit `--inject-fault` flag) builds and
 passes down to the manifest builder, sender and receiver; nothing here is a module
 global and importing this file enables nothing.
+
+A fault selects requests from outside the process, so that a test can aim it at some
+requests of a running `kvfence serve` and watch the others stay intact:
+
+    --inject-fault NAME[@PATTERN][#PAGE][%N],...
+
+PATTERN is a glob over request ids (`fnmatch`: `*victim*`, `cmpl-bad-*`, or one exact id;
+clients choose ids with the `X-Request-Id` header), PAGE the logical page it damages,
+and %N fires it on every Nth matching request (the 1st, the N+1th, ...), counted in the
+order requests first reach the fault in this process.
 
 What it does not know: how a fault is carried out; each hook lives next to the code
 it breaks (`transfer.base` sender/receiver cores, `disagg.handoff` manifest building)
@@ -27,6 +37,8 @@ Faults:
 
 from __future__ import annotations
 
+import fnmatch
+from collections import OrderedDict
 from dataclasses import dataclass
 
 FAULT_NAMES: tuple[str, ...] = (
@@ -41,20 +53,44 @@ FAULT_NAMES: tuple[str, ...] = (
 )
 
 
+_REMEMBERED = 4096  # requests whose every-Nth verdict a fault remembers (a request asks several times)
+
+
 @dataclass(frozen=True)
 class FaultPoint:
-    """One enabled fault: which request (None = every request), which logical page, how slow."""
+    """One enabled fault: which requests (a glob over ids; None = every request), which logical page,
+    every how many matching requests, how slow."""
 
     name: str
     request_id: str | None = None
     page: int = 0
     delay_s: float = 0.02
+    every: int = 1
 
     def __post_init__(self) -> None:
         if self.name not in FAULT_NAMES:
             raise ValueError(f"unknown fault {self.name!r}; known faults: {', '.join(FAULT_NAMES)}")
-        assert self.page >= 0, self.page
-        assert self.delay_s >= 0, self.delay_s
+        if self.page < 0 or self.every < 1 or self.delay_s < 0:
+            raise ValueError(f"fault {self.name}: page >= 0, every >= 1 and delay >= 0 are required")
+
+    def matches(self, request_id: str) -> bool:
+        return self.request_id is None or fnmatch.fnmatchcase(request_id, self.request_id)
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultPoint:
+        """`NAME[@PATTERN][#PAGE][%N]` (see the module docstring); ValueError names what is wrong."""
+        rest, every, page = spec.strip(), 1, 0
+        try:
+            if "%" in rest:
+                rest, every_text = rest.rsplit("%", 1)
+                every = int(every_text)
+            if "#" in rest:
+                rest, page_text = rest.rsplit("#", 1)
+                page = int(page_text)
+        except ValueError:
+            raise ValueError(f"fault spec {spec!r}: PAGE and N must be integers (NAME[@PATTERN][#PAGE][%N])") from None
+        name, _, pattern = rest.partition("@")
+        return cls(name.strip(), request_id=pattern or None, page=page, every=every)
 
 
 class FaultInjector:
@@ -63,28 +99,44 @@ class FaultInjector:
     def __init__(self, points: tuple[FaultPoint, ...] | list[FaultPoint] = ()) -> None:
         self._points: dict[str, FaultPoint] = {}
         self.fired: dict[str, int] = {name: 0 for name in FAULT_NAMES}
+        self._seen: dict[str, OrderedDict[str, bool]] = {}  # fault -> request id -> chosen (every-Nth)
+        self._matched: dict[str, int] = {}  # fault -> matching requests seen so far (every-Nth)
         for p in points:
             self._points[p.name] = p
 
     @classmethod
-    def from_flag(cls, names: str | None) -> FaultInjector | None:
+    def from_flag(cls, specs: str | None) -> FaultInjector | None:
         """Build from a comma-separated `--inject-fault` flag value; None when the flag is absent."""
-        if not names:
+        if not specs:
             return None
-        return cls([FaultPoint(n.strip()) for n in names.split(",") if n.strip()])
+        return cls([FaultPoint.parse(s) for s in specs.split(",") if s.strip()])
 
     def enable(
-        self, name: str, *, request_id: str | None = None, page: int = 0, delay_s: float = 0.02
+        self, name: str, *, request_id: str | None = None, page: int = 0, delay_s: float = 0.02, every: int = 1
     ) -> FaultInjector:
-        self._points[name] = FaultPoint(name, request_id=request_id, page=page, delay_s=delay_s)
+        self._points[name] = FaultPoint(name, request_id=request_id, page=page, delay_s=delay_s, every=every)
         return self
 
     def point(self, name: str, request_id: str) -> FaultPoint | None:
         """The fault if it is enabled for this request, without counting it as fired."""
         p = self._points.get(name)
-        if p is None or (p.request_id is not None and p.request_id != request_id):
+        if p is None or not p.matches(request_id):
+            return None
+        if p.every > 1 and not self._chosen(p, request_id):
             return None
         return p
+
+    def _chosen(self, p: FaultPoint, request_id: str) -> bool:
+        """Every-Nth: the 1st, N+1th, ... matching request to reach fault `p`; a request keeps its verdict."""
+        seen = self._seen.setdefault(p.name, OrderedDict())
+        chosen = seen.get(request_id)
+        if chosen is None:
+            n = self._matched.get(p.name, 0)
+            self._matched[p.name] = n + 1
+            chosen = seen[request_id] = n % p.every == 0
+            while len(seen) > _REMEMBERED:
+                seen.popitem(last=False)
+        return chosen
 
     def hit(self, name: str, request_id: str) -> FaultPoint | None:
         """The fault if enabled for this request; counts it as fired."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,7 +214,9 @@ def test_generation_failure_is_500_with_integrity_record() -> None:
         assert r.headers["x-kvfence-integrity"] == "rejected"
         with httpx.stream("POST", server.url + "/v1/completions", json=good(stream=True)) as s:
             lines = [x for x in s.iter_lines() if x.startswith("data: ")]
-        assert '"finish_reason":"error"' in lines[0] and '"status":"rejected"' in lines[0]
-        assert '"code":"kv_integrity_failed"' in lines[-2] and lines[-1] == "data: [DONE]"
+        events = [json.loads(x[6:]) for x in lines[:-1]]
+        assert not any(c.get("finish_reason") for e in events for c in e.get("choices", []))  # none made up
+        assert events[-1]["error"]["code"] == "kv_integrity_failed" and lines[-1] == "data: [DONE]"
+        assert events[-1]["kvfence"]["integrity"][0]["status"] == "rejected"
     finally:
         server.stop()

@@ -274,12 +274,38 @@ def test_router_abort_before_the_handoff_frees_both_sides(loaded: Any) -> None:
 
 
 def test_prefill_failure_frees_decodes_reservation(loaded: Any) -> None:
+    from kvfence.errors import KvfenceError
+
     with deploy(loaded) as dep:
-        vocab = dep.prefill_engine.vocab_size
-        chunks = run(dep, [("bad", [1, 2, vocab + 5], greedy(3)), ("good", [1, 2, 3], greedy(3))])
+        real = dep.prefill_engine.add_request
+
+        def add_request(rid: str, **kw: Any) -> None:
+            if rid == "bad":
+                raise KvfenceError("prefill cannot take this request")  # a failure of prefill's own
+            real(rid, **kw)
+
+        dep.prefill_engine.add_request = add_request  # type: ignore[method-assign]
+        chunks = run(dep, [("bad", [1, 2, 3], greedy(3)), ("good", [1, 2, 3], greedy(3))])
         assert_baseline(dep)
     assert chunks["bad"][-1].finish_reason == "error" and "prefill worker" in chunks["bad"][-1].error
     assert chunks["good"][-1].finish_reason == "length" and len(tokens(chunks["good"])) == 3
+
+
+def test_router_refuses_token_ids_outside_the_vocabulary_before_sending_anything(loaded: Any) -> None:
+    from kvfence.errors import InvalidRequestError
+
+    with deploy(loaded) as dep:
+        vocab = dep.prefill_engine.vocab_size
+        assert dep.router.vocab_size == vocab > 0  # from the workers' registration
+
+        async def main() -> None:
+            async for _ in dep.router.generate("oov", [1, 2, vocab + 5], greedy(3)):
+                pass
+
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            asyncio.run(main())
+        assert dep.prefill.counts["prefilled"] == 0 and not dep.decode.incoming and not dep.decode.queued
+        assert dep.router.server_info()["vocab_size"] == vocab
 
 
 def test_silent_prefill_times_out_and_frees_decode(loaded: Any) -> None:

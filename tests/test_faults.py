@@ -109,6 +109,20 @@ def test_every_named_fault_has_an_expected_outcome() -> None:
     assert FaultInjector.from_flag("drop_page,stale_page").enabled == ["drop_page", "stale_page"]
 
 
+def test_a_fault_spec_selects_requests_by_id_pattern_page_and_every_nth() -> None:
+    point = FaultPoint.parse("corrupt_byte@cmpl-bad-*#2%3")
+    assert (point.name, point.request_id, point.page, point.every) == ("corrupt_byte", "cmpl-bad-*", 2, 3)
+    for bad in ("nope", "drop_page#x", "drop_page%0", "drop_page#-1"):
+        with pytest.raises(ValueError):
+            FaultPoint.parse(bad)
+    faults = FaultInjector([point])
+    asked = ["cmpl-good-0", *[f"cmpl-bad-{i}" for i in range(7)]]
+    hit = [rid for rid in asked if faults.point("corrupt_byte", rid) is not None]
+    assert hit == ["cmpl-bad-0", "cmpl-bad-3", "cmpl-bad-6"]  # matching ids only, every 3rd from the first
+    assert faults.point("corrupt_byte", "cmpl-bad-3") is not None  # asked again: the same verdict
+    assert faults.point("corrupt_byte", "cmpl-bad-4") is None
+
+
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault: str) -> None:

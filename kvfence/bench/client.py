@@ -133,6 +133,8 @@ def _error_integrity(body: bytes) -> dict[str, Any] | None:
 def _take_integrity(result: RequestResult, obj: dict[str, Any], choice: dict[str, Any] | None) -> None:
     for holder in (choice or {}, obj):
         record = (holder.get("kvfence") or {}).get("integrity")
+        if isinstance(record, list):  # an error body or error event: one record per choice
+            record = next((r for r in record if isinstance(r, dict)), None)
         if isinstance(record, dict):
             result.integrity = record
             return
@@ -219,6 +221,7 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, t0: float, a
             err = obj["error"] or {}
             result.error_code = str(err.get("code") or err.get("type") or "stream_error")
             result.error_message = str(err.get("message", ""))[:300]
+            _take_integrity(result, obj, None)
             continue
         usage = obj.get("usage")
         if usage:

@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
@@ -91,29 +91,48 @@ def server_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k != "func" and isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(FastAPI app, AsyncLLMEngine not yet started) for --role aggregated, after the start-up checks."""
-    from kvfence.engine.async_engine import ROLE, AsyncLLMEngine
+class RoleEngine(NamedTuple):
+    """A role's engine after the start-up capacity check, and the numbers the check found."""
+
+    engine: Any  # kvfence.engine.llm_engine.LLMEngine
+    context_length: int  # the deployment's context length (flag or model), which may exceed the pool
+    pool_tokens: int
+
+
+def build_role_engine(args: argparse.Namespace, model_dir: str, role: str) -> RoleEngine:
+    """The engine of one role (aggregated, prefill or decode), with the same start-up rule for every role.
+
+    A context length the role's KV pool cannot hold refuses to start, naming both numbers and the flags.
+    With --allow-context-above-pool the role starts with a warning and its engine runs with the pool as
+    its context length; the front end (the API, or the router in PD mode) refuses anything above the
+    pool with HTTP 400 naming it, before any engine sees the request.
+    """
+    import torch
+
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.models.loader import load_model
     from kvfence.server.admission import role_capacity
-    from kvfence.server.api import ApiSettings, build_app
-    from kvfence.server.engine_client import Capacity
 
-    model_dir = resolve_model_dir(args.model, _log)
     config = engine_config_from_args(args, model_dir, seed=args.seed)
-    import torch
-
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.model.dtype]
     loaded = load_model(model_dir, dtype=dtype, device=config.model.device, progress=sys.stderr.isatty())
     context_length = config.context_length or int(loaded.context_length)
     page_size = config.cache.page_size
     num_pages = config.cache.num_pages_for(context_length)
-    pool_tokens = role_capacity(ROLE, context_length, num_pages, page_size, args.allow_context_above_pool)
-    # The engine itself refuses a context above its pool; with --allow-context-above-pool it runs with the pool
-    # as its context length, and the API refuses anything above it (Capacity below) before the engine sees it.
+    pool_tokens = role_capacity(role, context_length, num_pages, page_size, args.allow_context_above_pool)
     config = dataclasses.replace(config, context_length=min(context_length, pool_tokens))
-    engine = LLMEngine(config, loaded=loaded)
+    return RoleEngine(LLMEngine(config, loaded=loaded), context_length, pool_tokens)
+
+
+def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(FastAPI app, AsyncLLMEngine not yet started) for --role aggregated, after the start-up checks."""
+    from kvfence.engine.async_engine import ROLE, AsyncLLMEngine
+    from kvfence.server.api import ApiSettings, build_app
+    from kvfence.server.engine_client import Capacity
+
+    model_dir = resolve_model_dir(args.model, _log)
+    engine, context_length, pool_tokens = build_role_engine(args, model_dir, ROLE)
+    page_size = engine.resolved.page_size
     capacity = Capacity(context_length, {ROLE: pool_tokens}, page_size)
     name = args.served_model_name or Path(model_dir).name
     client = AsyncLLMEngine(

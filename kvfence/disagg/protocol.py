@@ -57,6 +57,7 @@ class Register(Message):
     layout: dict[str, Any]  # KVLayout.describe()
     handoff_address: str = ""  # decode: where its data plane listens ("tcp://host:port" or "local:<name>")
     settings: dict[str, Any] = field(default_factory=dict)  # every resolved setting, for server_info
+    vocab_size: int = 0  # token ids the model accepts are [0, vocab_size); 0: not known
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,11 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 def check_pair(prefill: P.Register, decode: P.Register) -> None:
     """Refuse a prefill/decode pair that cannot exchange KV; the message names both values."""
     check_role_settings(_pairing_info(prefill), _pairing_info(decode))
+    if prefill.vocab_size != decode.vocab_size:
+        raise CapacityConfigError(
+            f"prefill and decode workers disagree on the vocabulary (prefill={prefill.vocab_size} "
+            f"decode={decode.vocab_size} token ids); start both with the same --model"
+        )
     p_transport, d_transport = prefill.settings.get("transport", "tcp"), decode.settings.get("transport", "tcp")
     if p_transport != d_transport:
         raise CapacityConfigError(
@@ -263,6 +268,19 @@ class Router:
         assert self._capacity is not None, "router has no workers yet"
         return self._capacity
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the paired workers accept are [0, vocab_size); None until a decode worker registered one."""
+        return (self.decode.vocab_size or None) if self.decode is not None else None
+
+    def check_token_ids(self, prompt: list[int]) -> None:
+        """Refuse (HTTP 400) a prompt with an id outside the vocabulary, before any worker sees it."""
+        vocab = self.vocab_size
+        bad = next((t for t in prompt if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            limit = f"[0, {vocab})" if vocab is not None else "[0, ...)"
+            raise InvalidRequestError(f"prompt: token id {bad} is outside the vocabulary {limit}", param="prompt")
+
     def healthy(self) -> dict[str, bool]:
         """Role -> whether a live worker of that role is registered."""
         return {role: getattr(self, role) is not None and role not in self._down for role in ROLES}
@@ -282,6 +300,7 @@ class Router:
         self.check_health()  # HTTP 503 while a role has no live worker
         assert self.prefill is not None and self.decode is not None, "router has no workers yet"
         prompt = [int(t) for t in prompt_token_ids]
+        self.check_token_ids(prompt)  # raises InvalidRequestError (HTTP 400)
         admit(len(prompt), params.max_tokens, self.capacity())  # raises ContextLengthExceededError (HTTP 400)
         if request_id in self._flights:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -384,6 +403,7 @@ class Router:
         return {
             "mode": "disaggregated",
             "model_name": self.model_name,
+            "vocab_size": self.vocab_size,
             "context_length": cap.context_length if cap else None,
             "page_size": cap.page_size if cap else None,
             "max_total_tokens": dict(cap.max_total_tokens) if cap else {},

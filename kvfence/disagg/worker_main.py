@@ -226,7 +226,8 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         "--inject-fault",
         default=None,
         metavar="SPEC",
-        help="tests/demos: name[@request_id][#page],... (kvfence.faults)",
+        help="tests/demos: NAME[@PATTERN][#PAGE][%%N],... -- PATTERN a glob over request ids (clients set them "
+        "with X-Request-Id), %%N every Nth matching request (kvfence.faults)",
     )
     g.add_argument("--prefill-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: prefill pool")
     g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
@@ -285,41 +286,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_faults(value: str | None) -> Any:
-    """`--inject-fault name[@request_id][#page],...` -> a FaultInjector (None when absent)."""
+    """`--inject-fault NAME[@PATTERN][#PAGE][%N],...` -> a FaultInjector (None when absent); see kvfence.faults."""
     from kvfence.faults import FaultInjector
 
-    if not value:
-        return None
-    injector = FaultInjector()
-    for item in value.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        page = 0
-        if "#" in item:
-            item, page_text = item.split("#", 1)
-            page = int(page_text)
-        name, _, rid = item.partition("@")
-        try:
-            injector.enable(name, request_id=rid or None, page=page)
-        except ValueError as e:
-            raise KvfenceError(f"--inject-fault: {e}") from None
-    return injector
+    try:
+        return FaultInjector.from_flag(value)
+    except ValueError as e:
+        raise KvfenceError(f"--inject-fault: {e}") from None
 
 
 # -- building workers -------------------------------------------------------------------------------------
 
 
 class WorkerIdentity:
-    """What a worker says about itself at registration, besides its engine's numbers."""
+    """What a worker says about itself at registration, besides its engine's numbers.
 
-    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings")
+    `context_length`: the deployment's context length when it exceeds what the engine runs with (the
+    engine is capped at its pool under --allow-context-above-pool); None: the engine's own."""
 
-    def __init__(self, worker_id: str, model_name: str, model_fingerprint: str, settings: dict[str, Any]) -> None:
+    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings", "context_length")
+
+    def __init__(
+        self,
+        worker_id: str,
+        model_name: str,
+        model_fingerprint: str,
+        settings: dict[str, Any],
+        context_length: int | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.settings = settings
+        self.context_length = context_length
 
 
 def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_address: str = "") -> P.Register:
@@ -333,7 +332,7 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
         worker_id=identity.worker_id,
         model_name=identity.model_name,
         model_fingerprint=identity.model_fingerprint,
-        context_length=r.context_length,
+        context_length=identity.context_length or r.context_length,
         pool_tokens=r.pool_tokens,
         page_size=r.page_size,
         dtype=dtype_name(layout.dtype),
@@ -341,24 +340,30 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
         layout=layout.describe(),
         handoff_address=handoff_address,
         settings={**identity.settings, "num_pages": r.num_pages, "bytes_per_page": r.bytes_per_page},
+        vocab_size=int(engine.vocab_size),
     )
 
 
 def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
     """The prefill or decode worker the flags describe (engine with its own pool, transport, faults)."""
-    from kvfence.config import engine_config_from_args
+    from kvfence.commands.serve import build_role_engine
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
-    from kvfence.engine.llm_engine import LLMEngine
     from kvfence.transfer.base import TransferConfig
 
-    engine = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
+    engine, context_length, _ = build_role_engine(args, model_dir, args.role)
     faults = parse_faults(args.inject_fault)
     identity = WorkerIdentity(
         worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
         model_name=args.served_model_name or Path(model_dir).name,
         model_fingerprint=model_fingerprint(model_dir),
-        settings={"model_dir": model_dir, "transport": args.transport, "verify": not args.no_verify},
+        settings={
+            "model_dir": model_dir,
+            "transport": args.transport,
+            "verify": not args.no_verify,
+            "allow_context_above_pool": bool(args.allow_context_above_pool),
+        },
+        context_length=context_length,
     )
     if args.role == "prefill":
         config = PrefillConfig(
@@ -490,6 +495,7 @@ def run_router(args: argparse.Namespace) -> int:
         settings = ApiSettings(
             served_model_name=router.model_name,
             max_body_bytes=args.max_body_bytes,
+            vocab_size=router.vocab_size,
             server_args=router.server_info(),
         )
         run_server(build_app(router, tokenizer, settings), args.host, args.port, args.log_level)

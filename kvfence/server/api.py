@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 import uuid
@@ -263,6 +264,35 @@ class _Choice:
             if chunk.finish_reason == "error":
                 self.error = chunk.error or "generation failed"
                 self.error_code = str(chunk.extra.get("code", "generation_failed"))
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(request: Request) -> str:
+    """The client's `X-Request-Id` (as vLLM honours it), else a random one; the response `id` carries it.
+
+    Engine request ids are `<cmpl|chatcmpl>-<this>-<choice index>`: fault specs and logs can select them."""
+    rid = request.headers.get("x-request-id")
+    if rid is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(rid):
+        raise ApiError(400, "X-Request-Id must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="X-Request-Id")
+    return rid
+
+
+def _failed_chunk(chunk: GenerationChunk) -> bool:
+    """The engine's last chunk of a choice that failed (its finish_reason "error" is internal, never sent)."""
+    return chunk.finished and chunk.finish_reason == "error"
+
+
+def _stream_error_event(err: ApiError, choices: list[_Choice]) -> dict[str, Any]:
+    """The SSE event a failed stream ends with: the OpenAI error object, plus every choice's integrity record
+    (the failure is the handoff's, often, and the record says why)."""
+    return {
+        **p.error_body(err.message, err.type, err.param, err.code),
+        "kvfence": {"integrity": [c.integrity for c in choices]},
+    }
 
 
 def _integrity_header(choices: list[_Choice]) -> dict[str, str]:
@@ -529,7 +559,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req: p.CompletionRequest = _parse(p.CompletionRequest, parse_json_object(await request.body()))
         self._check_model(req.model)
-        base_id = f"cmpl-{uuid.uuid4().hex}"
+        base_id = f"cmpl-{_request_id(request)}"
         choices = await self._completion_choices(req, base_id)
         self.metrics.prompt_tokens.inc(self._count_prompts(choices))
         if req.stream:
@@ -580,7 +610,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req: p.ChatCompletionRequest = _parse(p.ChatCompletionRequest, parse_json_object(await request.body()))
         self._check_model(req.model)
-        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        base_id = f"chatcmpl-{_request_id(request)}"
         choices = await self._chat_choices(req, base_id)
         self.metrics.prompt_tokens.inc(len(choices[0].prompt_ids))
         if req.stream:
@@ -616,6 +646,11 @@ class OpenAIServer:
         if req.logprobs is not None and chunk.token_ids:
             tokens = self._token_strings(chunk.token_ids)
             logprobs = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(chunk.logprobs or []))
+        if _failed_chunk(chunk):  # no made-up finish_reason: the stream ends with an error event instead
+            if not (chunk.text or chunk.token_ids):
+                return []
+            choice = p.CompletionChoice(index=c.index, text=chunk.text, logprobs=logprobs, finish_reason=None)
+            return [p.CompletionResponse(id=base_id, model=req.model, choices=[choice])]
         choice = p.CompletionChoice(
             index=c.index,
             text=chunk.text,
@@ -641,7 +676,7 @@ class OpenAIServer:
             delta = p.ChatDelta(content=chunk.text)
             choice = p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs)
             out.append(p.ChatCompletionChunk(id=base_id, model=req.model, choices=[choice]))
-        if chunk.finished:
+        if chunk.finished and not _failed_chunk(chunk):  # a failure ends the stream with an error event
             choice = p.ChatStreamChoice(
                 index=c.index,
                 delta=p.ChatDelta(),
@@ -686,9 +721,11 @@ class OpenAIServer:
                             break
                     for m in render(c, chunk):
                         yield _sse(_dump(m))
+                    if c.error is not None:  # one choice failed: the error event ends the whole stream
+                        break
                 err = self._failed(choices)
                 if err is not None:
-                    yield _sse(p.error_body(err.message, err.type, err.param, err.code))
+                    yield _sse(_stream_error_event(err, choices))
                 elif include_usage:
                     obj = "chat.completion.chunk" if isinstance(req, p.ChatCompletionRequest) else "text_completion"
                     usage = self._usage(choices).model_dump()
