@@ -50,6 +50,7 @@ def _zip(version: str) -> zipfile.ZipFile:
     return zipfile.ZipFile(path)
 
 
+@cache
 def source(version: str, relpath: str) -> str | None:
     """Text of sglang/srt/<relpath> in that version, or None when the file does not exist there."""
     try:
@@ -117,7 +118,8 @@ def _zero_arity(action_src: str) -> bool:
     return any(x in action_src for x in markers) or action_src.endswith("DeprecatedAction")
 
 
-def extract(version: str) -> tuple[set[str], dict[str, tuple[str, object, str]]]:
+@cache
+def extract(version: str) -> tuple[frozenset[str], dict[str, tuple[str, object, str]]]:
     """(ServerArgs field names, {option string: (dest, nargs, kind)}) of one version."""
     fields: set[str] = set()
     options: dict[str, tuple[str, object, str]] = {}
@@ -191,7 +193,7 @@ def extract(version: str) -> tuple[set[str], dict[str, tuple[str, object, str]]]
                 kind = "false" if "store_false" in act else ("true" if n_ == 0 else _kind(type_src))
                 for n in names:
                     options[n] = (dest, n_, kind)
-    return fields, options
+    return frozenset(fields), options
 
 
 def _default(node: ast.AST | None) -> object:
@@ -215,6 +217,11 @@ def _default(node: ast.AST | None) -> object:
 
 def field_defaults(version: str) -> dict[str, object]:
     """Every ServerArgs field of a version with its declared default (what a start-up line shows unset)."""
+    return dict(_field_defaults(version))
+
+
+@cache
+def _field_defaults(version: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for text in _field_sources(version):
         for cls in (n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)):

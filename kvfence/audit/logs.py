@@ -30,6 +30,7 @@ other kind; only those rarer lines are handled in Python.
 from __future__ import annotations
 
 import ast
+import gc
 import itertools
 import json
 import mmap
@@ -149,24 +150,29 @@ RULES = [
 ]
 
 _PREFIX_RE = re.compile(rb"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,]\d+)?[^\]\n]*\] ")
-_BATCH_TAIL = (
+# One findall per window of the file collects every line we read, in order, with the timestamp split into the
+# window key and the rest. Batch and ReqTimeStats lines come out parsed (aggregated without per-line Python);
+# every other kind comes out as its head and the rest of its line. Groups: key, rest, new-seq, new-token,
+# prefill usage, decode usage, rid, room, input_len, output_len, "prefill", transfer_total MB, other type,
+# rare head, rest of the rare line. The head must start the message: `[^\]\n]*\] ` cannot cross a "]".
+_FREQUENT_KINDS = ("prefill_batch", "decode_batch", "time_stats")
+_RARE_HEADS = sorted({f.head for f in FORMATS if f.head and f.kind not in _FREQUENT_KINDS}, key=len, reverse=True)
+_FREQUENT_TAIL = (
     rb"[^\]\n]*\] (?:Prefill batch(?: \[\d+\])?, #new-seq: (\d+), #new-token: (\d+), #cached-token: \d+, "
     rb"(?:full )?token usage: ([\d.]+)|Decode batch(?: \[\d+\])?, #running-req: \d+, #[a-z ]*token: \d+, "
-    rb"[a-z ]*token usage: ([\d.]+))"
+    rb"[a-z ]*token usage: ([\d.]+)|ReqTimeStats\(rid=([^,\s]+), (?:bootstrap_room=(\w+), )?input_len=(\d+), "
+    rb"cached_input_len=\d+, output_len=(\d+), attempts=\d+, type=(?:(prefill)\):[^\n]* transfer_total=([\d.]+) MB"
+    rb"|(\w+)\))|(" + b"|".join(re.escape(h) for h in _RARE_HEADS) + rb")([^\n]*))"
 )
-# The batch regex captures the timestamp truncated to the window (fast path) or in full (with --since/--until).
-_BATCH_RE = {
-    name: re.compile(rb"\[" + ts + _BATCH_TAIL)
+_FREQUENT_RE = {
+    name: re.compile(rb"\[" + ts + _FREQUENT_TAIL)
     for name, ts in (
-        ("minute", rb"(\d{4}-\d\d-\d\d \d\d:\d\d):\d\d"),
-        ("10min", rb"(\d{4}-\d\d-\d\d \d\d:\d)\d:\d\d"),
-        ("hour", rb"(\d{4}-\d\d-\d\d \d\d):\d\d:\d\d"),
-        ("day", rb"(\d{4}-\d\d-\d\d) \d\d:\d\d:\d\d"),
-        ("full", rb"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)"),
+        ("minute", rb"(\d{4}-\d\d-\d\d \d\d:\d\d)(:\d\d)"),
+        ("10min", rb"(\d{4}-\d\d-\d\d \d\d:\d)(\d:\d\d)"),
+        ("hour", rb"(\d{4}-\d\d-\d\d \d\d)(:\d\d:\d\d)"),
+        ("day", rb"(\d{4}-\d\d-\d\d)( \d\d:\d\d:\d\d)"),
     )
 }
-_HEADS = sorted({f.head for f in FORMATS if f.head and not f.kind.endswith("_batch")}, key=len, reverse=True)
-_RARE_RE = re.compile(rb"\] (" + b"|".join(re.escape(h) for h in _HEADS) + rb")")
 _KIND_OF = {f.head: f.kind for f in FORMATS if f.head}
 
 _RID_RE = re.compile(r"\brid=['\"]?([^'\",\s)]+)")
@@ -176,10 +182,6 @@ _BUDGET_RE = re.compile(r"KV memory budget: input_len=(\d+)")
 _TRUNC_RE = re.compile(r"len\(req\.origin_input_ids\)=(\d+), max_req_input_len=(\d+)")
 _CAP_RE = re.compile(r"Request (\S+) exceeds the maximum number of tokens: (\d+) > (\d+)")
 _CTX_RE = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
-_TS_RE = re.compile(
-    r"ReqTimeStats\(rid=([^,\s]+), (?:bootstrap_room=(\w+), )?input_len=(\d+), cached_input_len=\d+, "
-    r"output_len=(\d+), attempts=\d+, type=(\w+)\)(?:.*transfer_total=([\d.]+) MB)?"
-)
 _FIN_ID_RE = re.compile(r"'id': '([^']+)'")
 _FIN_REASON_RE = re.compile(r"'finish_reason': \{'type': '(\w+)'")
 _FIN_PROMPT_RE = re.compile(r"'prompt_tokens': (\d+)")
@@ -337,7 +339,7 @@ class RequestNote:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeOutcome:
     time: str = ""
     completed: bool = False
@@ -349,7 +351,7 @@ class DecodeOutcome:
     evidence: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillRecord:
     """What prefill's own lines say about one request."""
 
@@ -410,7 +412,7 @@ class _Scanner:
         self.window = window
         self.version = version
         self.wlen = _WINDOW_LEN[window]
-        self.batch_re = _BATCH_RE["full" if (since or until) else window]
+        self.frequent_re = _FREQUENT_RE[window]
         self.windows: dict[str, Window] = {}
         self.runs: list[Run] = []
         self.bytes_scanned = 0
@@ -470,65 +472,91 @@ class _Scanner:
 
     def scan_chunk(self, buf: mmap.mmap, start: int, end: int, side: str, run: Run) -> Run:
         """Lines buf[start:end] (whole lines) of one side; returns the run in force at the end."""
-        seg = start
-        for m in _RARE_RE.finditer(buf, start, end):
-            pos = m.start()
-            ls = buf.rfind(b"\n", start, pos) + 1 or start
-            pm = _PREFIX_RE.match(buf, ls)
-            if pm is None or pm.end() != pos + 2:
-                continue  # the marker text is inside a message, not at its start
-            le = buf.find(b"\n", pos, end)
-            if le < 0:
-                le = end
-            kind = _KIND_OF[m.group(1)]
+        rows = self.frequent_re.findall(buf, start, end)
+        if not rows:
+            return run
+        if self.since_s or self.until_s:
+            rows = [r for r in rows if r[13] or self.in_range((r[0] + r[1]).decode())]
+        self.side_lines[side] += len(rows)
+        prev = 0
+        for i in itertools.compress(range(len(rows)), [r[13] for r in rows]):
+            if run.counted and i > prev:
+                self.scan_frequent(rows[prev:i], side, run)
+            prev = i + 1
+            row = rows[i]
+            kind, ts = _KIND_OF[row[13]], (row[0] + row[1]).decode()
+            msg = (row[13] + row[14]).decode("utf-8", "replace")
             if kind in ("server_args", "startup"):
-                if run.counted:
-                    self.scan_batches(buf, seg, ls, side)
-                seg = ls
-                line = buf[ls:le].decode("utf-8", "replace")
-                run = self.start_run(run, side, kind, line[:21].strip("[] "), line[pm.end() - ls :])
-                self.side_lines[side] += 1
-                continue
-            if not run.counted:
-                continue
-            ts = pm.group(1).decode()
-            if not self.in_range(ts):
-                continue
-            msg = buf[pos + 2 : le].decode("utf-8", "replace")
-            self.side_lines[side] += 1
-            self.handle(kind, ts, msg, side, run)
-        if run.counted:
-            self.scan_batches(buf, seg, end, side)
+                run = self.start_run(run, side, kind, ts, msg)
+            elif run.counted and self.in_range(ts):
+                self.handle(kind, ts, msg, side, run)
+        if run.counted and prev < len(rows):
+            self.scan_frequent(rows[prev:], side, run)
         return run
 
-    def scan_batches(self, buf: mmap.mmap, start: int, end: int, side: str) -> None:
-        """Aggregate the Prefill/Decode batch lines of buf[start:end] per window."""
-        rows = self.batch_re.findall(buf, start, end)
-        if not rows:
-            return
-        if self.since_s or self.until_s:
-            rows = [r for r in rows if self.in_range(r[0].decode())]
-            rows = [(r[0][: self.wlen], *r[1:]) for r in rows]
-            if not rows:
-                return
+    def scan_frequent(self, rows: list[tuple[bytes, ...]], side: str, run: Run) -> None:
+        """Batch lines (aggregated per window) and ReqTimeStats lines, in file order."""
         self.lines_matched += len(rows)
-        self.side_lines[side] += len(rows)
-        keys, seqs, toks, p_use, d_use = zip(*rows, strict=True)
+        keys = [r[0] for r in rows]
         i = 0
         for key, grp in itertools.groupby(keys):
-            n = sum(1 for _ in grp)
-            a, b = i, i + n
-            i = b
+            n = len(list(grp))
+            part = rows[i : i + n] if n < len(rows) else rows
+            i += n
             w = self.win(key.decode())
-            p_seq = [x for x in seqs[a:b] if x]
+            p_seq = [r[2] for r in part if r[2]]
             if p_seq:
                 w.prefill_batches += len(p_seq)
                 w.prefill_seqs += sum(map(int, p_seq))
-                w.prefill_tokens += sum(map(int, filter(None, toks[a:b])))
-                w.prefill_max_usage = max(w.prefill_max_usage, _max_usage(p_use[a:b]))
-            if len(p_seq) < n:
-                w.decode_batches += n - len(p_seq)
-                w.decode_max_usage = max(w.decode_max_usage, _max_usage(d_use[a:b]))
+                w.prefill_tokens += sum(int(r[3]) for r in part if r[3])
+                w.prefill_max_usage = max(w.prefill_max_usage, float(max(r[4] for r in part if r[4])))
+            d = [r[5] for r in part if r[5]]
+            if d:
+                w.decode_batches += len(d)
+                w.decode_max_usage = max(w.decode_max_usage, float(max(d)))
+            stats = [r for r in part if r[6]]
+            if stats:
+                self.side_request_lines[side] += len(stats)
+                self._time_stats_rows(w, stats, side, run)
+
+    def _time_stats_rows(self, w: Window, rows: list[tuple[bytes, ...]], side: str, run: Run) -> None:
+        """ReqTimeStats lines of one window (managers/schedule_batch.py log_time_stats)."""
+        run.requests += len(rows)
+        first_ts = (rows[0][0] + rows[0][1]).decode()
+        run.first_request = run.first_request or first_ts
+        run.last_request = (rows[-1][0] + rows[-1][1]).decode()
+        pool = run.pool_tokens
+        records, rooms, rid_room = self.p_records, self.d_rooms, self.d_rid_room
+        for key, rest, _, _, _, _, rid_b, room_b, in_b, out_b, is_prefill, mb, *_ in rows:
+            rid = rid_b.decode()
+            room = room_b.decode() if room_b and room_b != b"None" else None
+            if is_prefill or side == "prefill":
+                rec = records.get(rid)
+                if rec is None:
+                    rec = records[rid] = PrefillRecord()
+                rec.room = room or rec.room
+                rec.input_len = int(in_b)
+                if mb:
+                    rec.transfer_mb = float(mb)
+                if pool and rec.input_len > pool:
+                    ts = (key + rest).decode()
+                    self.notes.append(
+                        RequestNote(side, rid, room, ts, "over_pool_served", f"input {rec.input_len} > pool {pool}")
+                    )
+                continue
+            if room is None:
+                out = self._decode_outcome(rid, None, (key + rest).decode(), run)
+            else:
+                out = rooms.get(room)
+                if out is None:
+                    out = rooms[room] = DecodeOutcome(time=(key + rest).decode(), run=run)
+                rid_room.setdefault(rid, room)
+            if out_b != b"0" and not out.failed:
+                if not out.completed:
+                    w.decode_requests += 1
+                out.completed = True
+                out.output_len = int(out_b)
+                out.evidence = out.evidence or "decode ReqTimeStats"
 
     # -- runs ----------------------------------------------------------------------------------
     def start_run(self, run: Run, side: str, kind: str, ts: str, msg: str) -> Run:
@@ -595,15 +623,9 @@ class _Scanner:
         rid = rid_m.group(1) if rid_m else None
         room_m = _ROOM_RE.search(msg)
         room = room_m.group(1) if room_m else None
-        if kind in ("time_stats", "receive", "finish", "too_long", "kv_budget", "capacity", "context_reject"):
+        if kind in ("receive", "finish", "too_long", "kv_budget", "capacity", "context_reject"):
             self.side_request_lines[side] += 1
-        if kind == "time_stats":
-            m = _TS_RE.match(msg)
-            if m:
-                rid, room_s, in_len, out_len, typ, mb = m.groups()
-                room = room_s if room_s and room_s != "None" else None
-                self._time_stats(rid, room, int(in_len), int(out_len), typ, mb, ts, side, run)
-        elif kind in ("too_long", "kv_budget"):
+        if kind in ("too_long", "kv_budget"):
             if not self.once(kind + side, rid, None):
                 return
             run.saw_request(ts)
@@ -779,29 +801,6 @@ class _Scanner:
                 )
             )  # fmt: skip
 
-    def _time_stats(
-        self, rid: str, room: str | None, in_len: int, out_len: int, typ: str, mb: str | None, ts: str, side: str,
-        run: Run,
-    ) -> None:  # fmt: skip
-        run.saw_request(ts)
-        if typ == "prefill" or side == "prefill":
-            rec = self.p_records.setdefault(rid, PrefillRecord())
-            rec.room = room or rec.room
-            rec.input_len = in_len
-            if mb is not None:
-                rec.transfer_mb = float(mb)
-            if run.pool_tokens and in_len > run.pool_tokens:
-                note = RequestNote(side, rid, room, ts, "over_pool_served", f"input {in_len} > pool {run.pool_tokens}")
-                self.notes.append(note)
-        else:
-            out = self._decode_outcome(rid, room, ts, run)
-            if out_len > 0 and not out.failed:
-                if not out.completed:
-                    self.win(ts).decode_requests += 1
-                out.completed = True
-                out.output_len = out_len
-                out.evidence = out.evidence or "decode ReqTimeStats"
-
     def _decode_outcome(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
         if room is None and rid is not None:
             room = self.d_rid_room.get(rid)
@@ -931,9 +930,15 @@ def scan_logs(
     version: str | None = None,
 ) -> LogReport:
     sc = _Scanner(since, until, model, window, version)
-    sc.scan_file(prefill_log, "prefill")
-    if decode_log:
-        sc.scan_file(decode_log, "decode")
+    gc_was_on = gc.isenabled()
+    gc.disable()  # the scan builds millions of tuples and no reference cycles; collections would only cost time
+    try:
+        sc.scan_file(prefill_log, "prefill")
+        if decode_log:
+            sc.scan_file(decode_log, "decode")
+    finally:
+        if gc_was_on:
+            gc.enable()
     files = {"prefill": prefill_log}
     if decode_log:
         files["decode"] = decode_log
