@@ -341,7 +341,7 @@ class RequestNote:
 
 @dataclass(slots=True)
 class DecodeOutcome:
-    time: str = ""
+    time: bytes = b""
     completed: bool = False
     output_len: int = 0
     failed: bool = False
@@ -355,7 +355,7 @@ class DecodeOutcome:
 class PrefillRecord:
     """What prefill's own lines say about one request."""
 
-    room: str | None = None
+    room: bytes | None = None
     input_len: int | None = None
     transfer_mb: float | None = None
 
@@ -420,12 +420,13 @@ class _Scanner:
         self.side_lines: dict[str, int] = {}
         self.side_request_lines: dict[str, int] = {}
         # prefill side
-        self.p_records: dict[str, PrefillRecord] = {}  # rid -> what prefill logged about it
+        # Per-request state is keyed by the raw bytes the frequent regex yields (no decode per line).
+        self.p_records: dict[bytes, PrefillRecord] = {}  # rid -> what prefill logged about it
         self.too_long: list[RequestNote] = []
         # decode side
-        self.d_rooms: dict[str, DecodeOutcome] = {}
-        self.d_rid_room: dict[str, str] = {}
-        self.d_rids: dict[str, DecodeOutcome] = {}  # outcomes with no room known
+        self.d_rooms: dict[bytes, DecodeOutcome] = {}
+        self.d_rid_room: dict[bytes, bytes] = {}
+        self.d_rids: dict[bytes, DecodeOutcome] = {}  # outcomes with no room known
         self.notes: list[RequestNote] = []
         self.canary_perturb: list[str] = []
         self.canary_overflow: list[tuple[str, str]] = []
@@ -504,12 +505,12 @@ class _Scanner:
             part = rows[i : i + n] if n < len(rows) else rows
             i += n
             w = self.win(key.decode())
-            p_seq = [r[2] for r in part if r[2]]
-            if p_seq:
-                w.prefill_batches += len(p_seq)
-                w.prefill_seqs += sum(map(int, p_seq))
-                w.prefill_tokens += sum(int(r[3]) for r in part if r[3])
-                w.prefill_max_usage = max(w.prefill_max_usage, float(max(r[4] for r in part if r[4])))
+            p = [r for r in part if r[2]]
+            if p:
+                w.prefill_batches += len(p)
+                w.prefill_seqs += sum(map(int, [r[2] for r in p]))
+                w.prefill_tokens += sum(map(int, [r[3] for r in p]))
+                w.prefill_max_usage = max(w.prefill_max_usage, float(max([r[4] for r in p])))
             d = [r[5] for r in part if r[5]]
             if d:
                 w.decode_batches += len(d)
@@ -522,35 +523,35 @@ class _Scanner:
     def _time_stats_rows(self, w: Window, rows: list[tuple[bytes, ...]], side: str, run: Run) -> None:
         """ReqTimeStats lines of one window (managers/schedule_batch.py log_time_stats)."""
         run.requests += len(rows)
-        first_ts = (rows[0][0] + rows[0][1]).decode()
-        run.first_request = run.first_request or first_ts
+        run.first_request = run.first_request or (rows[0][0] + rows[0][1]).decode()
         run.last_request = (rows[-1][0] + rows[-1][1]).decode()
         pool = run.pool_tokens
         records, rooms, rid_room = self.p_records, self.d_rooms, self.d_rid_room
-        for key, rest, _, _, _, _, rid_b, room_b, in_b, out_b, is_prefill, mb, *_ in rows:
-            rid = rid_b.decode()
-            room = room_b.decode() if room_b and room_b != b"None" else None
-            if is_prefill or side == "prefill":
+        prefill_side = side == "prefill"
+        for key, rest, _, _, _, _, rid, room, in_b, out_b, is_prefill, mb, *_ in rows:
+            if room == b"None":
+                room = b""
+            if is_prefill or prefill_side:
                 rec = records.get(rid)
                 if rec is None:
                     rec = records[rid] = PrefillRecord()
-                rec.room = room or rec.room
+                if room:
+                    rec.room = room
                 rec.input_len = int(in_b)
                 if mb:
                     rec.transfer_mb = float(mb)
                 if pool and rec.input_len > pool:
-                    ts = (key + rest).decode()
-                    self.notes.append(
-                        RequestNote(side, rid, room, ts, "over_pool_served", f"input {rec.input_len} > pool {pool}")
-                    )
+                    note = RequestNote(side, rid.decode(), room.decode() or None, (key + rest).decode(),
+                                       "over_pool_served", f"input {rec.input_len} > pool {pool}")  # fmt: skip
+                    self.notes.append(note)
                 continue
-            if room is None:
-                out = self._decode_outcome(rid, None, (key + rest).decode(), run)
-            else:
+            if room:
                 out = rooms.get(room)
                 if out is None:
-                    out = rooms[room] = DecodeOutcome(time=(key + rest).decode(), run=run)
+                    out = rooms[room] = DecodeOutcome(time=key + rest, run=run)
                 rid_room.setdefault(rid, room)
+            else:
+                out = self._decode_outcome(rid, None, key + rest, run)
             if out_b != b"0" and not out.failed:
                 if not out.completed:
                     w.decode_requests += 1
@@ -642,7 +643,7 @@ class _Scanner:
             else:
                 note.status = "rejected on decode"
                 self.notes.append(note)
-                self._decode_outcome(rid, room, ts, run).failed = True
+                self._outcome_of(rid, room, ts, run).failed = True
         elif kind in ("truncated", "context_truncated"):
             m = _TRUNC_RE.search(msg) if kind == "truncated" else _CTX_RE.search(msg)
             w.truncated += 1
@@ -658,7 +659,7 @@ class _Scanner:
             detail = f"input {m.group(2)} tokens > {side} capacity {m.group(3)}" if m else "over capacity"
             self.notes.append(RequestNote(side, rid, room, ts, "over_capacity", detail, f"rejected on {side}"))
             if side == "decode":
-                self._decode_outcome(rid, room, ts, run).failed = True
+                self._outcome_of(rid, room, ts, run).failed = True
         elif kind == "context_reject":
             m = _CTX_RE.search(msg)
             w.context_rejects += 1
@@ -682,7 +683,7 @@ class _Scanner:
             why = msg.split(" with exception ", 1)[1][:160] if " with exception " in msg else ""
             self.notes.append(RequestNote(side, rid, room, ts, kind, why, "aborted"))
             if side == "decode":
-                o = self._decode_outcome(rid, room, ts, run)
+                o = self._outcome_of(rid, room, ts, run)
                 o.failed, o.reason = True, kind
         elif kind == "checksum_mismatch":
             m = _MISMATCH_REQ_RE.search(msg)
@@ -691,7 +692,7 @@ class _Scanner:
                 return
             w.checksum_mismatches += 1
             self.notes.append(RequestNote(side, rid, room, ts, "checksum_mismatch", msg[:200], "rejected (500)"))
-            o = self._decode_outcome(rid, room, ts, run)
+            o = self._outcome_of(rid, room, ts, run)
             o.failed, o.mismatch, o.reason = True, True, "checksum mismatch"
         elif kind == "checksum_skipped":
             if run.checksum_skipped_at is None:
@@ -701,7 +702,7 @@ class _Scanner:
                 return
             w.corruption += 1
             self.notes.append(RequestNote(side, rid, room, ts, "context_corruption", msg[:200], "rejected"))
-            o = self._decode_outcome(rid, room, ts, run)
+            o = self._outcome_of(rid, room, ts, run)
             o.failed, o.reason = True, "context corruption"
         elif kind == "deferred_timeout":
             m = re.search(r"for room (\d+)", msg)
@@ -765,9 +766,9 @@ class _Scanner:
         if not (rid and room):
             return
         if side == "prefill":
-            self.p_records.setdefault(rid, PrefillRecord()).room = room
+            self.p_records.setdefault(rid.encode(), PrefillRecord()).room = room.encode()
         else:
-            self.d_rid_room[rid] = room
+            self.d_rid_room[rid.encode()] = room.encode()
 
     def _finished(
         self, rid: str | None, room: str | None, reason: str, pt: int | None, ct: int | None, ts: str, side: str,
@@ -779,7 +780,7 @@ class _Scanner:
             self._bind_room(side, rid, room)
             return
         w = self.win(ts)
-        out = self._decode_outcome(rid, room, ts, run)
+        out = self._outcome_of(rid, room, ts, run)
         if reason == "abort":
             out.failed = True
             out.reason = out.reason or "finished with abort"
@@ -801,7 +802,13 @@ class _Scanner:
                 )
             )  # fmt: skip
 
-    def _decode_outcome(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
+    def _outcome_of(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
+        """_decode_outcome for the rare-line handlers, which hold decoded strings."""
+        return self._decode_outcome(
+            rid.encode() if rid else None, room.encode() if room else None, ts.encode(), run
+        )
+
+    def _decode_outcome(self, rid: bytes | None, room: bytes | None, ts: bytes, run: Run) -> DecodeOutcome:
         if room is None and rid is not None:
             room = self.d_rid_room.get(rid)
         if room is not None:
@@ -811,7 +818,7 @@ class _Scanner:
             if rid is not None:
                 self.d_rid_room.setdefault(rid, room)
             return out
-        key = rid or f"?{ts}"
+        key = rid or b"?" + ts
         out = self.d_rids.get(key)
         if out is None:
             out = self.d_rids[key] = DecodeOutcome(time=ts, run=run)
@@ -843,7 +850,7 @@ def _coverage_of(out: DecodeOutcome, prefill_checksum: bool | None) -> str:
         return "unknown"
     if not run.checksum:
         return "absent"
-    if run.checksum_skipped_at is not None and out.time >= run.checksum_skipped_at:
+    if run.checksum_skipped_at is not None and out.time >= run.checksum_skipped_at.encode():
         return "skipped"
     if prefill_checksum is False:
         return "skipped"  # one side only: digest 0, skipped silently
@@ -852,9 +859,9 @@ def _coverage_of(out: DecodeOutcome, prefill_checksum: bool | None) -> str:
 
 def _judge_abort(note: RequestNote, sc: _Scanner, have_decode: bool) -> str:
     """Status of one request aborted on prefill; 'TRANSFERRED' only with evidence of the handoff."""
-    rec = sc.p_records.get(note.rid) if note.rid else None
-    note.room = note.room or (rec.room if rec else None)
-    out = sc.d_rooms.get(note.room) if note.room else None
+    rec = sc.p_records.get(note.rid.encode()) if note.rid else None
+    note.room = note.room or (rec.room.decode() if rec and rec.room else None)
+    out = sc.d_rooms.get(note.room.encode()) if note.room else None
     v = rel.parse_version(note.version)
     fate = rel.stub_fate(v)
     if out is not None and out.completed and not out.failed:
@@ -962,18 +969,18 @@ def scan_logs(
 
     coverage: dict[str, int] = {}
     unverified: list[str] = []
-    for key, out in list(sc.d_rooms.items()) + list(sc.d_rids.items()):
+    for key, out in itertools.chain(sc.d_rooms.items(), sc.d_rids.items()):
         if not (out.completed or out.mismatch):
             continue
         cov = _coverage_of(out, prefill_checksum)
         coverage[cov] = coverage.get(cov, 0) + 1
-        w = sc.win(out.time)
+        w = sc.win(out.time[: sc.wlen].decode())
         w.coverage[cov] = w.coverage.get(cov, 0) + 1
         if cov not in ("verified (inferred)", "mismatch") and len(unverified) < 1000:
-            unverified.append(key)
+            unverified.append(key.decode("utf-8", "replace"))
     for n in sc.notes:
-        if n.side == "decode" and n.room and n.room in sc.d_rooms:
-            n.coverage = _coverage_of(sc.d_rooms[n.room], prefill_checksum)
+        if n.side == "decode" and n.room and n.room.encode() in sc.d_rooms:
+            n.coverage = _coverage_of(sc.d_rooms[n.room.encode()], prefill_checksum)
 
     def count(kind: str) -> int:
         return sum(1 for n in sc.notes if n.kind == kind)

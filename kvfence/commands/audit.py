@@ -185,7 +185,7 @@ def run_sglang(args: argparse.Namespace) -> int:
                 f["context_length"] or "?",
                 f["pool_tokens"] or "?",
                 f["page_size"] or "unknown",
-                f["kv_cache_dtype"],
+                f["kv_cache_dtype"] or "unknown",
                 "on" if f["kv_checksum"] else "off",
                 f["kv_canary"],
             )
