@@ -1,9 +1,10 @@
 """`kvfence audit sglang` and `kvfence audit logs`: operator tools for SGLang PD deployments.
 
 What it knows: the command-line surface of the two audits and how their results are shown
-(aligned text tables on stdout, or one JSON document with `--json`) and turned into an exit code
-(0 clean, 1 warnings, 2 critical). What it does not know: the rules and the log formats; they
-live in kvfence.audit.sglang and kvfence.audit.logs.
+(aligned text tables on stdout, or one JSON document with `--json`; `--sarif FILE` / `--junit FILE` also
+write SARIF 2.1.0 / JUnit XML for CI) and turned into an exit code (0 clean, 1 warnings, 2 critical).
+What it does not know: the rules and the log formats; they live in kvfence.audit.sglang, kvfence.audit.logs
+and kvfence.audit.metrics.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--prefill", metavar="SRC", help="prefill server: URL, JSON file, launch script, or command")
     s.add_argument("--decode", metavar="SRC", help="decode server: URL, JSON file, launch script, or command")
     s.add_argument("--prefill-model-info", metavar="JSON", help="saved /model_info of the prefill server")
+    s.add_argument("--prefill-metrics", metavar="FILE", help="saved /metrics scrape of the prefill server")
+    s.add_argument("--decode-metrics", metavar="FILE", help="saved /metrics scrape of the decode server")
     s.add_argument("--decode-model-info", metavar="JSON", help="saved /model_info of the decode server")
     s.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="environment of both servers")
     s.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VAL")
@@ -48,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per request in seconds")
     s.add_argument("--save-bundle", metavar="DIR", help="save what was read from live URLs as re-auditable JSON")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    _ci_outputs(s)
     s.set_defaults(func=run_sglang)
 
     lg = sub.add_parser(
@@ -64,8 +68,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lg.add_argument("--model", metavar="NAME", help="only count server runs whose model path/name contains NAME")
     lg.add_argument("--window", choices=["minute", "10min", "hour", "day"], default="hour")
     lg.add_argument("--max-requests", type=int, default=50, help="requests listed in the table (JSON lists all)")
+    lg.add_argument("--sglang-version", metavar="X.Y.Z", help="release to judge by when the logs do not tell it")
+    lg.add_argument("--prefill-metrics", metavar="FILE", help="saved /metrics scrape of the prefill server")
+    lg.add_argument("--decode-metrics", metavar="FILE", help="saved /metrics scrape of the decode server")
     lg.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    _ci_outputs(lg)
     lg.set_defaults(func=run_logs)
+
+
+def _ci_outputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sarif", metavar="FILE", help="also write the findings as SARIF 2.1.0 (e.g. for code scanning)")
+    p.add_argument("--junit", metavar="FILE", help="also write one JUnit test case per rule checked")
+
+
+def _write_ci(args: argparse.Namespace, tool: str, rules: list, found: list) -> None:
+    from kvfence import __version__
+
+    for path, text in (
+        (args.sarif, lambda: fnd.dumps(fnd.to_sarif(tool, __version__, rules, found))),
+        (args.junit, lambda: fnd.to_junit(tool, rules, found)),
+    ):
+        if path:
+            try:
+                Path(path).write_text(text(), encoding="utf-8")
+            except OSError as e:
+                raise KvfenceError(f"cannot write {path}: {e}") from e
 
 
 def _usage(p: argparse.ArgumentParser) -> int:
@@ -84,7 +111,7 @@ def _parse_kv(items: list[str], what: str) -> dict[str, str]:
 
 
 def _env_for(args: argparse.Namespace, role: str) -> tuple[dict[str, str], bool]:
-    from kvfence.audit.sglang import parse_env_lines
+    from kvfence.audit.sglang_cli import parse_env_lines
 
     env: dict[str, str] = {}
     files = list(args.env_file) + list(getattr(args, f"{role}_env_file"))
@@ -113,7 +140,13 @@ def run_sglang(args: argparse.Namespace) -> int:
             continue
         env, known = _env_for(args, role)
         snap, bundle = sg.load_snapshot(
-            role, src, env=env, env_known=known, version=args.sglang_version, timeout=args.timeout
+            role,
+            src,
+            env=env,
+            env_known=known,
+            version=args.sglang_version,
+            timeout=args.timeout,
+            metrics_path=getattr(args, f"{role}_metrics"),
         )
         mi_path = getattr(args, f"{role}_model_info")
         if mi_path:
@@ -128,6 +161,7 @@ def run_sglang(args: argparse.Namespace) -> int:
         snaps[role] = snap
     found = fnd.sort_findings(sg.audit(snaps["prefill"], snaps["decode"]))
     code = fnd.exit_code(found)
+    _write_ci(args, "kvfence audit sglang", sg.RULES, found)
     if args.json:
         doc = {
             "tool": "kvfence audit sglang",
@@ -150,8 +184,8 @@ def run_sglang(args: argparse.Namespace) -> int:
                 f["pool_kind"] or "?",
                 f["context_length"] or "?",
                 f["pool_tokens"] or "?",
-                f["page_size"] or "?",
-                f["kv_cache_dtype"],
+                f["page_size"] or "unknown",
+                f["kv_cache_dtype"] or "unknown",
                 "on" if f["kv_checksum"] else "off",
                 f["kv_canary"],
             )
@@ -172,6 +206,8 @@ def run_sglang(args: argparse.Namespace) -> int:
 
 def run_logs(args: argparse.Namespace) -> int:
     from kvfence.audit import logs as lg
+    from kvfence.audit import metrics as mt
+    from kvfence.audit.sglang import RULES as SG_RULES
 
     report = lg.scan_logs(
         args.prefill_log,
@@ -180,10 +216,31 @@ def run_logs(args: argparse.Namespace) -> int:
         until=args.until,
         model=args.model,
         window=args.window,
+        version=args.sglang_version,
     )
+    metrics = {}
+    for role in ("prefill", "decode"):
+        path = getattr(args, f"{role}_metrics")
+        if path:
+            try:
+                text = Path(path).read_text(encoding="utf-8", errors="replace")
+            except OSError as e:
+                raise KvfenceError(f"cannot read {path}: {e}") from e
+            snap = mt.parse_metrics(text, path)
+            metrics[role] = snap.facts()
+            report.findings += mt.metric_findings(snap, role, pool_rule=True)
+    rules = list(lg.RULES)
+    if metrics:
+        rules += [r for r in SG_RULES if r.id.startswith("metrics-")]
+        rules.append(fnd.Rule("metrics-pool-below-context", "the scrape shows a pool below the context length"))
+    report.findings = fnd.sort_findings(report.findings)
     code = fnd.exit_code(report.findings)
+    _write_ci(args, "kvfence audit logs", rules, report.findings)
     if args.json:
-        print(fnd.dumps({"tool": "kvfence audit logs", "exit_code": code, **report.to_dict()}))
+        doc = {"tool": "kvfence audit logs", "exit_code": code, **report.to_dict()}
+        if metrics:
+            doc["metrics"] = metrics
+        print(fnd.dumps(doc))
         return code
     sys.stdout.write(lg.render_report(report, max_requests=args.max_requests))
     return code
