@@ -8,9 +8,7 @@ Every test here runs the real TCP transport threads and sockets.
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 import time
 
 import torch
@@ -24,31 +22,15 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import SendStatus, SlotStatus, TransferConfig
 from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
+from tests.helpers import kv as helpers
+from tests.helpers.kv import frame, wait_for
 
 LAYOUT = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float32)
 BPP = LAYOUT.bytes_per_page
 
 
 def seeded_pool(num_pages: int, seed: int, layout: KVLayout = LAYOUT) -> KVPool:
-    pool = KVPool(layout, num_pages)
-    g = torch.Generator().manual_seed(seed)
-    for layer in pool.tensors:
-        for t in layer.values():
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-    return pool
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.002)
-
-
-def frame(header: dict, payload: bytes = b"", payload_len: int | None = None) -> bytes:
-    """A frame in the TCP transport's wire format; `payload_len` may announce more than `payload` carries."""
-    hb = json.dumps(header).encode()
-    return struct.pack("<II", len(hb), len(payload) if payload_len is None else payload_len) + hb + payload
+    return helpers.seeded_pool(layout, num_pages, seed)
 
 
 class StalledPrefill:

@@ -39,6 +39,7 @@ from kvfence.transfer.mooncake_engine import (
     lane_queue_limit,
     mooncake_available,
 )
+from tests.helpers.kv import frame, seed_pool
 from tests.test_faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
 
 LAYOUT = KVLayout(
@@ -46,13 +47,6 @@ LAYOUT = KVLayout(
 )
 NUM_PAGES = 320  # 4 (layer, buffer) slices a page: 300 reversed pages are 1,200 entries, above the lane queue
 FAULT_CONFIG = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
-
-
-def seed_pool(pool: KVPool, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for layer in pool.tensors:
-        for t in layer.values():
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
 # -- needs no engine ------------------------------------------------------------------------------------------
@@ -255,11 +249,6 @@ def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences
         assert alloc.num_free == NUM_PAGES
 
 
-def _frame(header: dict, payload: bytes = b"") -> bytes:
-    hb = json.dumps(header).encode()
-    return struct.pack("<II", len(hb), len(payload)) + hb + payload
-
-
 def _read_frame(s: socket.socket) -> dict:
     hlen, plen = struct.unpack("<II", s.recv(8, socket.MSG_WAITALL))
     header = json.loads(s.recv(hlen, socket.MSG_WAITALL))
@@ -280,10 +269,10 @@ def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_th
             assert hello["t"] == "hello" and hello["session"] == rig.receiver.endpoint.session_id
             assert len(hello["bases"]) == 4 and len(hello["regions"]) == 4
             if get_table:
-                s.sendall(_frame({"t": "manifest", "rid": rid, "xid": "x"}, m.to_bytes()))
+                s.sendall(frame({"t": "manifest", "rid": rid, "xid": "x"}, m.to_bytes()))
                 assert _read_frame(s) == {"t": "dest", "rid": rid, "xid": "x", "pages": dec.pages}
             else:  # a malformed manifest is refused, so no page table goes out
-                s.sendall(_frame({"t": "manifest", "rid": rid, "xid": "x"}, b"{not a manifest"))
+                s.sendall(frame({"t": "manifest", "rid": rid, "xid": "x"}, b"{not a manifest"))
                 assert _read_frame(s)["t"] == "error"
         drive(dec, until=lambda dec=dec: dec.state == DecodeState.FAILED)
         assert dec.record.reason == "transfer_error"
@@ -299,7 +288,7 @@ def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_th
         assert dec.overdue and not dec.released and rig.d_alloc.num_quarantined == 2
         with socket.create_connection(parse_address(rig.receiver.address)) as s:  # the sender, reconnected
             assert _read_frame(s)["t"] == "hello"
-            s.sendall(_frame({"t": "fenced", "rid": rid, "xid": "x"}))
+            s.sendall(frame({"t": "fenced", "rid": rid, "xid": "x"}))
             drive(dec, until=lambda dec=dec: dec.released)
         assert rig.d_alloc.num_quarantined == 0
     assert rig.d_alloc.num_free == NUM_PAGES

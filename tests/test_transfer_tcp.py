@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -23,25 +22,15 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
+from tests.helpers import kv as helpers
+from tests.helpers.kv import frame, wait_for
 
 LAYOUT = KVLayout("Qwen3ForCausalLM", 3, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float16)
 N = 24
 
 
 def seeded_pool(seed: int) -> KVPool:
-    pool = KVPool(LAYOUT, N)
-    g = torch.Generator().manual_seed(seed)
-    for layer in pool.tensors:
-        for t in layer.values():
-            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-    return pool
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.001)
+    return helpers.seeded_pool(LAYOUT, N, seed)
 
 
 def test_handoff_between_two_processes_over_tcp() -> None:
@@ -114,11 +103,6 @@ def test_chunks_and_bytes_in_flight_are_bounded(transport: str) -> None:
     receiver.close()
 
 
-def _frame(header: dict, payload: bytes = b"") -> bytes:
-    hb = json.dumps(header).encode()
-    return struct.pack("<II", len(hb), len(payload)) + hb + payload
-
-
 def test_wire_format_and_a_connection_lost_mid_transfer_fails_the_request() -> None:
     src, d_pool, d_alloc = seeded_pool(2), KVPool(LAYOUT, N), PageAllocator(N)
     receiver = TcpReceiver(d_pool)
@@ -128,8 +112,8 @@ def test_wire_format_and_a_connection_lost_mid_transfer_fails_the_request() -> N
     m = build_manifest("r", "x", ids, src, [0, 1, 2, 3])
     bpp = LAYOUT.bytes_per_page
     with socket.create_connection(parse_address(receiver.address)) as s:
-        s.sendall(_frame({"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes()))
-        s.sendall(_frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
+        s.sendall(frame({"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes()))
+        s.sendall(frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
                          src.read_page(0) + src.read_page(1)))  # fmt: skip
         prefix = s.recv(8, socket.MSG_WAITALL)
         hlen, plen = struct.unpack("<II", prefix)
@@ -165,9 +149,9 @@ def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -
     bpp = LAYOUT.bytes_per_page
     with socket.create_connection(parse_address(receiver.address)) as s:
         s.sendall(
-            _frame({"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, src, [0, 1]).to_bytes())
+            frame({"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, src, [0, 1]).to_bytes())
         )
-        s.sendall(_frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp)))
+        s.sendall(frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp)))
         assert s.recv(1) == b""  # the receiver hung up
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "transfer_error"

@@ -126,25 +126,11 @@ class DecodeWorker:
             if self.config.transport == "local":
                 raise KvfenceError("decode: an in-process (local) transport needs its receiver passed in")
             if self.config.transport == "mooncake":
-                from kvfence.transfer.mooncake import MooncakeReceiver
-
-                receiver = MooncakeReceiver(
-                    engine.pool,
-                    self.config.listen_host,
-                    self.config.listen_port,
-                    faults,
-                    io_timeout_s=self.config.io_timeout_s,
-                )
+                from kvfence.transfer.mooncake import MooncakeReceiver as receiver_cls
             else:
-                from kvfence.transfer.tcp import TcpReceiver
-
-                receiver = TcpReceiver(
-                    engine.pool,
-                    self.config.listen_host,
-                    self.config.listen_port,
-                    faults,
-                    io_timeout_s=self.config.io_timeout_s,
-                )
+                from kvfence.transfer.tcp import TcpReceiver as receiver_cls
+            c = self.config
+            receiver = receiver_cls(engine.pool, c.listen_host, c.listen_port, faults, io_timeout_s=c.io_timeout_s)
         self.receiver = receiver
         self.metrics = metrics if metrics is not None else IntegrityMetrics()
         self._pages = _EngineReservations(engine)

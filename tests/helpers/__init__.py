@@ -1,0 +1,1 @@
+"""Scaffolding shared by the tests (pools with known bytes, polling, wire frames); no test lives here."""
