@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.audit import sglang as sg
+from kvfence.audit import sglang_server as srv
 from kvfence.audit.findings import Severity, exit_code
 from kvfence.audit.sglang_cli import parse_launch_command
 from kvfence.cli import main
@@ -30,14 +31,14 @@ def _bundle(role: str, model: str = "llama", **overrides) -> dict:
     return {"server_info": info, "model_info": _load(f"model_info_{model}.json")}
 
 
-def _snap(role: str, model: str = "llama", env: dict | None = None, **overrides) -> sg.ServerSnapshot:
+def _snap(role: str, model: str = "llama", env: dict | None = None, **overrides) -> srv.ServerSnapshot:
     b = _bundle(role, model, **overrides)
     if env is not None:
         b["env"] = env
-    return sg.snapshot_from_bundle(role, f"{role}.json", b)
+    return srv.snapshot_from_bundle(role, f"{role}.json", b)
 
 
-GOOD_ENV = {sg.ENV_MOONCAKE_BATCH: "1024", sg.ENV_DEFERRED_RELEASE: "1"}
+GOOD_ENV = {srv.ENV_MOONCAKE_BATCH: "1024", srv.ENV_DEFERRED_RELEASE: "1"}
 
 
 def _rules(findings) -> dict[str, Severity]:
@@ -80,16 +81,16 @@ def test_pool_from_internal_states_and_context_from_v1_models():
     b["server_info"]["internal_states"][0]["memory_usage"]["token_capacity"] = 16000
     b["server_info"]["internal_states"][0]["context_length"] = None
     b["v1_models"] = _load("v1_models_llama.json")
-    s = sg.snapshot_from_bundle("prefill", "x", b)
-    assert sg.context_length(s) == (32768, "/v1/models max_model_len")
-    assert sg.pool_tokens(s).value == 16000
+    s = srv.snapshot_from_bundle("prefill", "x", b)
+    assert srv.context_length(s) == (32768, "/v1/models max_model_len")
+    assert srv.pool_tokens(s).value == 16000
     assert "context-exceeds-pool" in _rules(sg.audit(s, None))
 
 
 def test_server_info_without_context_length_uses_max_req_input_len(capsys):
     # --context-length not given: context_length is None, but max_req_input_len = pool - 6 shows the pool binds
     path = str(FIX / "server_info_decode_0.5.23_no_context.json")
-    code = main(["audit", "sglang", "--decode", path, "--env", f"{sg.ENV_MOONCAKE_BATCH}=64", "--json"])
+    code = main(["audit", "sglang", "--decode", path, "--env", f"{srv.ENV_MOONCAKE_BATCH}=64", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 1 and [f["rule"] for f in doc["findings"] if f["severity"] != "info"] == ["pool-bounds-prompts"]
     assert doc["servers"]["decode"]["max_req_input_len"] == 19994
@@ -99,8 +100,8 @@ def test_context_from_metrics_scrape():
     b = _bundle("decode", context_length=None, max_total_num_tokens=None, max_req_input_len=None, launch_command=None)
     b["server_info"]["internal_states"] = []
     b["metrics"] = (FIX / "metrics_decode_0.5.23.txt").read_text()
-    s = sg.snapshot_from_bundle("decode", "d.json", b)
-    assert sg.context_length(s).value == 32768 and sg.pool_tokens(s).value == 20000
+    s = srv.snapshot_from_bundle("decode", "d.json", b)
+    assert srv.context_length(s).value == 32768 and srv.pool_tokens(s).value == 20000
     rules = _rules(sg.audit(None, s))
     assert rules["context-exceeds-pool"] == Severity.WARNING
     assert rules["metrics-transfer-failures"] == rules["metrics-deferred-release-timeouts"] == Severity.WARNING
@@ -108,9 +109,9 @@ def test_context_from_metrics_scrape():
 
 def test_environment_exposed_in_server_info():
     b = _bundle("decode")
-    b["server_info"]["internal_states"][0]["env_vars"] = {sg.ENV_DEFERRED_RELEASE: "0", sg.ENV_MOONCAKE_BATCH: "64"}
-    s = sg.snapshot_from_bundle("decode", "d.json", b)
-    assert s.env_known and sg.mooncake_batch_limit(s).value == 64
+    b["server_info"]["internal_states"][0]["env_vars"] = {srv.ENV_DEFERRED_RELEASE: "0", srv.ENV_MOONCAKE_BATCH: "64"}
+    s = srv.snapshot_from_bundle("decode", "d.json", b)
+    assert s.env_known and srv.mooncake_batch_limit(s).value == 64
     found = [f for f in sg.audit(None, s) if f.rule == "deferred-decode-release-off"]
     assert found and "internal_states[].env_vars" in found[0].message
 
@@ -139,7 +140,7 @@ def test_prefill_decode_mismatch(key, p_val, d_val, rule):
 
 def test_model_mismatch_from_model_info_architectures():
     p = _snap("prefill", env=GOOD_ENV)
-    d = sg.snapshot_from_bundle(
+    d = srv.snapshot_from_bundle(
         "decode", "d", {**_bundle("decode"), "model_info": _load("model_info_deepseek_v3.json"), "env": GOOD_ENV}
     )
     assert _rules(sg.audit(p, d)).get("pd-model-mismatch") == Severity.CRITICAL
@@ -161,7 +162,7 @@ def test_checksum_on_one_side_only():
 def test_page_size_unknown_is_never_a_mismatch():
     p = _snap("prefill", env=GOOD_ENV, page_size=64)
     d = _snap("decode", env=GOOD_ENV, page_size=None)
-    assert sg.page_size(d).value is None and sg.page_size(d).source.startswith("unknown")
+    assert srv.page_size(d).value is None and srv.page_size(d).source.startswith("unknown")
     rules = _rules(sg.audit(p, d))
     assert "pd-page-size-mismatch" not in rules and "kv-checksum-skipped-layout" not in rules
 
@@ -206,7 +207,7 @@ def test_no_checksum_advice_for_releases_without_it():
 
 
 def test_kvfence_suggestions_are_not_called_sglang_defaults():
-    env = {sg.ENV_DEFERRED_RELEASE: "1"}
+    env = {srv.ENV_DEFERRED_RELEASE: "1"}
     f = next(f for f in sg.audit(_snap("prefill", env=env), None) if f.rule == "mooncake-unbounded-batch")
     assert "kvfence's suggestion: 1024" in f.fix and "SGLang's default 0" in f.fix
 
@@ -226,12 +227,12 @@ def test_canary_set_for_unsupported_pool(model):
 
 
 def test_pool_kind_detection_from_model_info():
-    kinds = {m: sg.pool_kind(_snap("prefill", model=m))[0] for m in ["llama", "deepseek_v3", "glm5", "deepseek_v4"]}
+    kinds = {m: srv.pool_kind(_snap("prefill", model=m))[0] for m in ["llama", "deepseek_v3", "glm5", "deepseek_v4"]}
     assert kinds == {"llama": "mha", "deepseek_v3": "mla", "glm5": "dsa", "deepseek_v4": "dsv4"}
 
 
 def test_deferred_release_explicitly_off_on_decode():
-    env = {**GOOD_ENV, sg.ENV_DEFERRED_RELEASE: "0"}
+    env = {**GOOD_ENV, srv.ENV_DEFERRED_RELEASE: "0"}
     found = [f for f in sg.audit(_snap("prefill", env=GOOD_ENV), _snap("decode", env=env)) if "deferred" in f.rule]
     assert [(f.rule, f.role, f.severity) for f in found] == [
         ("deferred-decode-release-off", "decode", Severity.CRITICAL)
@@ -239,7 +240,7 @@ def test_deferred_release_explicitly_off_on_decode():
 
 
 def test_deferred_release_default_depends_on_version():
-    env = {sg.ENV_MOONCAKE_BATCH: "1024"}  # no deferred-release variable: the version default decides
+    env = {srv.ENV_MOONCAKE_BATCH: "1024"}  # no deferred-release variable: the version default decides
     old = _snap("decode", env=env, version="0.5.20")
     new = _snap("decode", env=env, version="0.5.21")
     assert "deferred-decode-release-off" in _rules(sg.audit(None, old))
@@ -261,7 +262,7 @@ def test_deferred_release_depends_on_backend_and_release(version, backend, suppo
 
 
 def test_mooncake_unbounded_batches():
-    env = {sg.ENV_MOONCAKE_BATCH: "0", sg.ENV_DEFERRED_RELEASE: "1"}
+    env = {srv.ENV_MOONCAKE_BATCH: "0", srv.ENV_DEFERRED_RELEASE: "1"}
     found = [f for f in sg.audit(_snap("prefill", env=env), None) if f.rule == "mooncake-unbounded-batch"]
     assert len(found) == 1 and found[0].severity == Severity.WARNING
     nixl = _snap("prefill", env=env, disaggregation_transfer_backend="nixl")
@@ -276,7 +277,7 @@ def test_allow_auto_truncate():
 
 
 def test_role_mode_mismatch():
-    s = sg.snapshot_from_bundle("prefill", "x", _bundle("decode"))  # decode server passed as prefill
+    s = srv.snapshot_from_bundle("prefill", "x", _bundle("decode"))  # decode server passed as prefill
     assert _rules(sg.audit(s, None)).get("role-mode-mismatch") == Severity.CRITICAL
 
 

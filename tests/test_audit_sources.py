@@ -27,6 +27,7 @@ from kvfence.audit import metrics as mt
 from kvfence.audit import sglang as sg
 from kvfence.audit import sglang_flags
 from kvfence.audit import sglang_releases as rel
+from kvfence.audit import sglang_server as srv
 from kvfence.audit.sglang_cli import human_readable_int
 from tests import sglang_wheels as wh
 
@@ -178,7 +179,7 @@ def test_flags_named_in_advice_exist_in_sglang():
         texts += [f.message + " " + f.fix for f in lg.scan_logs(str(path)).findings]
     for name in ("launch_prefill_0.5.19.sh", "launch_decode_0.5.19.sh", "server_info_decode_0.5.23_no_context.json"):
         for version in ("0.5.19", "0.5.21", "0.5.23"):
-            snap, _ = sg.load_snapshot("decode", str(FIX / name), version=version)
+            snap, _ = srv.load_snapshot("decode", str(FIX / name), version=version)
             texts += [f.message + " " + f.fix for f in sg.audit(snap, snap)]
     texts += [r.summary for r in lg.RULES + sg.RULES]
     named = {m for t in texts for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", t)}

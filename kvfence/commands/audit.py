@@ -3,8 +3,8 @@
 What it knows: the command-line surface of the two audits and how their results are shown
 (aligned text tables on stdout, or one JSON document with `--json`; `--sarif FILE` / `--junit FILE` also
 write SARIF 2.1.0 / JUnit XML for CI) and turned into an exit code (0 clean, 1 warnings, 2 critical).
-What it does not know: the rules and the log formats; they live in kvfence.audit.sglang, kvfence.audit.logs
-and kvfence.audit.metrics.
+What it does not know: the rules and the log formats; they live in kvfence.audit.sglang (rules),
+kvfence.audit.sglang_server (reading a server), kvfence.audit.logs and kvfence.audit.metrics.
 """
 
 from __future__ import annotations
@@ -130,16 +130,17 @@ def run_sglang(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvfence.audit import sglang as sg
+    from kvfence.audit import sglang_server as srv
 
     if not args.prefill and not args.decode:
         raise KvfenceError("give --prefill and/or --decode (URL, JSON file, launch script, or command)")
-    snaps: dict[str, sg.ServerSnapshot | None] = {"prefill": None, "decode": None}
+    snaps: dict[str, srv.ServerSnapshot | None] = {"prefill": None, "decode": None}
     for role in ("prefill", "decode"):
         src = getattr(args, role)
         if not src:
             continue
         env, known = _env_for(args, role)
-        snap, bundle = sg.load_snapshot(
+        snap, bundle = srv.load_snapshot(
             role,
             src,
             env=env,
@@ -167,7 +168,7 @@ def run_sglang(args: argparse.Namespace) -> int:
             "tool": "kvfence audit sglang",
             "exit_code": code,
             "findings": [f.to_dict() for f in found],
-            "servers": {r: sg.facts(s) for r, s in snaps.items() if s is not None},
+            "servers": {r: srv.facts(s) for r, s in snaps.items() if s is not None},
         }
         print(fnd.dumps(doc))
         return code
@@ -175,7 +176,7 @@ def run_sglang(args: argparse.Namespace) -> int:
     for role, s in snaps.items():
         if s is None:
             continue
-        f = sg.facts(s)
+        f = srv.facts(s)
         rows.append(
             (
                 role,
