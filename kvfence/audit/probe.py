@@ -35,11 +35,12 @@ import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from kvfence.audit.findings import Finding, Severity
+from kvfence.audit.probe_verdict import Reply, ServerFacts, judge
 from kvfence.errors import KvfenceError
 
 FILLER = " the"
@@ -63,10 +64,6 @@ def _error_text(doc: Any, raw: str) -> str:
         if isinstance(msg, str) and msg:
             return msg[:300]
     return raw[:300]
-
-
-def _first_difference(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(frozen=True)
@@ -94,33 +91,6 @@ class ProbeConfig:
         assert self.max_requests > 0 and self.concurrency > 0 and self.time_budget_s > 0
         assert self.max_tokens > 0 and self.golden >= 0 and self.canaries >= 0 and self.aborts >= 0
         assert self.churn >= 0
-
-
-@dataclass
-class Reply:
-    check: str
-    sent_tokens: int | None
-    status: int  # HTTP status; 0 for a transport error or timeout; -1 when we aborted it ourselves
-    text: str = ""
-    prompt_tokens: int | None = None
-    error: str = ""
-    canary: str | None = None
-    server_integrity: str | None = None  # kvfence's own `kvfence.integrity.status`, when the reply has one
-
-    @property
-    def failed(self) -> bool:
-        """A server-side failure: 5xx, transport error/timeout, or an error inside a stream we read."""
-        return self.status >= 500 or self.status == 0 or (self.status == -1 and bool(self.error))
-
-
-@dataclass
-class ServerFacts:
-    context_length: int | None = None
-    context_source: str = "unknown"
-    pool_tokens: int | None = None
-    pool_source: str = "unknown"
-    counter: str = "unknown"  # "/tokenize", "usage.prompt_tokens calibration" or "unavailable: <why>"
-    models: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -527,7 +497,17 @@ class Prober:
                         await self.complete("over-pool", prompt, n, max_tokens=1)
             await self.burst(golden, ctx, pool)
             after = [await self.complete("golden-after", p, None) for p in golden]
-            findings = self.judge(golden, base, after, replay)
+            findings = judge(
+                self.replies,
+                self.facts,
+                base,
+                after,
+                replay,
+                exact_counts=self.has_tokenize,
+                sized=self.sized,
+                expect_deterministic=self.cfg.expect_deterministic,
+                stopped=self.budget.stopped,
+            )
         finally:
             self.bar.close()
             await self.client.aclose()
@@ -574,218 +554,6 @@ class Prober:
         order = list(range(len(tasks)))
         order = order[::2] + order[1::2]  # interleave kinds
         await asyncio.gather(*(tasks[i] for i in order))
-
-    # -- judgement -----------------------------------------------------------------------------
-    def judge(
-        self,
-        golden: list[str],
-        base: list[Reply | None],
-        after: list[Reply | None],
-        replay: list[Reply | None] | None = None,
-    ) -> list[Finding]:
-        out: list[Finding] = []
-        ctx = self.facts.context_length
-        # Over-length / over-pool accepted, and prompt-token accounting.
-        for r in self.replies:
-            if r.status != 200 or r.sent_tokens is None:
-                continue
-            over_ctx = ctx is not None and r.sent_tokens > ctx
-            at_ctx = ctx is not None and r.sent_tokens == ctx
-            pool = self.facts.pool_tokens
-            over_pool = pool is not None and r.sent_tokens > pool
-            if r.check in ("boundary", "overlength-burst") and over_ctx:
-                out.append(
-                    Finding(
-                        "overlength-accepted",
-                        Severity.CRITICAL,
-                        r.check,
-                        f"a {r.sent_tokens}-token prompt (context {ctx}) got HTTP 200 "
-                        f"(usage.prompt_tokens={r.prompt_tokens})",
-                        "reject prompts above the context length with 400 on every side (router, prefill, decode)",
-                    )
-                )
-            elif r.check == "boundary" and at_ctx:
-                out.append(
-                    Finding(
-                        "context-filled-accepted",
-                        Severity.WARNING,
-                        r.check,
-                        f"a prompt of exactly the context length ({ctx} tokens) got HTTP 200; no room is left for "
-                        "a generated token",
-                        "reject prompts with prompt_tokens >= context length",
-                    )
-                )
-            elif over_pool and r.check in ("over-pool", "overlength-burst"):
-                out.append(
-                    Finding(
-                        "over-pool-accepted",
-                        Severity.CRITICAL,
-                        r.check,
-                        f"a {r.sent_tokens}-token prompt, larger than the {pool}-token KV pool, got HTTP 200",
-                        "keep context length <= KV pool on both sides, or reject such prompts with 400",
-                    )
-                )
-            if r.prompt_tokens is None:
-                continue
-            diff = abs(r.prompt_tokens - r.sent_tokens)
-            exact = self.has_tokenize and r.check in ("boundary", "over-pool")  # sized and verified by /tokenize
-            if (exact and diff > 0) or diff > max(2, r.sent_tokens // 50):
-                sig = " (placeholder signature: a 1-token stub was served)" if r.prompt_tokens <= 1 else ""
-                out.append(
-                    Finding(
-                        "prompt-tokens-mismatch",
-                        Severity.CRITICAL,
-                        r.check,
-                        f"sent {r.sent_tokens} prompt tokens, the reply counted "
-                        f"usage.prompt_tokens={r.prompt_tokens}{sig}",
-                        "the answer was computed from a different prompt than the one sent; do not trust it",
-                    )
-                )
-        for r in self.replies:
-            if r.check in ("boundary", "overlength-burst", "over-pool") and r.status >= 500:
-                out.append(
-                    Finding(
-                        "overlength-5xx",
-                        Severity.WARNING,
-                        r.check,
-                        f"a {r.sent_tokens}-token prompt failed with HTTP {r.status} instead of a 400",
-                        "validate prompt length before scheduling so clients get a clear 400",
-                    )
-                )
-        # Canary leak.
-        planted = {r.canary for r in self.replies if r.canary}
-        for r in self.replies:
-            for code in planted:
-                if code != r.canary and code in r.text:
-                    out.append(
-                        Finding(
-                            "canary-leak",
-                            Severity.CRITICAL,
-                            "canary",
-                            f"canary {code} planted in another request appeared in the output of a {r.check} request",
-                            "cross-request KV leak: stop serving, audit the deployment and logs "
-                            "(kvfence audit sglang / logs)",
-                        )
-                    )
-        # Golden drift: the same prompt at temperature 0 must get the same answer whatever ran before or beside it.
-        drift_sev = Severity.CRITICAL if self.cfg.expect_deterministic else Severity.WARNING
-        drift_fix = (
-            "this server is expected to be deterministic: an answer that depends on other traffic means decode "
-            "read KV it did not compute for this prompt (unwritten or stale pages); stop serving and audit the "
-            "KV handoff (kvfence audit sglang / logs)"
-            if self.cfg.expect_deterministic
-            else "some kernels are not batch-invariant and prefix-cache hits change numerics; if the drift is large, "
-            "shows foreign text, or the server should be deterministic (--expect-deterministic), treat it as a leak"
-        )
-
-        def compare(later: list[Reply | None], rule: str, check: str, when: str) -> None:
-            changed = []
-            for i, b in enumerate(base):
-                a = later[i] if i < len(later) else None
-                if b is None or a is None or b.status != 200 or a.status != 200:
-                    continue
-                if a.text != b.text:
-                    changed.append((i, _first_difference(a.text, b.text), len(b.text)))
-            if changed:
-                i, at, n = changed[0]
-                out.append(
-                    Finding(
-                        rule,
-                        drift_sev,
-                        check,
-                        f"{len(changed)} golden prompt(s) answered differently {when} at temperature 0 (first: prompt "
-                        f"{i}, the {n}-character answer differs from character {at})",
-                        drift_fix,
-                    )
-                )
-
-        compare(replay or [], "golden-drift-replay", "golden-replay", "when replayed idle after unrelated requests")
-        compare(after, "golden-drift-after-load", "golden-after", "idle before and after the burst")
-        load = [r for r in self.replies if r.check == "golden-load"]
-        base_texts = [b.text for b in base if b is not None and b.status == 200]
-        drift = [r for r in load if r.status == 200 and r.text not in base_texts]
-        if drift and base_texts:
-            out.append(
-                Finding(
-                    "golden-drift-under-load",
-                    drift_sev,
-                    "golden-load",
-                    f"{len(drift)} of {len(load)} golden answers changed under load at temperature 0",
-                    drift_fix,
-                )
-            )
-        # Server errors on requests within the limits: not a leak, but every one is a request the server failed.
-        in_limit = ("calibration", "golden-idle", "golden-replay", "churn", "canary", "golden-load", "golden-after")
-        rs = [r for r in self.replies if r.check in in_limit or r.check == "midstream-abort"]
-        bad = [r for r in rs if r.failed]
-        if bad:
-            kinds = [f"HTTP {code}" for code in sorted({r.status for r in bad if r.status > 0})]
-            kinds += ["transport/stream errors"] if any(r.status <= 0 for r in bad) else []
-            how = " and ".join(kinds)
-            checks = ", ".join(sorted({r.check for r in bad}))
-            out.append(
-                Finding(
-                    "server-errors",
-                    Severity.WARNING,
-                    "server",
-                    f"{len(bad)} of {len(rs)} requests within the limits failed ({how}; checks: {checks}); "
-                    f"first: {bad[0].error}",
-                    "read the server's error and logs; a server that refuses to decode over KV it cannot verify "
-                    "fails requests like this instead of answering from the wrong pages",
-                )
-            )
-        unverified = [r for r in self.replies if r.server_integrity == "unverified"]
-        if unverified:
-            out.append(
-                Finding(
-                    "handoff-unverified",
-                    Severity.WARNING,
-                    "server",
-                    f"the server itself marked {len(unverified)} of {len(self.replies)} replies' KV handoff "
-                    "'unverified' (kvfence.integrity)",
-                    "turn KV handoff verification back on (drop --no-verify)",
-                )
-            )
-        if ctx is None or not self.sized:
-            why = "context length unknown" if ctx is None else f"prompt tokens cannot be counted ({self.facts.counter})"
-            out.append(
-                Finding(
-                    "boundary-skipped",
-                    Severity.INFO,
-                    "boundary",
-                    f"{why}: boundary, over-pool and over-length checks skipped",
-                    "pass --context-length (and --pool-tokens); the server must answer /tokenize or usage",
-                )
-            )
-        if self.budget.stopped:
-            out.append(
-                Finding(
-                    "probe-truncated",
-                    Severity.INFO,
-                    "probe",
-                    f"stopped early: {self.budget.stopped}; some checks ran partially",
-                    "raise --max-requests or --time-budget",
-                )
-            )
-        # One finding per (rule, check, message); more than two of a kind fold into one with a count.
-        seen, unique = set(), []
-        for f in out:
-            key = (f.rule, f.role, f.message)
-            if key not in seen:
-                seen.add(key)
-                unique.append(f)
-        groups: dict[tuple[str, str], list[Finding]] = {}
-        for f in unique:
-            groups.setdefault((f.rule, f.role), []).append(f)
-        folded = []
-        for fs in groups.values():
-            if len(fs) <= 2:
-                folded += fs
-            else:
-                first = fs[0]
-                msg = f"{len(fs)} replies; first: {first.message}"
-                folded.append(Finding(first.rule, first.severity, first.role, msg, first.fix))
-        return folded
 
 
 def run_probe(cfg: ProbeConfig) -> ProbeReport:
