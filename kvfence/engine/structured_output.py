@@ -23,6 +23,9 @@ import torch
 from kvfence.engine.sampling_params import StructuredOutputs
 from kvfence.errors import InvalidRequestError
 
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'  # a string character as xgrammar bounds strings: control characters allowed
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'  # what JSON allows unescaped in a string
+
 
 def _hf_wrapper(tokenizer: Any) -> Any:
     """A transformers tokenizer over our `tokenizers` backend (what xgrammar reads vocabularies from)."""
@@ -61,8 +64,14 @@ class GrammarCompiler:
         """The compiled grammar of `spec`; InvalidRequestError (param response_format) when it cannot be built."""
         try:
             if spec.json_object:
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
+                schema, strict = '{"type": "object"}', False  # strict mode would allow only {}
+            else:
+                schema, strict = spec.json, True  # as vLLM compiles a schema
+            ebnf = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+            # xgrammar 0.2 writes length-bounded strings as [^"\\\r\n]{m,n}, which lets control characters
+            # (invalid in JSON, e.g. \x02) through; they are excluded as in its own unbounded strings
+            ebnf = ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+            return self._compiler.compile_grammar(ebnf)
         except (RuntimeError, ValueError) as e:
             detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(
