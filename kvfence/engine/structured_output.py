@@ -11,7 +11,7 @@ that were actually appended. A schema xgrammar cannot compile is an
 `InvalidRequestError` on `response_format`.
 
 What it does not know: sampling, scheduling or HTTP. Why xgrammar and not llguidance or
-outlines-core: `kvfence bench grammar` (numbers in docs/benchmarks.md).
+outlines-core: `python -m kvfence.bench.grammar` (numbers in docs/benchmarks.md).
 """
 
 from __future__ import annotations
