@@ -88,11 +88,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     context_length: int | None = None  # override of the model's own (config.json) context length
-    seed: int = 0  # seeds requests that give no seed of their own
+    seed: int | None = 0  # seeds requests that give no seed of their own; None: random per engine start
 
     def __post_init__(self) -> None:
         _positive("context_length (--context-length)", self.context_length, allow_none=True)
-        if not isinstance(self.seed, int):
+        if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
 
@@ -167,7 +167,7 @@ def add_engine_arguments(parser: Any) -> None:
     )
 
 
-def engine_config_from_args(args: Any, model_dir: str, seed: int = 0) -> EngineConfig:
+def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> EngineConfig:
     """An EngineConfig from the flags of `add_engine_arguments` (model_dir already resolved)."""
     chunk = args.chunked_prefill_size
     return EngineConfig(

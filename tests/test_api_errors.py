@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from kvfence.errors import InvalidRequestError
-from kvfence.server.api import _SAMPLING_FIELDS
 from tests.test_api_fakes import MODEL, FakeEngine, serve
 
 MAX_BODY = 64 * 1024  # small cap so the oversized cases stay cheap
@@ -87,7 +86,7 @@ def test_invalid_utf8_nan_deep_nesting_and_lone_surrogate(base_url: str, engine:
         ("max_tokens", 5.0, "invalid_type"),
         ("max_tokens", True, "invalid_type"),
         ("max_tokens", -1, "invalid_value"),
-        ("max_tokens", 0, "invalid_value"),
+        ("max_tokens", -1, "invalid_value"),
         ("max_tokens", 10**30, "invalid_value"),
         ("temperature", "hot", "invalid_type"),
         ("temperature", 2.5, "invalid_value"),
@@ -146,26 +145,44 @@ def test_huge_max_tokens_is_context_length_exceeded(base_url: str, engine: FakeE
 
 
 def test_unsupported_values_are_refused_not_ignored(base_url: str, engine: FakeEngine) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     cases = [
-        ("/v1/completions", good(echo=True), "echo"),
         ("/v1/completions", good(best_of=3), "best_of"),
-        ("/v1/completions", good(presence_penalty=0.5), "presence_penalty"),
-        ("/v1/completions", good(logit_bias={"5": 1.0}), "logit_bias"),
-        ("/v1/completions", good(logprobs=2), "logprobs"),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-            "tools",
-        ),
+        ("/v1/completions", good(suffix="end"), "suffix"),
+        ("/v1/completions", good(min_p=0.1), "min_p"),
+        ("/v1/completions", good(prompt_logprobs=1), "prompt_logprobs"),
+        ("/v1/completions", good(guided_json={"type": "object"}), "guided_json"),
+        ("/v1/chat/completions", {**chat, "tools": [{}]}, "tools"),
+        ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
+        ("/v1/chat/completions", {**chat, "use_beam_search": True}, "use_beam_search"),
     ]
     for path, body, param in cases:
         assert_error(httpx.post(base_url + path, json=body), 400, "unsupported_value", param)
-    r = httpx.post(base_url + "/v1/completions", json=good(logprobs=0))
-    if "logprobs" in _SAMPLING_FIELDS:
-        assert r.status_code == 200
-    else:
-        assert_error(r, 400, "unsupported_value", "logprobs")
     assert engine.calls == []
+
+
+def test_out_of_range_new_parameters_are_400_naming_them(base_url: str, engine: FakeEngine) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    cases = [
+        ("/v1/completions", good(logit_bias={"x": 1.0}), "logit_bias"),
+        ("/v1/completions", good(logit_bias={"5": 101.0}), "logit_bias.5"),
+        ("/v1/completions", good(logit_bias={"300": 1.0}), "logit_bias"),  # the fake vocabulary has 256 ids
+        ("/v1/completions", good(logprobs=21), "logprobs"),
+        ("/v1/completions", good(repetition_penalty=0), "repetition_penalty"),
+        ("/v1/completions", good(min_tokens=5, max_tokens=2), "min_tokens"),
+        ("/v1/completions", good(stop_token_ids=[256]), "stop_token_ids"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}}, "response_format.type"),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}, None),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(base_url + path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        if param is not None:
+            assert r.json()["error"]["param"] == param, (body, r.text)
+    assert engine.calls == []
+    assert httpx.post(base_url + "/v1/completions", json=good(logprobs=0)).status_code == 200
 
 
 def test_oversized_body_is_413_before_parsing(base_url: str, engine: FakeEngine) -> None:

@@ -2,7 +2,9 @@
 
 The fake generates a deterministic letter per step ("a".."z" from the prompt, the seed
 and the step), finds stop strings, attaches an integrity record to the last chunk and
-records every generate/abort call, so tests can assert what reached the engine.
+records every generate/abort call, so tests can assert what reached the engine. When
+asked for logprobs it scores each letter -0.5 (its prompt tokens -1.0), so response
+shapes can be checked; the real numbers are tested against transformers elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import InvalidRequestError
 from kvfence.server.api import ApiSettings, build_app
@@ -98,6 +101,10 @@ class FakeEngine:
                 )
                 return
             text, sent = "", 0
+            k = params.logprobs or 0
+            prompt_lps = None
+            if params.prompt_logprobs is not None:
+                prompt_lps = [None] + [TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in prompt_token_ids[1:]]
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.delay)
                 tok = 97 + (sum(prompt_token_ids) + (params.seed or 0) + i) % 26
@@ -115,6 +122,8 @@ class FakeEngine:
                     reason if finished else None,
                     n,
                     i + 1,
+                    logprobs=None if params.logprobs is None else [TokenLogprobs(tok, -0.5, ((tok, -0.5),)[:k])],
+                    prompt_logprobs=prompt_lps if i == 0 else None,
                     integrity=self._record(request_id, n + i + 1) if finished else None,
                 )
                 if finished:

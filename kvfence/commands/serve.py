@@ -1,7 +1,7 @@
 """`kvfence serve`: the OpenAI-compatible HTTP server.
 
 What it knows: the flags every role shares (server: --host, --port, --served-model-name,
---log-level, --allow-context-above-pool, --max-body-bytes, --seed; engine: --model,
+--log-level, --allow-context-above-pool, --max-body-bytes, --seed, --logprobs-mode; engine: --model,
 --page-size, --max-total-tokens, --context-length, --chunked-prefill-size,
 --max-num-seqs, ... from kvfence.config), the start-up capacity check (a context
 length the KV pool cannot hold refuses to start, naming both numbers and the flags,
@@ -59,7 +59,20 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N", help="largest request body (default: 4 MiB)"
     )
-    g.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed of their own (default: 0)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seeds the sampling of requests that give no seed of their own; without it that seed is random at "
+        "every start, so unseeded outputs differ across restarts, as with vLLM and OpenAI",
+    )
+    g.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "processed_logprobs"],
+        help="what logprobs report, as vLLM's flag: the model's distribution (raw_logprobs, default) or the one the "
+        "token was drawn from, after logit_bias, penalties, temperature and top-k/top-p (processed_logprobs)",
+    )
     g.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS, help="default: info")
 
 
@@ -143,6 +156,7 @@ def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
         max_body_bytes=args.max_body_bytes,
         vocab_size=engine.vocab_size or None,
         server_args=server_args(args),
+        logprobs_mode=args.logprobs_mode,
     )
     return build_app(client, engine.tokenizer, settings), client
 

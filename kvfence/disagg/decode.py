@@ -25,6 +25,7 @@ from kvfence.disagg import protocol as P
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
 from kvfence.disagg.router import params_from_dict
 from kvfence.engine.llm_engine import RequestOutput
+from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
@@ -95,6 +96,7 @@ class _Incoming:
     handoff: DecodeHandoff
     received_at: float
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None  # prefill's scores of the first token, when asked for
     reported: bool = False  # its ending was told to the router
     aborted_by_router: bool = False
 
@@ -164,6 +166,8 @@ class DecodeWorker:
             inc = self.incoming.get(msg.request_id)
             if inc is not None:
                 inc.first_token = int(msg.first_token)
+                first = P.logprobs_from_wire([msg.first_logprobs]) if msg.first_logprobs is not None else None
+                inc.first_logprobs = first[0] if first else None
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id, msg.reason)
         elif not isinstance(msg, P.RegisterReply):
@@ -316,6 +320,7 @@ class DecodeWorker:
                     finish_reason=out.finish_reason,
                     integrity=record,
                     num_output_tokens=out.num_output_tokens,
+                    logprobs=P.logprobs_to_wire(out.new_logprobs),  # type: ignore[arg-type]
                 )
             )
         if (msg := P.batch(tokens)) is not None:
@@ -327,7 +332,9 @@ class DecodeWorker:
         record = h.record.to_dict() if h.record is not None else None
         self.counts["verified" if self.config.verify else "unverified"] += 1
         try:
-            self.engine.add_prefilled_request(rid, inc.prepare.prompt_token_ids, inc.first_token, inc.params)
+            self.engine.add_prefilled_request(
+                rid, inc.prepare.prompt_token_ids, inc.first_token, inc.params, first_logprobs=inc.first_logprobs
+            )
         except KvfenceError as e:
             self.engine.release(rid)
             self._out(P.RequestFailed(rid, self.role, f"cannot admit the request: {e}", integrity=record))

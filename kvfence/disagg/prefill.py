@@ -5,8 +5,9 @@ What it knows: the requests the router ordered (each runs in its engine as a
 kept under the request id), one `PrefillHandoff` per request once its prompt is done
 (build the manifest, send over the data plane to the address the router gave, hold
 the source pages until decode's verdict, an abort the send thread has acted on, or the
-ack deadline), and what to tell the router (`PrefillSent` with the first token, or
-`RequestFailed` for failures of its own).
+ack deadline), and what to tell the router (`PrefillSent` with the first token and
+the log probabilities the request asked for — the first token's and the prompt's —
+or `RequestFailed` for failures of its own).
 
 What it does not know: decode's page numbers (the transport maps logical pages), the
 router's expectation (decode checks it), HTTP or text.
@@ -21,6 +22,7 @@ from typing import Any
 from kvfence.disagg import protocol as P
 from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
 from kvfence.disagg.router import params_from_dict
+from kvfence.engine.llm_engine import RequestOutput
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.transfer.base import Sender, SendStatus, TransferConfig
@@ -151,7 +153,7 @@ class PrefillWorker:
             worked = True
             for out in self.engine.step():
                 if out.finish_reason == "prefill_done":
-                    self._send(out.request_id, out.new_token_ids[-1])
+                    self._send(out)
                 elif out.finished:  # aborted inside the engine
                     self.orders.pop(out.request_id, None)
         for rid, h in list(self.handoffs.items()):
@@ -162,7 +164,8 @@ class PrefillWorker:
             self._settle(rid, h)
         return worked
 
-    def _send(self, rid: str, first_token: int) -> None:
+    def _send(self, out: RequestOutput) -> None:
+        rid, first_token = out.request_id, out.new_token_ids[-1]
         order = self.orders.pop(rid, None)
         if order is None:  # aborted while its last chunk ran: give the pages back
             self.engine.release(rid)
@@ -185,7 +188,17 @@ class PrefillWorker:
             self._settle(rid, h)
             return
         assert h.manifest is not None
-        self._out(P.PrefillSent(rid, h.manifest.num_pages, h.manifest.num_tokens, int(first_token)))
+        first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
+        self._out(
+            P.PrefillSent(
+                rid,
+                h.manifest.num_pages,
+                h.manifest.num_tokens,
+                int(first_token),
+                first_logprobs=first[0] if first else None,
+                prompt_logprobs=P.logprobs_to_wire(out.prompt_logprobs),
+            )
+        )
 
     def _report_failure(self, rid: str, h: PrefillHandoff) -> None:
         """Tell the router about failures of our own; decode reports its rejections and aborts itself."""

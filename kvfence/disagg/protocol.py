@@ -9,6 +9,9 @@ TCP). Both have the same three verbs: `send`, `recv(timeout)`, `close`. A worker
 several messages as one `Batch` frame; the hubs unpack it, so the router sees them
 one by one.
 
+Log probabilities travel as JSON lists: one position is `[token id, logprob, [[id,
+logprob], ...]]` (`logprobs_to_wire` / `logprobs_from_wire`); -inf stays -Infinity.
+
 What it does not know: KV bytes (those travel on the data plane, `kvfence.transfer`),
 what a worker does with an order, or how the router schedules.
 
@@ -16,7 +19,9 @@ Message flow of one request (router = R, prefill = P, decode = D):
     R -> D  DecodePrepare(prompt ids, expected_len, token_hash, params, deadline)
     D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
     R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
-    P -> R  PrefillSent(pages, manifest summary)                      (or RequestFailed)
+    P -> R  PrefillSent(pages, manifest summary, first token and its logprobs, prompt logprobs)
+                                                                      (or RequestFailed)
+    R -> D  PrefillSent without the prompt logprobs (the router keeps those for the client)
     D -> R  Tokens(...)*, the last one finished with the integrity record
     D -> R  HandoffSettled(verified | rejected)  ->  R -> P  ReleaseSource
     R -> P|D  Abort(reason)  on client disconnect, a failure on the other side, or a deadline
@@ -31,6 +36,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from kvfence.engine.sampler import TokenLogprobs
 
 # -- messages ---------------------------------------------------------------------------------------------
 
@@ -113,6 +120,8 @@ class PrefillSent(Message):
     num_pages: int
     num_tokens: int
     first_token: int
+    first_logprobs: list[Any] | None = None  # the first token's entry (wire form), when the request asked
+    prompt_logprobs: list[Any] | None = None  # the prompt's entries (wire form, first one null), when asked
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,7 @@ class Tokens(Message):
     error: str | None = None
     integrity: dict[str, Any] | None = None
     num_output_tokens: int = 0
+    logprobs: list[Any] | None = None  # one wire entry per token in token_ids, when the request asked
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,23 @@ class WorkerStats(Message):
     kind: ClassVar[str] = "worker_stats"
     role: str
     stats: dict[str, Any]
+
+
+def logprobs_to_wire(entries: list[TokenLogprobs | None] | None) -> list[Any] | None:
+    """Log probability entries as JSON lists (None entries, e.g. the first prompt token, stay null)."""
+    if entries is None:
+        return None
+    return [None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]] for e in entries]
+
+
+def logprobs_from_wire(data: list[Any] | None) -> list[TokenLogprobs | None] | None:
+    """The inverse of `logprobs_to_wire`."""
+    if data is None:
+        return None
+    return [
+        None if d is None else TokenLogprobs(int(d[0]), float(d[1]), tuple((int(i), float(lp)) for i, lp in d[2]))
+        for d in data
+    ]
 
 
 def engine_pool_stats(engine: Any) -> dict[str, Any]:

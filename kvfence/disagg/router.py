@@ -7,8 +7,10 @@ request in flight and where it stands (decode reserving, prefill running, tokens
 streaming); the expected prompt length and token hash, which it computes itself from
 the ids the API layer admitted, so prefill never vouches for its own prompt. It
 implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine.
-It ends every request with one integrity record (JSON log line + the final chunk +
-the counters in `stats()`), and relays aborts and failures to the other side.
+Log probabilities of the prompt come from prefill (in `PrefillSent`) and ride on the
+request's first chunk; those of the output come with decode's tokens. It ends every
+request with one integrity record (JSON log line + the final chunk + the counters in
+`stats()`), and relays aborts and failures to the other side.
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
 sends each worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
@@ -75,15 +77,11 @@ class RouterConfig:
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    d = dataclasses.asdict(params)
-    d["stop"] = list(params.stop)
-    d["stop_token_ids"] = list(params.stop_token_ids)
-    return d
+    return params.to_dict()
 
 
 def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known})
+    return SamplingParams.from_dict(d)
 
 
 def check_pair(prefill: P.Register, decode: P.Register) -> None:
@@ -141,6 +139,7 @@ class _Flight:
     done: bool = False
     num_output_tokens: int = 0
     prefill_sent: P.PrefillSent | None = None
+    prompt_logprobs: list[Any] | None = None  # prefill's scores of the prompt (wire form), for the first chunk
     record: IntegrityRecord | None = None  # the integrity record, once finished
     decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
 
@@ -348,8 +347,11 @@ class Router:
                         finish_reason=msg.finish_reason,
                         num_prompt_tokens=flight.expected_len,
                         num_output_tokens=flight.num_output_tokens,
+                        logprobs=P.logprobs_from_wire(msg.logprobs),  # type: ignore[arg-type]
+                        prompt_logprobs=P.logprobs_from_wire(flight.prompt_logprobs),
                         error=msg.error,
                     )
+                    flight.prompt_logprobs = None  # they ride on the first chunk only
                     if msg.finished:
                         record = flight.decode_record or self._router_record(
                             flight, Reason.ABORTED, msg.error or f"finished ({msg.finish_reason}) without a record"
@@ -508,7 +510,9 @@ class Router:
         elif isinstance(msg, P.PrefillSent):
             flight.phase = "decoding"
             flight.prefill_sent = msg
-            self.hub.send(self.decode.worker_id, msg)  # decode needs prefill's first token
+            flight.prompt_logprobs = msg.prompt_logprobs
+            # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
+            self.hub.send(self.decode.worker_id, dataclasses.replace(msg, prompt_logprobs=None))
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, msg)
 
     def _check_deadlines(self) -> None:

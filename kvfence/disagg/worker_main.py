@@ -497,6 +497,7 @@ def run_router(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             vocab_size=router.vocab_size,
             server_args=router.server_info(),
+            logprobs_mode=args.logprobs_mode,
         )
         run_server(build_app(router, tokenizer, settings), args.host, args.port, args.log_level)
     finally:
@@ -546,6 +547,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
         ("--seed", args.seed),
+        ("--logprobs-mode", args.logprobs_mode),
         ("--log-level", args.log_level),
         ("--handoff-deadline-s", args.handoff_deadline_s),
         ("--request-timeout-s", args.request_timeout_s),

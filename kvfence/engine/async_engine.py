@@ -13,7 +13,7 @@ so readers never race the engine.
 
 What it does not know: HTTP, admission (the API checks the capacity this reports) or
 disaggregation (the router is a different EngineClient). Aggregated mode has no KV
-handoff, so chunks carry no integrity record.
+handoff; each request's final chunk carries a `local` integrity record saying so.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from kvfence.engine.llm_engine import LLMEngine, RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
+from kvfence.integrity.record import IntegrityRecord
 from kvfence.server.engine_client import Capacity, GenerationChunk
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class _Abort(NamedTuple):
     request_id: str
 
 
-def _chunk(out: RequestOutput) -> GenerationChunk:
+def _chunk(out: RequestOutput, layout_fingerprint: str) -> GenerationChunk:
     extra: dict[str, Any] = {}
     if out.finished and out.stop_reason is not None:
         extra["stop_reason"] = out.stop_reason
@@ -63,8 +64,15 @@ def _chunk(out: RequestOutput) -> GenerationChunk:
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
+        logprobs=out.new_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+        integrity=_local_record(out.request_id, out.num_prompt_tokens, layout_fingerprint) if out.finished else None,
         extra=extra,
     )
+
+
+def _local_record(request_id: str, num_prompt_tokens: int, layout_fingerprint: str) -> dict[str, Any]:
+    return IntegrityRecord.local(request_id, num_prompt_tokens, layout_fingerprint).to_api()
 
 
 class AsyncLLMEngine:
@@ -89,6 +97,7 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._streams: dict[str, _Stream] = {}  # requests in flight, by id
+        self._num_prompt: dict[str, int] = {}  # their prompt lengths, for the record of a failed step
         self._stopping = False
         self._step_errors = 0
         self._last_error: str | None = None
@@ -132,6 +141,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise KvfenceError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
+            self._num_prompt[request_id] = len(prompt_token_ids)
             self._inbox.append(_Add(request_id, list(prompt_token_ids), params))
             self._cond.notify()
         done = False
@@ -149,6 +159,7 @@ class AsyncLLMEngine:
         finally:
             with self._cond:
                 self._streams.pop(request_id, None)
+                self._num_prompt.pop(request_id, None)
                 if not done:  # the caller stopped listening (client gone, cancelled): free the pages
                     self._inbox.append(_Abort(request_id))
                     self._cond.notify()
@@ -156,6 +167,7 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         with self._cond:
             self._streams.pop(request_id, None)
+            self._num_prompt.pop(request_id, None)
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
 
@@ -238,12 +250,17 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         message = f"engine step failed: {type(error).__name__}: {error}"
+        fingerprint = self.engine.resolved.layout_fingerprint
         for request_id, stream in list(self._streams.items()):
+            num_prompt = self._num_prompt.get(request_id, 0)
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("abort of %s after a failed step also failed", request_id)
-            self._deliver(stream, GenerationChunk([], "", True, "error", error=message, extra={"code": "engine_error"}))
+            chunk = GenerationChunk([], "", True, "error", num_prompt_tokens=num_prompt, error=message)
+            chunk.integrity = _local_record(request_id, num_prompt, fingerprint)
+            chunk.extra["code"] = "engine_error"
+            self._deliver(stream, chunk)
 
     def _run(self) -> None:
         engine = self.engine
@@ -270,7 +287,7 @@ class AsyncLLMEngine:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    self._deliver(stream, _chunk(out))
+                    self._deliver(stream, _chunk(out, self.engine.resolved.layout_fingerprint))
             if not outputs and engine.has_unfinished_requests():
                 with self._cond:  # nothing could run (e.g. waiting for pages): do not spin
                     if not self._inbox and not self._stopping:

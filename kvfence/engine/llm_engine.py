@@ -4,7 +4,9 @@ What it knows: how to build the pieces from an `EngineConfig` (model, KV pool,
 allocator, scheduler, runner) after the start-up capacity check, how to validate a
 request into clear errors, and how to turn sampled tokens into incremental
 `RequestOutput`s with text (incremental detokenization; stop strings are found in
-the text, cut from it, and finish the request). It also exposes the disaggregation
+the text once min_tokens are out, cut from it, and finish the request) and the log
+probabilities a request asked for (its prompt's with its first output). It keeps each
+`response_format` request's grammar in step with the tokens it appends. It also exposes the disaggregation
 hooks: `prefill_only` requests that keep their pages until `release`, and
 `reserve` + `add_prefilled_request` for a decode worker that receives KV from
 elsewhere.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,13 +32,17 @@ from kvfence.config import (
     check_scheduler_fits,
 )
 from kvfence.engine.request import Request, RequestStatus
-from kvfence.engine.runner import ModelRunner
+from kvfence.engine.runner import ModelRunner, RunnerOutput
+from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.scheduler import Scheduler, SchedulerOutput
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.models.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from kvfence.engine.structured_output import GrammarCompiler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -53,6 +59,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     stop_reason: int | str | None = None  # the stop token id or stop string, when finish_reason == "stop"
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the request's first output, when asked for
 
 
 @dataclass
@@ -65,6 +73,8 @@ class Completion:
     text: str
     finish_reason: str
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,10 +93,11 @@ class EngineStats:
 class _OutputState:
     """Per-request output bookkeeping: tokens already sent, full text, text already sent."""
 
-    __slots__ = ("num_sent", "detok", "text", "num_text_sent")
+    __slots__ = ("num_sent", "detok", "text", "num_text_sent", "prompt_sent")
 
     def __init__(self, detok: StreamDecoder | None) -> None:
         self.num_sent = 0
+        self.prompt_sent = False  # prompt logprobs go out once, with the first output
         self.detok = detok
         self.text = ""  # text so far (cut at a stop string once one is found)
         self.num_text_sent = 0
@@ -126,8 +137,9 @@ class LLMEngine:
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
-        self.runner = ModelRunner(loaded.model, self.pool, device=config.model.device)
+        self.runner = ModelRunner(loaded.model, self.pool, device=config.model.device, eos_token_ids=tuple(eos))
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
@@ -161,6 +173,16 @@ class LLMEngine:
             raise ContextLengthExceededError(
                 f"prompt has {n} tokens but the context length is {ctx} tokens; shorten the prompt"
             )
+        vocab = self.vocab_size
+        for param, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if vocab and t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param
+                )
         pool_tokens = self.resolved.pool_tokens
         if n + params.max_tokens > pool_tokens:
             raise InvalidRequestError(
@@ -176,7 +198,21 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
-        return Request(request_id, ids, params, prefill_only=prefill_only, generator=generator)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler().grammar(params.structured_outputs)
+        return Request(request_id, ids, params, prefill_only=prefill_only, generator=generator, grammar=grammar)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of `response_format` grammars for this engine's tokenizer (made on first use)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
+            from kvfence.engine.structured_output import GrammarCompiler
+
+            eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+        return self._grammar_compiler
 
     def _track(self, request: Request) -> None:
         p = request.sampling_params
@@ -233,12 +269,14 @@ class LLMEngine:
         first_token: int,
         sampling_params: SamplingParams,
         page_table: Sequence[int] | None = None,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> None:
         """Decode side, phase 2: admit a request whose prompt KV was written into its reserved pages.
 
         From here on it decodes exactly as if it had prefilled here: its next step()
-        output starts with `first_token`. `page_table`, when given, must equal the
-        reserved pages (a cheap guard against mixing up requests).
+        output starts with `first_token` (and `first_logprobs`, the scores prefill gave it,
+        which a request that asked for logprobs must bring). `page_table`, when given, must
+        equal the reserved pages (a cheap guard against mixing up requests).
         """
         ids = self._tokenize(None, prompt_token_ids)
         self._validate(request_id, ids, sampling_params)
@@ -248,7 +286,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"page_table of request {request_id!r} does not match the pages reserved for it", param="page_table"
             )
+        if sampling_params.logprobs is not None and first_logprobs is None:
+            raise InvalidRequestError("the request asks for logprobs but its first token has none", param="logprobs")
         req = self._make_request(request_id, ids, sampling_params)
+        if req.grammar is not None and not req.grammar.accept(first_token):
+            raise InvalidRequestError(f"first_token {first_token} does not follow the response_format grammar")
+        if sampling_params.logprobs is not None:
+            req.logprobs.append(first_logprobs)  # type: ignore[arg-type]
         self.scheduler.add_prefilled(req, first_token)
         self._track(req)
         self._pending.append(req)
@@ -273,9 +317,27 @@ class LLMEngine:
         self._pending = []
         sched = self.scheduler.schedule()
         if sched.chunks:
-            sampled = self.runner.execute(sched)
-            report += self.scheduler.update_from_output(sched, sampled)
+            result = self.runner.execute(sched)
+            self._keep_logprobs(sched, result)  # before the update: it may finish (and forget) requests
+            changed = self.scheduler.update_from_output(sched, result.token_ids)
+            for req in changed:
+                if req.grammar is not None and not req.grammar.accept(req.token_ids[-1]):
+                    raise KvfenceError(f"request {req.request_id}: sampled a token its grammar does not allow")
+            report += changed
         return self._outputs_of(report)
+
+    @staticmethod
+    def _keep_logprobs(sched: SchedulerOutput, result: RunnerOutput) -> None:
+        """Store each running request's new scores; an aborted one takes no token, hence no entry."""
+        for chunk, entry, prompt in zip(sched.chunks, result.logprobs, result.prompt_logprobs, strict=True):
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if prompt:
+                assert req.prompt_logprobs is not None
+                req.prompt_logprobs.extend(prompt)
+            if entry is not None:
+                req.logprobs.append(entry)
 
     def report_pending(self) -> list[RequestOutput]:
         """Outputs of requests that changed outside a forward (a prefilled request's first token), now,
@@ -297,6 +359,12 @@ class LLMEngine:
         state = self._outputs[req.request_id]
         ids = req.token_ids
         new_ids = ids[req.num_prompt_tokens + state.num_sent :]
+        new_logprobs = None
+        if req.sampling_params.logprobs is not None:
+            new_logprobs = req.logprobs[state.num_sent : state.num_sent + len(new_ids)]
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not state.prompt_sent:
+            prompt_logprobs, state.prompt_sent = list(req.prompt_logprobs), True
         state.num_sent += len(new_ids)
         new_text = self._text_delta(req, state, new_ids) if state.detok is not None else ""
         finish_reason = req.finish_reason  # after _text_delta: a stop string may have finished it
@@ -311,6 +379,8 @@ class LLMEngine:
             req.num_prompt_tokens,
             len(ids) - req.num_prompt_tokens,
             req.stop_reason,
+            new_logprobs,
+            prompt_logprobs,
         )
 
     def _text_delta(self, req: Request, state: _OutputState, new_ids: list[int]) -> str:
@@ -322,7 +392,12 @@ class LLMEngine:
             state.text += state.detok.flush()
         stops = req.sampling_params.stop
         hold = 0
-        if stops and req.status is not RequestStatus.FINISHED_PREFILL_DONE:
+        # like vLLM, stop strings are looked for only once the output is longer than min_tokens
+        if (
+            stops
+            and req.status is not RequestStatus.FINISHED_PREFILL_DONE
+            and (req.num_output_tokens > req.sampling_params.min_tokens)
+        ):
             longest = max(len(s) for s in stops)
             search_from = max(0, old_len - longest + 1)
             hits = [(i, s) for s in stops if (i := state.text.find(s, search_from)) >= 0]
@@ -382,6 +457,10 @@ class LLMEngine:
                         continue
                     c.token_ids += o.new_token_ids
                     c.text += o.new_text
+                    if o.new_logprobs is not None:
+                        c.logprobs = (c.logprobs or []) + o.new_logprobs
+                    if o.prompt_logprobs is not None:
+                        c.prompt_logprobs = o.prompt_logprobs
                     if o.finished:
                         c.finish_reason, c.stop_reason = o.finish_reason or "", o.stop_reason
                         num_done += 1

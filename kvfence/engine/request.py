@@ -1,9 +1,11 @@
 """One generation request: its tokens, how many are in the KV pool, and its pages.
 
 What it knows: the prompt and output token ids, a few integer counters (prompt
-length, tokens whose KV is already in the pool), its status, its page table and its
-sampling state. Everything else (lengths, finish reason, whether it is prefilling)
-is a property derived from those. Invariants are asserted where it is made.
+length, tokens whose KV is already in the pool), its status, its page table, its
+sampling state (generator, grammar) and the log probabilities it was asked to keep
+(one entry per output token; prompt entries from the second prompt token on).
+Everything else (lengths, finish reason, whether it is prefilling) is a property
+derived from those. Invariants are asserted where it is made.
 
 What it does not know: the model, the batch it is in, or how pages were chosen
 (the scheduler decides and the allocator records ownership).
@@ -12,10 +14,15 @@ What it does not know: the model, the batch it is in, or how pages were chosen
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfence.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfence.engine.sampler import TokenLogprobs
+    from kvfence.engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +55,9 @@ class Request:
         "generator",
         "stop_reason",
         "num_preemptions",
+        "grammar",
+        "logprobs",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -57,6 +67,7 @@ class Request:
         sampling_params: SamplingParams,
         prefill_only: bool = False,
         generator: torch.Generator | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         assert isinstance(request_id, str) and request_id, request_id
         assert len(prompt_token_ids) > 0, "a request needs at least one prompt token"
@@ -71,6 +82,12 @@ class Request:
         self.generator = generator  # None for greedy requests
         self.stop_reason: int | str | None = None  # the stop token or string that finished it
         self.num_preemptions = 0
+        self.grammar = grammar  # where the output stands in its response_format grammar
+        self.logprobs: list[TokenLogprobs] = []  # one per output token, when sampling_params.logprobs is set
+        # prompt tokens' entries (the first has none: nothing predicts it); None when not asked for
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
 
     # -- derived --------------------------------------------------------------
     @property

@@ -3,10 +3,12 @@
 What it knows: how to turn the scheduler's chunks into a `ForwardBatch` (prefill
 chunks that do not reach the end of their prompt ask for no logits), run the model
 over the KV pool under `torch.inference_mode`, and hand the logits rows to the
-sampler. For a steady decode batch (the same requests as last step, each one token
-longer) it keeps a contiguous copy of the batch's context per layer, so a step
-appends one token instead of gathering every page again; the pool stays the only
-source of truth (the copy is rebuilt from it whenever the batch changes).
+sampler (after each request's grammar mask); chunks of a request that asked for prompt
+logprobs return every row, which scores the prompt tokens they predict. For a steady
+decode batch (the same requests as last step, each one token longer) it keeps a
+contiguous copy of the batch's context per layer, so a step appends one token instead
+of gathering every page again; the pool stays the only source of truth (the copy is
+rebuilt from it whenever the batch changes).
 
 What it does not know: which requests should run, stop rules, or text.
 """
@@ -14,17 +16,24 @@ What it does not know: which requests should run, stop rules, or text.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from kvfence.engine.request import Request
-from kvfence.engine.sampler import Sampler
-from kvfence.engine.scheduler import SchedulerOutput
+from kvfence.engine.sampler import History, Sampler, SamplerOutput, TokenLogprobs, top_logprobs
+from kvfence.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import gather_context
 
 DEFAULT_CONTEXT_CACHE_BYTES = 256 << 20
+
+
+class RunnerOutput(NamedTuple):
+    token_ids: list[int | None]  # per chunk: the sampled token, None for chunks that do not sample
+    logprobs: list[TokenLogprobs | None]  # per chunk: the sampled token's scores, when its request asks
+    prompt_logprobs: list[list[TokenLogprobs]]  # per chunk: entries for the prompt tokens it predicts, in order
 
 
 class DecodeContextCache:
@@ -147,29 +156,102 @@ class ModelRunner:
         pool: KVPool,
         device: torch.device | str = "cpu",
         context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.pool = pool
         self.page_size = pool.page_size
         self.device = torch.device(device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.context_cache = DecodeContextCache(pool.layout.bytes_per_token, context_cache_bytes)
 
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """One forward over every scheduled chunk; a token per chunk that samples, None for the others."""
         chunks: list[SeqChunk] = []
+        spans: list[tuple[int, int]] = []  # per chunk: prompt rows to score (see _prompt_span)
         for c in output.chunks:
             req = c.request
             ids = req.token_ids[c.start : c.start + c.num_tokens]
-            chunks.append(SeqChunk(ids, c.start, req.page_table, "last" if c.sample else "none"))
+            spans.append(_prompt_span(req, c.start, c.num_tokens))
+            mode = "all" if spans[-1][1] else ("last" if c.sample else "none")
+            chunks.append(SeqChunk(ids, c.start, req.page_table, mode))
         fb = build_forward_batch(chunks, self.page_size, self.device)
         if not fb.is_decode:
             self.context_cache.invalidate()
         elif self.context_cache.prepare(tuple(c.request for c in output.chunks), fb):
             fb = dataclasses.replace(fb, context_cache=self.context_cache)
         sampling = [c.request for c in output.chunks if c.sample]
+        scored = _ScoredRows.of(output.chunks, spans) if any(n for _, n in spans) else None
         with torch.inference_mode():
-            logits = self.model.forward(fb, self.pool)  # [N, V] float32, N = len(sampling)
-            tokens = self.sampler(logits, [r.sampling_params for r in sampling], [r.generator for r in sampling])
-        it = iter(tokens)
-        return [next(it) if c.sample else None for c in output.chunks]
+            logits = self.model.forward(fb, self.pool)  # [R, V] float32; R = len(sampling) unless prompts are scored
+            sample_logits = logits if scored is None else logits[scored.sample_rows]  # [len(sampling), V]
+            result = self._sample(sample_logits, sampling)
+            prompt = [[] for _ in output.chunks] if scored is None else scored.score(logits)
+        tokens, lps = iter(result.token_ids), iter(result.logprobs)
+        return RunnerOutput(
+            [next(tokens) if c.sample else None for c in output.chunks],
+            [next(lps) if c.sample else None for c in output.chunks],
+            prompt,
+        )
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [N, V], one row per request; grammar masks first, then the sampler."""
+        for row, req in zip(logits, requests, strict=True):
+            if req.grammar is not None:
+                req.grammar.mask_logits(row)
+        histories = [
+            History(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.processes_logits else _NO_HISTORY
+            for r in requests
+        ]
+        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests], histories)
+
+
+_NO_HISTORY = History((), ())
+
+
+def _prompt_span(req: Request, start: int, num_tokens: int) -> tuple[int, int]:
+    """(offset in the chunk, count) of the chunk's rows that predict prompt tokens not yet scored; (0, 0) if none.
+
+    The row at position p predicts token p + 1; prompt tokens 1 .. P-1 are scored, in order,
+    once (a preempted request recomputing its prompt does not score it again).
+    """
+    if req.prompt_logprobs is None:
+        return (0, 0)
+    first = max(start, len(req.prompt_logprobs) - 1)
+    last = min(start + num_tokens - 1, req.num_prompt_tokens - 2)
+    return (first - start, last - first + 1) if last >= first else (0, 0)
+
+
+class _ScoredRows(NamedTuple):
+    """Where a forward that returns every row of some chunks keeps what: the sampling rows and the prompt rows."""
+
+    sample_rows: list[int]  # row of each sampling chunk's last token
+    prompt_rows: list[int]  # rows whose logits predict a prompt token
+    prompt_next: list[int]  # the prompt token each of those rows predicts
+    prompt_k: list[int]  # alternatives wanted per prompt row
+    counts: list[int]  # prompt rows per chunk
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], spans: list[tuple[int, int]]) -> _ScoredRows:
+        out = cls([], [], [], [], [])
+        row = 0
+        for c, (first, n) in zip(chunks, spans, strict=True):
+            rows = c.num_tokens if n else int(c.sample)
+            out.prompt_rows.extend(range(row + first, row + first + n))
+            out.prompt_next.extend(c.request.token_ids[c.start + first + 1 : c.start + first + n + 1])
+            out.prompt_k.extend([c.request.sampling_params.prompt_logprobs or 0] * n)
+            out.counts.append(n)
+            if c.sample:
+                out.sample_rows.append(row + rows - 1)
+            row += rows
+        return out
+
+    def score(self, logits: torch.Tensor) -> list[list[TokenLogprobs]]:
+        """logits: [R, V] of the whole forward -> per chunk, its prompt tokens' entries (raw logprobs, in order)."""
+        next_ids = torch.tensor(self.prompt_next, dtype=torch.long)
+        entries = top_logprobs(logits[self.prompt_rows].log_softmax(dim=-1), next_ids, self.prompt_k)
+        out, r0 = [], 0
+        for n in self.counts:
+            out.append(entries[r0 : r0 + n])
+            r0 += n
+        return out

@@ -2,8 +2,9 @@
 
 What it knows: the fields every request's record carries (status verified /
 rejected / failed, or `unverified` when verification was switched off for a
-demonstration; reason code; tokens covered; pages; digest algorithm; layout
-fingerprint; timings), how to print it as one JSON log line and as the
+demonstration, or `local` in aggregated mode, where the prompt's KV never left the
+process that reads it, so the fields about a handoff are null; reason code; tokens
+covered; pages; digest algorithm; layout fingerprint; timings), how to print it as one JSON log line and as the
 `kvfence.integrity` field of an API response, and the Prometheus counters that
 count them, held in a registry object the caller owns (no per-request globals).
 
@@ -20,7 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from kvfence.integrity.digest import DIGEST_ALGORITHM
 from kvfence.integrity.verify import VERIFY_REASONS, Reason, VerifyResult
 
-STATUSES = ("verified", "rejected", "failed", "unverified")
+STATUSES = ("verified", "rejected", "failed", "unverified", "local")
+LOCAL_DETAIL = "aggregated mode: the prompt's KV was computed in the process that decodes it; no handoff to verify"
 
 
 def status_for(result: VerifyResult | None, verified: bool = True) -> str:
@@ -39,17 +41,34 @@ class IntegrityRecord:
     reason: str | None
     detail: str
     tokens_expected: int
-    tokens_covered: int
-    pages: int
-    digest_algorithm: str = DIGEST_ALGORITHM
+    tokens_covered: int | None  # None for a local record (nothing was transferred)
+    pages: int | None
+    digest_algorithm: str | None = DIGEST_ALGORITHM
     layout_fingerprint: str = ""
-    transfer_id: str = ""
+    transfer_id: str | None = ""
     role: str = "decode"
     timings: dict[str, float] = field(default_factory=dict)  # seconds: transfer, verify, total
 
     def __post_init__(self) -> None:
         assert self.status in STATUSES, self.status
-        assert (self.status in ("verified", "unverified")) == (self.reason is None), (self.status, self.reason)
+        assert (self.status in ("verified", "unverified", "local")) == (self.reason is None), (self.status, self.reason)
+
+    @classmethod
+    def local(cls, request_id: str, tokens_expected: int, layout_fingerprint: str) -> IntegrityRecord:
+        """The record of an aggregated-mode request: same fields, null where a handoff would have filled them."""
+        return cls(
+            request_id=request_id,
+            status="local",
+            reason=None,
+            detail=LOCAL_DETAIL,
+            tokens_expected=tokens_expected,
+            tokens_covered=None,
+            pages=None,
+            digest_algorithm=None,
+            layout_fingerprint=layout_fingerprint,
+            transfer_id=None,
+            role="aggregated",
+        )
 
     @classmethod
     def from_result(
@@ -127,6 +146,8 @@ class IntegrityMetrics:
             self.verified.inc()
         elif record.status == "unverified":
             self.unverified.inc()
+        elif record.status == "local":
+            pass  # no handoff happened: nothing to count here
         else:
             self.failed.labels(reason=record.reason or "unknown").inc()
         if "verify" in record.timings:

@@ -2,9 +2,12 @@
 
 What it knows: the endpoints (POST /v1/completions and /v1/chat/completions, with
 SSE streaming; GET /v1/models, /health, /metrics, /server_info), turning a request
-body into prompt token ids and `SamplingParams` (one engine request per choice),
-admission control before anything reaches the engine, the OpenAI error shape for
-every failure, and aborting the engine requests of a client that went away.
+body into prompt token ids and `SamplingParams` (one engine request per choice, see
+sampling.py), admission control before anything reaches the engine (a response_format
+schema is compiled here first, so a bad one is a 400 in every mode), echo and
+logprobs in the response shapes OpenAI and vLLM return (see logprobs.py), the
+integrity record of every choice, the OpenAI error shape for every failure, and
+aborting the engine requests of a client that went away. docs/api.md is the reference.
 
 Errors (always `{"error": {"message", "type", "param", "code"}}`):
   413 request_too_large      body over `max_body_bytes`, checked while reading, before parsing
@@ -24,7 +27,6 @@ nor how the server process is started (see launch.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import re
@@ -45,18 +47,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.sampler import TokenLogprobs
+from kvfence.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from kvfence.errors import InvalidRequestError, KvfenceError
 from kvfence.server import protocol as p
+from kvfence.server import sampling
 from kvfence.server.admission import admit
 from kvfence.server.engine_client import EngineClient, GenerationChunk
+from kvfence.server.logprobs import chat_logprobs, completion_logprobs
 from kvfence.server.metrics import CONTENT_TYPE, Metrics
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ENCODE_IN_THREAD_CHARS = 16384  # tokenize longer texts off the event loop
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info")
 
 
@@ -74,6 +78,7 @@ class ApiSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     vocab_size: int | None = None  # token ids in a prompt must be below this (the engine checks too)
     server_args: Mapping[str, Any] = field(default_factory=dict)  # resolved launch settings, for /server_info
+    logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (vLLM's --logprobs-mode)
 
 
 class ApiError(Exception):
@@ -227,6 +232,13 @@ def _unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
+def _prompt_entries(c: _Choice) -> list[TokenLogprobs | None]:
+    """The prompt's logprob entries of an echoed choice (null ones if the engine sent none, e.g. after an error)."""
+    if c.prompt_logprobs is not None and len(c.prompt_logprobs) == len(c.prompt_ids):
+        return list(c.prompt_logprobs)
+    return [None] * len(c.prompt_ids)
+
+
 # ---- one choice = one engine request -------------------------------------------------------------------------------
 
 
@@ -237,9 +249,14 @@ class _Choice:
     prompt_index: int  # which prompt of a batched /v1/completions request
     prompt_ids: list[int]
     params: SamplingParams
+    score_only: bool = False  # max_tokens 0: the engine's one token is dropped
+    echo_text: str | None = None  # the prompt's text, when echoed
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    echoed: bool = False  # streaming: the echoed prompt went out
+    text_sent: int = 0  # streaming: characters sent so far (the text_offset of the next token)
     finished: bool = False
     finish_reason: str | None = None
     integrity: dict[str, Any] | None = None
@@ -251,16 +268,21 @@ class _Choice:
     def absorb(self, chunk: GenerationChunk) -> None:
         if chunk.token_ids and self.t_first is None:
             self.t_first = time.monotonic()
-        self.token_ids += chunk.token_ids
-        self.text.append(chunk.text)
-        if chunk.logprobs:
-            self.logprobs += chunk.logprobs
-        self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if not self.score_only:
+            self.token_ids += chunk.token_ids
+            self.text.append(chunk.text)
+            if chunk.logprobs:
+                self.logprobs += chunk.logprobs
+            self.num_output_tokens = max(self.num_output_tokens, chunk.num_output_tokens, len(self.token_ids))
         if chunk.integrity is not None:
             self.integrity = chunk.integrity
         if chunk.finished:
             self.finished = True
             self.finish_reason = chunk.finish_reason
+            if self.score_only and chunk.finish_reason in ("stop", "length"):
+                self.finish_reason = "length"  # nothing was generated: the 0-token limit ended it
             if chunk.finish_reason == "error":
                 self.error = chunk.error or "generation failed"
                 self.error_code = str(chunk.extra.get("code", "generation_failed"))
@@ -306,13 +328,6 @@ def _integrity_header(choices: list[_Choice]) -> dict[str, str]:
     return {"X-Kvfence-Integrity": ",".join(parts)}
 
 
-def _seed_for(seed: int | None, index: int) -> int | None:
-    """Choice i of a seeded request uses seed + i (so n choices differ), wrapped into int64."""
-    if seed is None:
-        return None
-    return (seed + index + 2**63) % 2**64 - 2**63
-
-
 class OpenAIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
@@ -321,6 +336,7 @@ class OpenAIServer:
         )
         self.metrics = Metrics(engine.stats, [extra] if extra is not None else [])
         self.started = time.time()
+        self._grammar_compiler: Any = None  # made on the first response_format request
 
     # -- request -> choices -----------------------------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -349,77 +365,81 @@ class OpenAIServer:
                     code="invalid_value",
                 )
 
-    def _sampling(
-        self, req: p.CompletionRequest | p.ChatCompletionRequest, max_tokens: int, index: int, logprobs: bool
+    def _params(
+        self,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        max_tokens: int,
+        index: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        kwargs: dict[str, Any] = dict(
+        return sampling.params_for(
+            req,
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=_seed_for(req.seed, index),
-            stop=tuple(req.stop_list()),
-            ignore_eos=req.ignore_eos,
+            index=index,
+            logprobs_mode=self.settings.logprobs_mode,
+            vocab_size=self.settings.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
-        if logprobs:
-            kwargs["logprobs"] = True
-        return SamplingParams(**kwargs)
 
-    def _check_common_unsupported(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-        if req.presence_penalty != 0.0:
-            raise _unsupported("presence_penalty", "is not supported by kvfence; send 0 or omit it")
-        if req.frequency_penalty != 0.0:
-            raise _unsupported("frequency_penalty", "is not supported by kvfence; send 0 or omit it")
-        if req.logit_bias:
-            raise _unsupported("logit_bias", "is not supported by kvfence; omit it")
+    async def _check_grammar(self, spec: StructuredOutputs | None) -> None:
+        """Compile a response_format here first, so a schema xgrammar refuses is a 400 in every mode."""
+        if spec is None or not hasattr(self.tokenizer, "backend"):  # test fakes have no real tokenizer
+            return
+        if self._grammar_compiler is None:
+            from kvfence.engine.structured_output import GrammarCompiler
 
-    def _logprobs_supported(self, param: str) -> None:
-        if "logprobs" not in _SAMPLING_FIELDS:
-            raise _unsupported(param, "log probabilities are not available from this engine; omit it")
+            vocab = self.settings.vocab_size or int(getattr(self.tokenizer, "vocab_size", 0))
+            eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            self._grammar_compiler = await anyio.to_thread.run_sync(GrammarCompiler, self.tokenizer, vocab, eos)
+        await anyio.to_thread.run_sync(self._grammar_compiler.compile, spec)
 
     async def _completion_choices(self, req: p.CompletionRequest, base_id: str) -> list[_Choice]:
-        self._check_common_unsupported(req)
-        if req.echo:
-            raise _unsupported("echo", "is not supported by kvfence; send false or omit it")
+        sampling.refuse_unsupported(req)
         if req.suffix:
             raise _unsupported("suffix", "is not supported by kvfence; omit it")
         if req.best_of is not None and req.best_of != req.n:
             raise _unsupported("best_of", "is not supported by kvfence unless it equals n")
-        want_logprobs = req.logprobs is not None
-        if want_logprobs:
-            self._logprobs_supported("logprobs")
-            if req.logprobs:
-                raise _unsupported("logprobs", "only logprobs=0 (the chosen tokens) is supported, not top alternatives")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [await self._encode(prompt)]
+            texts = [prompt]
         elif isinstance(prompt[0], int):
             prompts = [list(prompt)]  # type: ignore[arg-type]
+            texts = [None]
         elif isinstance(prompt[0], str):
             prompts = [await self._encode(text) for text in prompt]  # type: ignore[arg-type]
+            texts = list(prompt)  # type: ignore[arg-type]
         else:
             prompts = [list(ids) for ids in prompt]  # type: ignore[union-attr]
+            texts = [None] * len(prompts)
         capacity = self.engine.capacity()
         choices: list[_Choice] = []
-        for k, ids in enumerate(prompts):
+        prompt_logprobs = req.logprobs if req.echo else None
+        for k, (ids, text) in enumerate(zip(prompts, texts, strict=True)):
             self._check_token_ids(ids)
-            max_tokens = admit(len(ids), req.max_tokens, capacity, param="prompt")
+            max_tokens = admit(len(ids), max(req.max_tokens, 1), capacity, param="prompt")
+            echo_text = None
+            if req.echo:
+                echo_text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
             for j in range(req.n):
                 index = k * req.n + j
-                params = self._sampling(req, max_tokens, j, want_logprobs)
-                choices.append(_Choice(index, f"{base_id}-{index}", k, ids, params))
+                limit = req.max_tokens if req.max_tokens == 0 else max_tokens
+                params = self._params(req, limit, j, req.logprobs, prompt_logprobs)
+                choice = _Choice(index, f"{base_id}-{index}", k, ids, params, req.max_tokens == 0, echo_text)
+                choices.append(choice)
+        await self._check_grammar(choices[0].params.structured_outputs)
         return choices
 
     async def _chat_choices(self, req: p.ChatCompletionRequest, base_id: str) -> list[_Choice]:
-        self._check_common_unsupported(req)
+        sampling.refuse_unsupported(req)
         if req.tools:
             raise _unsupported("tools", "tool calling is not supported by kvfence; omit it")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "only {'type': 'text'} is supported")
-        if req.logprobs:
-            self._logprobs_supported("logprobs")
-        if req.top_logprobs:
-            raise _unsupported("top_logprobs", "only 0 is supported (no top alternatives)")
+        if req.echo:
+            raise _unsupported("echo", "is not supported on chat completions by kvfence; send false or omit it")
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs", code="invalid_value")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             rendered = await anyio.to_thread.run_sync(
@@ -429,10 +449,12 @@ class OpenAIServer:
             raise ApiError(400, f"messages: the chat template refused them: {e}", param="messages") from None
         ids = await self._encode(rendered) if isinstance(rendered, str) else list(rendered)
         max_tokens = admit(len(ids), req.requested_max_tokens(), self.engine.capacity(), param="messages")
-        return [
-            _Choice(j, f"{base_id}-{j}", 0, ids, self._sampling(req, max_tokens, j, bool(req.logprobs)))
-            for j in range(req.n)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [
+            _Choice(j, f"{base_id}-{j}", 0, ids, self._params(req, max_tokens, j, logprobs)) for j in range(req.n)
         ]
+        await self._check_grammar(choices[0].params.structured_outputs)
+        return choices
 
     # -- running choices ----------------------------------------------------------------------------------------
     async def _events(self, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, GenerationChunk]]:
@@ -552,8 +574,8 @@ class OpenAIServer:
             return None
         return ApiError(500, f"choice {bad.index}: {bad.error}", type="server_error", code=bad.error_code)
 
-    def _token_strings(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- endpoints -------------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -573,7 +595,7 @@ class OpenAIServer:
             choices=[
                 p.CompletionChoice(
                     index=c.index,
-                    text="".join(c.text),
+                    text=(c.echo_text or "") + "".join(c.text),
                     logprobs=self._completion_logprobs(c) if req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                     kvfence=None if c.integrity is None else {"integrity": c.integrity},
@@ -586,20 +608,10 @@ class OpenAIServer:
         return JSONResponse(_dump(body), headers=headers)
 
     def _completion_logprobs(self, c: _Choice) -> p.CompletionLogprobs:
-        tokens = self._token_strings(c.token_ids)
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return p.CompletionLogprobs(tokens=tokens, token_logprobs=c.logprobs, text_offset=offsets)
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float]) -> p.ChatChoiceLogprobs:
-        return p.ChatChoiceLogprobs(
-            content=[
-                p.ChatTokenLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
-                for s, lp in zip(self._token_strings(token_ids), logprobs, strict=False)
-            ]
-        )
+        """The whole choice: the echoed prompt's tokens (if echoed), then the output's."""
+        ids: list[int] = list(c.prompt_ids) if c.echo_text is not None else []
+        entries = _prompt_entries(c) if c.echo_text is not None else []
+        return completion_logprobs(ids + c.token_ids, entries + list(c.logprobs), self._token_text)
 
     @staticmethod
     def _top_kvfence(choices: list[_Choice]) -> dict[str, Any] | None:
@@ -625,7 +637,7 @@ class OpenAIServer:
                 p.ChatCompletionChoice(
                     index=c.index,
                     message=p.ChatResponseMessage(content="".join(c.text)),
-                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                    logprobs=chat_logprobs(c.token_ids, c.logprobs, self._token_text) if req.logprobs else None,
                     finish_reason=c.finish_reason,
                     kvfence=None if c.integrity is None else {"integrity": c.integrity},
                 )
@@ -642,20 +654,28 @@ class OpenAIServer:
     ) -> list[BaseModel]:
         if chunk is None:
             return []
+        text, ids, entries = "", [], []
+        if c.echo_text is not None and not c.echoed:  # the prompt goes out first, with its scores
+            c.echoed = True
+            text, ids, entries = c.echo_text, list(c.prompt_ids), _prompt_entries(c)
+        if not c.score_only:
+            text += chunk.text
+            ids += chunk.token_ids
+            entries += list(chunk.logprobs or [])
         logprobs = None
-        if req.logprobs is not None and chunk.token_ids:
-            tokens = self._token_strings(chunk.token_ids)
-            logprobs = p.CompletionLogprobs(tokens=tokens, token_logprobs=list(chunk.logprobs or []))
+        if req.logprobs is not None and ids:
+            logprobs = completion_logprobs(ids, entries, self._token_text, c.text_sent)
+        c.text_sent += len(text)
         if _failed_chunk(chunk):  # no made-up finish_reason: the stream ends with an error event instead
-            if not (chunk.text or chunk.token_ids):
+            if not (text or ids):
                 return []
-            choice = p.CompletionChoice(index=c.index, text=chunk.text, logprobs=logprobs, finish_reason=None)
+            choice = p.CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=None)
             return [p.CompletionResponse(id=base_id, model=req.model, choices=[choice])]
         choice = p.CompletionChoice(
             index=c.index,
-            text=chunk.text,
+            text=text,
             logprobs=logprobs,
-            finish_reason=chunk.finish_reason if chunk.finished else None,
+            finish_reason=c.finish_reason if chunk.finished else None,
             kvfence={"integrity": chunk.integrity} if chunk.integrity is not None else None,
         )
         return [p.CompletionResponse(id=base_id, model=req.model, choices=[choice])]
@@ -672,7 +692,9 @@ class OpenAIServer:
             ]
         out: list[BaseModel] = []
         if chunk.text or chunk.token_ids:
-            logprobs = self._chat_logprobs(chunk.token_ids, list(chunk.logprobs or [])) if req.logprobs else None
+            logprobs = None
+            if req.logprobs:
+                logprobs = chat_logprobs(chunk.token_ids, list(chunk.logprobs or []), self._token_text)
             delta = p.ChatDelta(content=chunk.text)
             choice = p.ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs)
             out.append(p.ChatCompletionChunk(id=base_id, model=req.model, choices=[choice]))
@@ -783,7 +805,8 @@ class OpenAIServer:
                 "max_stop": p.MAX_STOP,
                 "max_prompts": p.MAX_PROMPTS,
                 "vocab_size": self.settings.vocab_size,
-                "logprobs": "logprobs" in _SAMPLING_FIELDS,
+                "max_logprobs": MAX_LOGPROBS,
+                "logprobs_mode": self.settings.logprobs_mode,
             },
             "engine": self.engine.server_info(),
             "stats": self.engine.stats(),

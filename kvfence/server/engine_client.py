@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvfence.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,8 @@ class GenerationChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
-    logprobs: list[float] | None = None  # per new token, when requested
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first chunk, when asked for
     integrity: dict[str, Any] | None = None  # the request's integrity record, on the final chunk
     error: str | None = None  # set with finish_reason "error": message for the client
     extra: dict[str, Any] = field(default_factory=dict)

@@ -6,10 +6,11 @@ is not an integer, NaN is not a temperature), and the response/stream-chunk shap
 official `openai` client reads. What it does not know: tokenization, context length
 or KV capacity (admission checks those), nor how tokens are generated.
 
-Fields that would change the output but that kvfence does not implement (echo,
-best_of, logit_bias, suffix, tools, top-k logprobs, ...) are declared so that a
+Fields that would change the output but that kvfence does not implement (best_of,
+suffix, tools, min_p, vLLM's guided_* and prompt_logprobs, ...) are declared so that a
 non-default value is refused with a 400 naming the field, never silently ignored.
-Unknown fields are ignored, as most OpenAI-compatible servers do.
+Unknown fields are ignored, as most OpenAI-compatible servers do. docs/api.md lists
+every field and what happens to it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvfence.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16  # choices per request
 MAX_STOP = 16  # stop strings per request
@@ -30,11 +33,26 @@ _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 PositiveTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -53,10 +71,25 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension, for benchmarks
-    # accepted only at their neutral value (kvfence does not implement them)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
+    response_format: ResponseFormat | None = None
+    # vLLM extensions
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    # vLLM extensions accepted only at their neutral value (kvfence does not implement them)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -71,8 +104,8 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: PositiveTokens = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 16  # OpenAI's default; 0: score the prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
@@ -103,9 +136,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: PositiveTokens | None = None  # None -> as many as the context allows
     max_completion_tokens: PositiveTokens | None = None  # the newer spelling; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM extension (echo the last message); not implemented
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -121,9 +154,11 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Legacy completions shape: parallel lists, one entry per token (an echoed prompt's first token: null)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -145,11 +180,17 @@ class CompletionResponse(BaseModel):
     kvfence: dict[str, Any] | None = None  # {"integrity": record} when there is exactly one choice
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):
