@@ -21,13 +21,13 @@ Errors (always `{"error": {"message", "type", "param", "code"}}`):
                              or an unexpected exception (logged with its traceback)
 
 What it does not know: scheduling, KV pages or transfers (all behind `EngineClient`),
-nor how the server process is started (see launch.py).
+nor how the server process is started (see launch.py); body parsing, the error object and the encodings
+are http.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import sys
@@ -41,19 +41,27 @@ import anyio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
-from kvfence.errors import InvalidRequestError, KvfenceError
+from kvfence.errors import KvfenceError
 from kvfence.server import protocol as p
 from kvfence.server import sampling
 from kvfence.server.admission import admit
 from kvfence.server.engine_client import EngineClient, GenerationChunk
+from kvfence.server.http import (
+    ApiError,
+    BodyLimitMiddleware,
+    dump_model,
+    parse_body,
+    parse_json_object,
+    sse_event,
+    to_api_error,
+)
 from kvfence.server.logprobs import chat_logprobs, completion_logprobs
 from kvfence.server.metrics import CONTENT_TYPE, Metrics
 
@@ -61,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ENCODE_IN_THREAD_CHARS = 16384  # tokenize longer texts off the event loop
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info")
 
 
 class Tokenizer(Protocol):
@@ -79,153 +86,6 @@ class ApiSettings:
     vocab_size: int | None = None  # token ids in a prompt must be below this (the engine checks too)
     server_args: Mapping[str, Any] = field(default_factory=dict)  # resolved launch settings, for /server_info
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (vLLM's --logprobs-mode)
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def response(self, headers: Mapping[str, str] | None = None, extra: dict[str, Any] | None = None) -> JSONResponse:
-        body = p.error_body(self.message, self.type, self.param, self.code)
-        if extra:
-            body.update(extra)
-        return JSONResponse(body, status_code=self.status, headers=dict(headers or {}))
-
-
-# ---- body: size cap, UTF-8, JSON, schema ---------------------------------------------------------------------------
-
-
-class BodyLimitMiddleware:
-    """Reads a request body up to `max_bytes` before the app sees it (413 beyond), and counts responses.
-
-    The buffered body is replayed to the app once; later `receive()` calls go to the
-    server, so a handler can still wait for the client's disconnect.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: Metrics) -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        endpoint = scope["path"] if scope["path"] in _ROUTES else "other"  # bounded label set
-        status_seen: list[int] = []
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status_seen.append(message["status"])
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, counting_send)
-            return
-        too_large = ApiError(
-            413, f"request body exceeds {self.max_bytes} bytes", param=None, code="request_too_large"
-        ).response()
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared > self.max_bytes or declared < 0:
-                    await too_large(scope, receive, counting_send)
-                    return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                await too_large(scope, receive, counting_send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, counting_send)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Strict UTF-8 JSON object; raises ApiError(400, code invalid_json) otherwise."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_json") from None
-    if not text.strip():
-        raise ApiError(400, "request body is empty; send a JSON object", code="invalid_json")
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-        # lone surrogates (\ud800) decode to a str that is not valid UTF-8: refuse them here
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
-    except UnicodeEncodeError:
-        raise ApiError(400, "request body contains an unpaired UTF-16 surrogate escape", code="invalid_json") from None
-    except ValueError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
-    return obj
-
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
-_UNION_HINTS = {
-    "prompt": "must be a non-empty string, a list of token ids, a list of strings or a list of token-id lists",
-    "stop": "must be a non-empty string or a list of at most 16 non-empty strings",
-    "seed": "must be an integer in the signed 64-bit range or null",
-}
-
-
-def _validation_error(e: ValidationError) -> ApiError:
-    first = e.errors(include_url=False)[0]
-    loc = [str(x) for x in first["loc"]]
-    top = loc[0] if loc else None
-    # the path without pydantic's union-branch names ("str", "list[int]", ...)
-    param = ".".join(x for x in loc if (x.isidentifier() or x.isdigit()) and x not in _TYPE_NAMES)
-    if top in _UNION_HINTS and first["type"] not in ("missing",):
-        message = f"{top}: {_UNION_HINTS[top]}"
-    else:
-        given = repr(first.get("input"))
-        if len(given) > 80:
-            given = given[:77] + "..."
-        message = f"{param or 'body'}: {first['msg']}" + ("" if first["type"] == "missing" else f" (got {given})")
-    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
-    if first["type"] == "missing":
-        code = "missing_required_parameter"
-    return ApiError(400, message, param=param or None, code=code)
-
-
-def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise _validation_error(e) from None
 
 
 def _unsupported(param: str, message: str) -> ApiError:
@@ -579,7 +439,7 @@ class OpenAIServer:
 
     # -- endpoints -------------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req: p.CompletionRequest = _parse(p.CompletionRequest, parse_json_object(await request.body()))
+        req: p.CompletionRequest = parse_body(p.CompletionRequest, parse_json_object(await request.body()))
         self._check_model(req.model)
         base_id = f"cmpl-{_request_id(request)}"
         choices = await self._completion_choices(req, base_id)
@@ -605,7 +465,7 @@ class OpenAIServer:
             usage=self._usage(choices),
             kvfence=self._top_kvfence(choices),
         )
-        return JSONResponse(_dump(body), headers=headers)
+        return JSONResponse(dump_model(body), headers=headers)
 
     def _completion_logprobs(self, c: _Choice) -> p.CompletionLogprobs:
         """The whole choice: the echoed prompt's tokens (if echoed), then the output's."""
@@ -620,7 +480,7 @@ class OpenAIServer:
         return None
 
     async def chat_completions(self, request: Request) -> Response:
-        req: p.ChatCompletionRequest = _parse(p.ChatCompletionRequest, parse_json_object(await request.body()))
+        req: p.ChatCompletionRequest = parse_body(p.ChatCompletionRequest, parse_json_object(await request.body()))
         self._check_model(req.model)
         base_id = f"chatcmpl-{_request_id(request)}"
         choices = await self._chat_choices(req, base_id)
@@ -646,7 +506,7 @@ class OpenAIServer:
             usage=self._usage(choices),
             kvfence=self._top_kvfence(choices),
         )
-        return JSONResponse(_dump(body), headers=headers)
+        return JSONResponse(dump_model(body), headers=headers)
 
     # -- streaming ---------------------------------------------------------------------------------------------
     def _completion_chunk(
@@ -731,7 +591,7 @@ class OpenAIServer:
             try:
                 for c in choices:
                     for m in render(c, None):
-                        yield _sse(_dump(m))
+                        yield sse_event(dump_model(m))
                 pending = [first] if first is not None else []
                 while True:
                     if pending:
@@ -742,16 +602,16 @@ class OpenAIServer:
                         except StopAsyncIteration:
                             break
                     for m in render(c, chunk):
-                        yield _sse(_dump(m))
+                        yield sse_event(dump_model(m))
                     if c.error is not None:  # one choice failed: the error event ends the whole stream
                         break
                 err = self._failed(choices)
                 if err is not None:
-                    yield _sse(_stream_error_event(err, choices))
+                    yield sse_event(_stream_error_event(err, choices))
                 elif include_usage:
                     obj = "chat.completion.chunk" if isinstance(req, p.ChatCompletionRequest) else "text_completion"
                     usage = self._usage(choices).model_dump()
-                    yield _sse(
+                    yield sse_event(
                         {
                             "id": base_id,
                             "object": obj,
@@ -763,12 +623,12 @@ class OpenAIServer:
                     )
                 yield b"data: [DONE]\n\n"
             except (KvfenceError, ApiError) as e:
-                api = _to_api_error(e)
-                yield _sse(p.error_body(api.message, api.type, api.param, api.code))
+                api = to_api_error(e)
+                yield sse_event(p.error_body(api.message, api.type, api.param, api.code))
                 yield b"data: [DONE]\n\n"
             except Exception:
                 logger.exception("stream failed")
-                yield _sse(p.error_body("internal error while streaming; see the server log", "server_error"))
+                yield sse_event(p.error_body("internal error while streaming; see the server log", "server_error"))
                 yield b"data: [DONE]\n\n"
             finally:
                 with anyio.CancelScope(shield=True):
@@ -826,32 +686,6 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
 
-def _dump(model: BaseModel) -> dict[str, Any]:
-    """JSON-ready dict without the optional kvfence/usage fields when they are empty."""
-    d = model.model_dump(mode="json")
-    for key in ("kvfence", "usage"):
-        if d.get(key) is None:
-            d.pop(key, None)
-    for choice in d.get("choices", []):
-        if choice.get("kvfence") is None:
-            choice.pop("kvfence", None)
-    return d
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
-
-
-def _to_api_error(e: BaseException) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, InvalidRequestError):
-        return ApiError(400, str(e), param=e.param, code=e.code)
-    if isinstance(e, KvfenceError):
-        return ApiError(500, str(e), type="server_error", code="engine_error")
-    return ApiError(500, "internal server error; see the server log", type="server_error", code="internal_error")
-
-
 # ---- the app -------------------------------------------------------------------------------------------------------
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -883,7 +717,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
 
     @app.exception_handler(KvfenceError)
     async def _kvfence_error(_: Request, e: KvfenceError) -> Response:
-        api = _to_api_error(e)
+        api = to_api_error(e)
         if api.status >= 500:
             logger.error("request failed: %s", e)
         observe_rejection(api)
@@ -897,7 +731,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> Response:
         logger.exception("unhandled error")
-        return _to_api_error(e).response()
+        return to_api_error(e).response()
 
     responses = dict(_ERROR_RESPONSES)
 
