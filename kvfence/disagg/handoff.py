@@ -25,7 +25,7 @@ them (an illegal one raises), and what each side does on entering a state:
   in both cases only once the send thread has stopped reading them (`sender_done`);
   then it frees them (poisoned first in strict mode). When the ack deadline passes with
   the send thread still inside a write, prefill cuts its connection so the write fails.
-- Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8), counted in
+- Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8, docs/handoff.md), counted in
   the `IntegrityMetrics` passed in.
 
 Both objects are driven by a worker loop calling the non-blocking `poll()`; nothing
@@ -245,7 +245,7 @@ class DecodeHandoff:
         self._maybe_release(self._failed_at)
 
     def _maybe_release(self, now: float) -> None:
-        """Release the quarantine once no write can land (invariant 5); past the deadline, end a stuck write."""
+        """Release the quarantine once no write can land (invariant 5, docs/handoff.md); past the deadline, end a stuck write."""
         slot = self.slot
         assert slot is not None and self._failed_at is not None
         if slot.settled:

@@ -24,7 +24,7 @@ move (`PageMover`) and how frames travel (`Link`):
   byte of that page landed; pages outside the allocation are counted, never written.
 - The sender sends at most `max_transfer_pages` pages per chunk and keeps at most
   `max_inflight_bytes` un-acknowledged (a single chunk larger than the bound is sent
-  alone), so one transfer cannot flood the receiver (invariant 7).
+  alone), so one transfer cannot flood the receiver (invariant 7, docs/handoff.md).
 - A receive slot is `settled` once no write from this transfer can land any more: no page
   write is in progress (`writing == 0`) and either the sender's last frame arrived, the
   connection closed (its reader thread has exited), or decode closed the slot and the
@@ -70,7 +70,7 @@ def new_transfer_id() -> str:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """Sender-side bounds (invariant 7) and deadlines."""
+    """Sender-side bounds (invariant 7, docs/handoff.md) and deadlines."""
 
     max_transfer_pages: int = 64  # pages per chunk frame
     max_inflight_bytes: int = 64 << 20  # bytes sent but not yet acknowledged by the receiver
