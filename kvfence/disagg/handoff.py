@@ -245,7 +245,8 @@ class DecodeHandoff:
         self._maybe_release(self._failed_at)
 
     def _maybe_release(self, now: float) -> None:
-        """Release the quarantine once no write can land (invariant 5, docs/handoff.md); past the deadline, end a stuck write."""
+        """Release the quarantine once no write can land (invariant 5, docs/handoff.md); past the deadline, end a
+        stuck write."""
         slot = self.slot
         assert slot is not None and self._failed_at is not None
         if slot.settled:
