@@ -439,3 +439,25 @@ def test_inject_fault_flag_targets_a_request_and_a_page() -> None:
     assert parse_faults(None) is None
     with pytest.raises(KvfenceError, match="unknown fault"):
         parse_faults("bogus")
+
+
+def test_metrics_show_each_workers_load_and_health(fleet_of: Callable[..., Fleet]) -> None:
+    from kvfence.server.metrics import Metrics
+
+    fleet = fleet_of(two_by_two())
+    fleet.workers["decode-1"].report(fleet.router, **{**idle(32), "pages_free": 20, "num_running": 3})
+    fleet.workers["prefill-0"].report(fleet.router, **idle(32), queued_prompt_tokens=77)
+    text = Metrics(fleet.router.stats).render().decode()
+    assert 'kvfence_worker_kv_pages_free{role="decode",worker="decode-1"} 20.0' in text
+    assert 'kvfence_worker_running_requests{role="decode",worker="decode-1"} 3.0' in text
+    assert 'kvfence_worker_queued_prompt_tokens{role="prefill",worker="prefill-0"} 77.0' in text
+    assert 'kvfence_worker_up{role="decode",worker="decode-0"} 1.0' in text
+    fleet.workers["decode-0"].silent.set()
+    deadline = time.monotonic() + 3
+    while fleet.router.stats()["workers"]["decode-0"]["up"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    text = Metrics(fleet.router.stats).render().decode()
+    assert 'kvfence_worker_up{role="decode",worker="decode-0"} 0.0' in text
+    assert 'kvfence_worker_deaths_total{role="decode"} 1.0' in text
+    assert 'worker="decode-0"} 32.0' not in text  # a dead worker's last load is not shown as current

@@ -440,12 +440,13 @@ class Router:
         with self._lock:
             workers = self.workers.describe(now)
             in_flight = len(self._flights)
+            page_size = self.workers.identity.page_size if self.workers.identity is not None else None
         roles: dict[str, Any] = {}
         num_running = num_waiting = 0
         for w in workers.values():
             if not w["up"] or "pages_total" not in w:
                 continue
-            r = roles.setdefault(w["role"], {"workers": 0, "page_size": w.get("page_size")})
+            r = roles.setdefault(w["role"], {"workers": 0, "page_size": page_size})
             r["workers"] += 1
             for k in ("pages_total", "pages_used", "pages_free", "pages_quarantined"):
                 r[k] = r.get(k, 0) + int(w.get(k, 0))

@@ -608,6 +608,8 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         decode += ["--max-total-tokens", str(n)]
     if args.no_verify:
         decode.append("--no-verify")
+    if args.throttle_kv_send:
+        prefill += ["--throttle-kv-send", args.throttle_kv_send]
     return tuple(common), tuple(prefill), tuple(decode)
 
 
