@@ -41,6 +41,8 @@ CTX = 256
 DEADLINE_S = 3.0
 DECODE_KV_PORT = 47011  # each decode's data-plane port inside its own fresh namespace, where every port is free
 WORKER_TIMEOUT_S = 1.5
+# Four worker processes, link cuts and worker deaths with deadlines: long and timing-bound.
+pytestmark = pytest.mark.slow
 HOSTS = {"p0": 2, "p1": 3, "d0": 4, "d1": 5}  # namespace suffix -> host number on both subnets
 WORKER_IDS = {"p0": "prefill-0", "p1": "prefill-1", "d0": "decode-0", "d1": "decode-1"}
 
