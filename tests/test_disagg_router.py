@@ -144,6 +144,7 @@ class FakeWorker:
         self.channel = hub.connect(self.id, replace=True)
         self.load: dict[str, Any] = {}
         self.orders = 0
+        self.frozen = False  # True: its reports go on saying the orders it had seen when this was set
         self.inbox: list[P.Message] = []
         self.silent = threading.Event()  # set: it stops answering (hung or dead)
         self._stop = threading.Event()
@@ -159,7 +160,7 @@ class FakeWorker:
                 continue
             if msg is not None:
                 self.inbox.append(msg)
-                self.orders += isinstance(msg, (P.DecodePrepare, P.PrefillOrder))
+                self.orders += isinstance(msg, (P.DecodePrepare, P.PrefillOrder)) and not self.frozen
             if time.monotonic() - last > 0.05:
                 last = time.monotonic()
                 self.channel.send(P.WorkerStats(self.registration.role, {**self.load, "orders_seen": self.orders}))
@@ -181,6 +182,13 @@ class FakeWorker:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def eventually(cond: Callable[[], Any], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
 
 
 def idle(pages: int) -> dict[str, int]:
@@ -278,14 +286,16 @@ def test_decode_is_picked_by_reported_free_pages_then_running_requests(fleet_of:
 
 def test_a_burst_before_any_new_report_is_spread_by_the_orders_in_transit(fleet_of: Callable[..., Fleet]) -> None:
     fleet = fleet_of(two_by_two())
-    for w in fleet.workers.values():
-        w.load = idle(32)
+    fleet.workers["decode-0"].report(fleet.router, **idle(32))
+    fleet.workers["decode-1"].report(fleet.router, **{**idle(32), "num_running": 2})
     for d in ("decode-0", "decode-1"):
-        fleet.workers[d].silent.set()  # no report covers the orders: only the router's own count tells
+        fleet.workers[d].frozen = True  # its reports cover no new order: only the router's own count tells
+    picked = []
     for i in range(6):
         fleet.submit(f"r{i}")
-    picked = [fleet.decode_of(f"r{i}") for i in range(6)]
-    assert sorted(picked) == ["decode-0"] * 3 + ["decode-1"] * 3, picked
+        picked.append(fleet.decode_of(f"r{i}"))
+    # decode-0 looked idle, decode-1 had 2 running: decode-0 takes two, then they alternate
+    assert picked == ["decode-0", "decode-0", "decode-1", "decode-0", "decode-1", "decode-0"], picked
 
 
 def test_prefill_is_picked_by_reported_queued_prompt_tokens(fleet_of: Callable[..., Fleet]) -> None:
@@ -343,7 +353,7 @@ def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_t
     last = chunks[-1]
     assert last.finish_reason == "error" and last.extra["code"] == "worker_lost", last
     assert f"decode worker {victim} lost" in last.error and prefill in last.error, last.error
-    assert any(m.request_id == "a" for m in fleet.workers[prefill].got(P.Abort))  # the peer frees its pages
+    eventually(lambda: any(m.request_id == "a" for m in fleet.workers[prefill].got(P.Abort)))  # the peer frees
     assert fleet.router.stats()["workers"][victim]["up"] is False
     for i in range(3):
         fleet.submit(f"after{i}")
@@ -379,8 +389,9 @@ def test_the_same_worker_registering_again_ends_what_it_held_before(fleet_of: Ca
     fleet.workers[wid] = FakeWorker(fleet.hub, reg("decode", worker_id=wid))  # restarted in its slot
     last = fleet.results["a"].result(timeout=5)[-1]
     assert last.finish_reason == "error" and "registered again" in last.error
-    reply = fleet.workers[wid].channel  # the new incarnation was accepted and is up
-    assert reply is not None and fleet.router.stats()["workers"][wid]["up"] is True
+    eventually(lambda: fleet.workers[wid].got(P.RegisterReply))
+    assert fleet.workers[wid].got(P.RegisterReply)[0].accepted  # the new incarnation was accepted
+    assert fleet.router.stats()["workers"][wid]["up"] is True
 
 
 def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> None:
