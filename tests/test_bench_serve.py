@@ -90,6 +90,15 @@ def test_launch_kinds_are_flag_lists_kvfence_serve_accepts() -> None:
     assert parsed["agg"].role == "aggregated" and not parsed["agg"].no_verify
     assert parsed["disagg"].role is None and not parsed["disagg"].no_verify  # no role: router + prefill + decode
     assert parsed["disagg-noverify"].role is None and parsed["disagg-noverify"].no_verify
+    shapes = {k: (a.prefill_workers, a.decode_workers) for k, a in parsed.items() if k.startswith("disagg")}
+    assert shapes == {
+        "disagg": (1, 1),
+        "disagg-noverify": (1, 1),
+        "disagg-1x1": (1, 1),
+        "disagg-2x1": (2, 1),
+        "disagg-1x2": (1, 2),
+        "disagg-2x2": (2, 2),
+    }
 
 
 # ---- against a launched aggregated server --------------------------------------------------------------------------

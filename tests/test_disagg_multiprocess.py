@@ -196,20 +196,60 @@ def test_fifty_concurrent_requests_over_tcp_match_aggregated(workers: WorkerProc
 # -- the launcher: three processes behind HTTP -----------------------------------------------------------------
 
 
-def test_launcher_stops_everything_when_one_child_exits(monkeypatch: pytest.MonkeyPatch) -> None:
-    launcher = Launcher(LaunchConfig())
+def _fake_launcher(monkeypatch: pytest.MonkeyPatch, config: LaunchConfig, scripts: dict[str, list[str]]) -> Launcher:
+    """A launcher whose children are tiny scripts: `scripts[slot]` (a list run in turn, one per start) or a sleeper."""
+    launcher = Launcher(config)
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
-    dies = [sys.executable, "-c", "import time, sys; time.sleep(0.5); sys.exit(3)"]
-    monkeypatch.setattr(launcher, "command", lambda role: dies if role == "decode" else sleeper)
+    starts: dict[str, int] = {}
+
+    def command(slot: str) -> list[str]:
+        n = starts[slot] = starts.get(slot, 0) + 1
+        runs = scripts.get(slot, [])
+        code = runs[n - 1] if n <= len(runs) else None
+        return sleeper if code is None else [sys.executable, "-c", code]
+
+    monkeypatch.setattr(launcher, "command", command)
+    launcher.starts = starts  # type: ignore[attr-defined]
+    return launcher
+
+
+def test_launcher_stops_everything_when_a_worker_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = "import time, sys; time.sleep(0.3); sys.exit(2)"  # exit code 2: refused by the router / bad flags
+    launcher = _fake_launcher(monkeypatch, LaunchConfig(num_decode=2), {"decode-1": [refused]})
     launcher.start()
     t0 = time.monotonic()
     assert launcher.watch() == 1
     assert time.monotonic() - t0 < 15
+    assert launcher.starts["decode-1"] == 1  # not restarted: it would fail the same way
     assert {r: p.returncode for r, p in launcher.procs.items()} == {
         "router": -signal.SIGTERM,
-        "prefill": -signal.SIGTERM,
-        "decode": 3,
+        "prefill-0": -signal.SIGTERM,
+        "decode-0": -signal.SIGTERM,
+        "decode-1": 2,
     }
+
+
+def test_launcher_restarts_a_worker_that_dies_in_its_slot_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    dies = "import os, time; time.sleep(0.3); os.kill(os.getpid(), 9)"  # killed -9
+    launcher = _fake_launcher(
+        monkeypatch, LaunchConfig(num_prefill=2, max_worker_restarts=2), {"prefill-1": [dies, dies, dies]}
+    )
+    launcher.start()
+    t0 = time.monotonic()
+    assert launcher.watch() == 1  # the third death is past the limit: everything stops, reported
+    assert time.monotonic() - t0 < 15
+    assert launcher.starts == {"router": 1, "prefill-0": 1, "prefill-1": 3, "decode-0": 1}
+    assert launcher.restarts == {"prefill-1": 2}
+    assert launcher.procs["prefill-1"].returncode == -signal.SIGKILL
+    assert launcher.procs["prefill-0"].returncode == -signal.SIGTERM
+
+
+def test_a_restarted_worker_keeps_its_id_and_ports() -> None:
+    launcher = Launcher(LaunchConfig(num_decode=2))
+    first, again = launcher.command("decode-1"), launcher.command("decode-1")
+    assert first == again
+    assert first[first.index("--worker-id") + 1] == "decode-1"
+    assert first[first.index("--handoff-port") + 1] == str(launcher.ports.handoff[1])
 
 
 def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify_flag() -> None:
@@ -224,16 +264,22 @@ def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify
     assert prefill == ("--max-total-tokens", "512") and decode == ("--max-total-tokens", "1024", "--no-verify")
     roles = build_parser().parse_args(["serve", "--role", "decode", "--handoff-port", "5"])
     assert roles.role == "decode" and roles.handoff_port == 5
+    scaled = build_parser().parse_args(["serve", "--prefill-workers", "2", "--decode-workers", "3"])
+    assert (scaled.prefill_workers, scaled.decode_workers, scaled.max_worker_restarts) == (2, 3, 3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--decode-workers", "0"])
 
 
 def test_launcher_passes_each_role_its_ports_explicitly() -> None:
-    launcher = Launcher(LaunchConfig(prefill_args=("--max-total-tokens", "512")))
+    launcher = Launcher(LaunchConfig(num_prefill=2, num_decode=2, prefill_args=("--max-total-tokens", "512")))
     p = launcher.ports
-    assert len({p.http, p.control, p.handoff}) == 3
-    router, prefill, decode = (launcher.command(r) for r in ("router", "prefill", "decode"))
+    assert launcher.slots == ("router", "prefill-0", "prefill-1", "decode-0", "decode-1")
+    assert len({p.http, p.control, *p.handoff}) == 4  # every decode worker its own data-plane port
+    router, prefill, decode = (launcher.command(r) for r in ("router", "prefill-1", "decode-0"))
     assert ["--port", str(p.http)] == router[router.index("--port") : router.index("--port") + 2]
     assert f"tcp://127.0.0.1:{p.control}" in prefill and f"tcp://127.0.0.1:{p.control}" in decode
-    assert str(p.handoff) in decode and "512" in prefill and "512" not in decode
+    assert str(p.handoff[0]) in decode and "512" in prefill and "512" not in decode
+    assert prefill[prefill.index("--worker-id") + 1] == "prefill-1"
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +289,7 @@ def launched(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         common_args=("--model", str(tiny_llama_dir), "--context-length", CTX, "--log-level", "WARNING"),
         prefill_args=("--max-total-tokens", "512"),
         decode_args=("--max-total-tokens", "1024"),
+        max_worker_restarts=0,  # a dead worker takes the deployment down (the restart path has its own tests)
     )
     launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
     launcher.start()
@@ -264,10 +311,10 @@ def test_launched_deployment_serves_http_and_goes_down_together(launched: Launch
     assert r.json()["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
     metrics = httpx.get(f"{launched.base_url}/metrics", timeout=10).text
     assert 'kvfence_kv_capacity_tokens{role="prefill"} 512.0' in metrics
-    os.kill(launched.procs["decode"].pid, signal.SIGKILL)
-    assert launched.watch() == 1  # noticed the death and stopped the others
+    os.kill(launched.procs["decode-0"].pid, signal.SIGKILL)
+    assert launched.watch() == 1  # noticed the death and, with no restarts allowed, stopped the others
     assert all(p.poll() is not None for p in launched.procs.values())
-    assert launched.procs["decode"].returncode == -signal.SIGKILL
+    assert launched.procs["decode-0"].returncode == -signal.SIGKILL
 
 
 @pytest.mark.slow

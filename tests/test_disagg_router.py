@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -58,6 +62,7 @@ def test_sampling_params_survive_the_wire() -> None:
         ("dtype", "float32", "bfloat16"),
         ("layout_fingerprint", "a" * 16, "b" * 16),
         ("model_fingerprint", "c" * 16, "d" * 16),
+        ("vocab_size", 2048, 4096),
     ],
 )
 def test_pair_with_different_settings_is_refused_naming_both_values(
@@ -66,7 +71,7 @@ def test_pair_with_different_settings_is_refused_naming_both_values(
     with pytest.raises(CapacityConfigError) as e:
         check_pair(reg("prefill", **{field: p_value}), reg("decode", **{field: d_value}))
     msg = str(e.value)
-    assert field in msg and repr(p_value) in msg and repr(d_value) in msg
+    assert f"{field}: decode-0={d_value!r} prefill-0={p_value!r}" in msg, msg
 
 
 def test_matching_pair_is_accepted() -> None:
@@ -79,17 +84,29 @@ def test_role_whose_context_exceeds_its_pool_is_refused() -> None:
     check_registration(reg("decode", context_length=512, pool_tokens=512))
 
 
-def test_router_refuses_a_mismatched_pair_and_tells_both_workers() -> None:
+def test_router_refuses_a_mismatched_worker_tells_it_why_and_keeps_waiting() -> None:
     hub = P.QueueHub()
-    pc, dc = hub.connect("prefill-0"), hub.connect("decode-0")
+    pc, dc, good = hub.connect("prefill-0"), hub.connect("decode-0"), hub.connect("decode-1")
     pc.send(reg("prefill", page_size=16))
     dc.send(reg("decode", page_size=32))
     router = Router(hub, RouterConfig(register_timeout_s=5))
-    with pytest.raises(CapacityConfigError, match="page_size: prefill=16 decode=32"):
-        router.wait_for_workers()
-    for ch in (pc, dc):
+    good.send(reg("decode", worker_id="decode-1"))  # a matching decode after the refused one: served
+    router.wait_for_workers()
+    reply = dc.recv(timeout=1)
+    assert isinstance(reply, P.RegisterReply) and not reply.accepted
+    assert "page_size: decode-0=32 prefill-0=16" in reply.reason, reply.reason
+    for ch in (pc, good):
         reply = ch.recv(timeout=1)
-        assert isinstance(reply, P.RegisterReply) and not reply.accepted and "page_size" in reply.reason
+        assert isinstance(reply, P.RegisterReply) and reply.accepted
+    assert [e.worker_id for e in router.workers.up("decode")] == ["decode-1"]
+
+
+def test_router_gives_up_naming_the_refusals_when_no_worker_of_a_role_matches() -> None:
+    hub = P.QueueHub()
+    hub.connect("prefill-0").send(reg("prefill", model_fingerprint="a" * 16))
+    hub.connect("decode-0").send(reg("decode", model_fingerprint="b" * 16))
+    with pytest.raises(CapacityConfigError, match=r"registered within 0.5s \(refused: decode-0: .*model_finger"):
+        Router(hub, RouterConfig(register_timeout_s=0.5)).wait_for_workers()
 
 
 def test_router_accepts_a_pair_and_reports_capacity_per_role() -> None:
@@ -105,6 +122,7 @@ def test_router_accepts_a_pair_and_reports_capacity_per_role() -> None:
     assert isinstance(pc.recv(timeout=1), P.RegisterReply) and isinstance(dc.recv(timeout=1), P.RegisterReply)
     info = router.server_info()
     assert info["roles"]["decode"]["max_total_tokens"] == 1024 and info["mode"] == "disaggregated"
+    assert info["workers"]["decode-0"]["handoff_address"] == "tcp://127.0.0.1:1"
 
 
 def test_router_times_out_when_a_role_never_registers() -> None:
@@ -112,6 +130,283 @@ def test_router_times_out_when_a_role_never_registers() -> None:
     hub.connect("prefill-0").send(reg("prefill"))
     with pytest.raises(CapacityConfigError, match="no decode worker registered"):
         Router(hub, RouterConfig(register_timeout_s=0.3)).wait_for_workers()
+
+
+# -- many workers: routing by reported load, health, re-registration (fake workers on queues) ----------------
+
+
+class FakeWorker:
+    """A registered worker that reports the load it is given and keeps every message the router sends it."""
+
+    def __init__(self, hub: P.QueueHub, registration: P.Register) -> None:
+        self.id = registration.worker_id
+        self.registration = registration
+        self.channel = hub.connect(self.id, replace=True)
+        self.load: dict[str, Any] = {}
+        self.orders = 0
+        self.frozen = False  # True: its reports go on saying the orders it had seen when this was set
+        self.inbox: list[P.Message] = []
+        self.silent = threading.Event()  # set: it stops answering (hung or dead)
+        self._stop = threading.Event()
+        self.channel.send(registration)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = 0.0
+        while not self._stop.is_set():
+            msg = self.channel.recv(timeout=0.01)
+            if self.silent.is_set():
+                continue
+            if msg is not None:
+                self.inbox.append(msg)
+                self.orders += isinstance(msg, (P.DecodePrepare, P.PrefillOrder)) and not self.frozen
+            if time.monotonic() - last > 0.05:
+                last = time.monotonic()
+                self.channel.send(P.WorkerStats(self.registration.role, {**self.load, "orders_seen": self.orders}))
+
+    def report(self, router: Router, **load: Any) -> None:
+        """Publish `load` and wait until the router has it, with every order so far covered."""
+        self.load = load
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            w = router.stats()["workers"].get(self.id, {})
+            if all(w.get(k) == v for k, v in load.items()) and w.get("in_transit") == 0:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{self.id}: the router never saw {load}")
+
+    def got(self, kind: type[P.Message]) -> list[Any]:
+        return [m for m in list(self.inbox) if isinstance(m, kind)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def eventually(cond: Callable[[], Any], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def idle(pages: int) -> dict[str, int]:
+    return {"pages_total": pages, "pages_free": pages, "pages_used": 0, "num_running": 0, "num_waiting": 0}
+
+
+class Fleet:
+    """A router serving fake workers; `submit` starts a request and returns which decode got its DecodePrepare."""
+
+    def __init__(self, workers: list[P.Register], **config: Any) -> None:
+        self.hub = P.QueueHub()
+        self.workers = {r.worker_id: FakeWorker(self.hub, r) for r in workers}
+        roles = [r.role for r in workers]
+        config = {"register_timeout_s": 5, "worker_timeout_s": 0.6, "heartbeat_interval_s": 0.05, **config}
+        config.setdefault("wait_prefill_workers", roles.count("prefill"))
+        config.setdefault("wait_decode_workers", roles.count("decode"))
+        self.router = Router(self.hub, RouterConfig(**config))
+        self.router.wait_for_workers()
+        self.router.start()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.results: dict[str, Any] = {}
+
+    def submit(self, rid: str, prompt_len: int = 20, max_tokens: int = 10) -> None:
+        async def run() -> list[Any]:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            return [c async for c in self.router.generate(rid, [5] * prompt_len, sp)]
+
+        self.results[rid] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self.router._flights.get(rid) is not None or self.results[rid].done():
+                return
+            time.sleep(0.002)
+        raise AssertionError(f"{rid} was never admitted")
+
+    def decode_of(self, rid: str) -> str:
+        return self.router._flights[rid].decode_id
+
+    def reserve(self, rid: str) -> str:
+        """The decode worker of `rid` says it reserved the pages; returns the prefill worker the order went to."""
+        wid = self.decode_of(rid)
+        self.workers[wid].channel.send(P.DecodeReserved(rid, f"tcp://{wid}:1", 2))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for w in self.workers.values():
+                if any(m.request_id == rid for m in w.got(P.PrefillOrder)):
+                    return w.id
+            time.sleep(0.005)
+        raise AssertionError(f"no prefill order for {rid}")
+
+    def close(self) -> None:
+        self.router.close()
+        for w in self.workers.values():
+            w.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def fleet_of() -> Iterator[Callable[..., Fleet]]:
+    fleets: list[Fleet] = []
+
+    def make(workers: list[P.Register], **config: Any) -> Fleet:
+        fleets.append(Fleet(workers, **config))
+        return fleets[-1]
+
+    yield make
+    for f in fleets:
+        f.close()
+
+
+def two_by_two(**over: Any) -> list[P.Register]:
+    return [
+        reg("prefill", worker_id="prefill-0"),
+        reg("prefill", worker_id="prefill-1"),
+        reg("decode", worker_id="decode-0", **over),
+        reg("decode", worker_id="decode-1", **over),
+    ]
+
+
+def test_decode_is_picked_by_reported_free_pages_then_running_requests(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of(two_by_two())
+    d0, d1 = fleet.workers["decode-0"], fleet.workers["decode-1"]
+    d0.report(fleet.router, **{**idle(32), "pages_free": 1})  # 1 free page: cannot hold 30 tokens now
+    d1.report(fleet.router, **{**idle(32), "num_running": 6, "pages_free": 20})
+    fleet.submit("a", prompt_len=20, max_tokens=10)
+    assert fleet.decode_of("a") == "decode-1"  # the one whose free pages hold it, however busy
+    d0.report(fleet.router, **{**idle(32), "num_running": 1})
+    d1.report(fleet.router, **{**idle(32), "num_running": 4})
+    fleet.submit("b")
+    assert fleet.decode_of("b") == "decode-0"  # both can hold it: the one with fewer requests
+
+
+def test_a_burst_before_any_new_report_is_spread_by_the_orders_in_transit(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of(two_by_two())
+    fleet.workers["decode-0"].report(fleet.router, **idle(32))
+    fleet.workers["decode-1"].report(fleet.router, **{**idle(32), "num_running": 2})
+    for d in ("decode-0", "decode-1"):
+        fleet.workers[d].frozen = True  # its reports cover no new order: only the router's own count tells
+    picked = []
+    for i in range(6):
+        fleet.submit(f"r{i}")
+        picked.append(fleet.decode_of(f"r{i}"))
+    # decode-0 looked idle, decode-1 had 2 running: decode-0 takes two, then they alternate
+    assert picked == ["decode-0", "decode-0", "decode-1", "decode-0", "decode-1", "decode-0"], picked
+
+
+def test_prefill_is_picked_by_reported_queued_prompt_tokens(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of(two_by_two())
+    fleet.workers["prefill-0"].report(fleet.router, **idle(32), queued_prompt_tokens=400)
+    fleet.workers["prefill-1"].report(fleet.router, **idle(32), queued_prompt_tokens=30)
+    fleet.submit("a", prompt_len=20)
+    assert fleet.reserve("a") == "prefill-1"
+    fleet.workers["prefill-1"].report(fleet.router, **idle(32), queued_prompt_tokens=900)
+    fleet.submit("b", prompt_len=20)
+    assert fleet.reserve("b") == "prefill-0"
+
+
+def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_pool_holds(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    from kvfence.errors import ContextLengthExceededError
+
+    workers = [
+        reg("prefill", context_length=4096, pool_tokens=4096),
+        reg("decode", worker_id="decode-0", context_length=4096, pool_tokens=512),
+        reg("decode", worker_id="decode-1", context_length=4096, pool_tokens=2048),
+    ]
+    fleet = fleet_of(workers, allow_context_above_pool=True)
+    fleet.workers["decode-0"].report(fleet.router, **idle(32))
+    fleet.workers["decode-1"].report(fleet.router, **{**idle(128), "num_running": 50})
+    fleet.submit("small", prompt_len=100, max_tokens=100)
+    assert fleet.decode_of("small") == "decode-0"  # fits both; the idle one
+    fleet.submit("large", prompt_len=900, max_tokens=100)
+    assert fleet.decode_of("large") == "decode-1"  # only the large pool holds 1000 tokens, busy as it is
+    assert fleet.router.capacity().max_total_tokens == {"prefill": 4096, "decode": 2048}
+
+    async def too_large() -> None:
+        async for _ in fleet.router.generate("huge", [5] * 2000, SamplingParams(max_tokens=100)):
+            pass
+
+    with pytest.raises(ContextLengthExceededError, match="2100 tokens .* decode KV pool \\(2048 tokens\\)"):
+        asyncio.run(too_large())
+    assert not any(m.request_id == "huge" for w in fleet.workers.values() for m in w.got(P.DecodePrepare))
+
+
+def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_the_others(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    fleet = fleet_of(two_by_two())
+    for w in fleet.workers.values():
+        w.load = idle(32)
+    fleet.submit("a")
+    victim = fleet.decode_of("a")
+    prefill = fleet.reserve("a")
+    fleet.workers[victim].silent.set()  # hung or killed: nothing more from it
+    t0 = time.monotonic()
+    chunks = fleet.results["a"].result(timeout=5)
+    assert time.monotonic() - t0 < 0.6 + 1.0  # within the worker timeout (plus a check period)
+    last = chunks[-1]
+    assert last.finish_reason == "error" and last.extra["code"] == "worker_lost", last
+    assert f"decode worker {victim} lost" in last.error and prefill in last.error, last.error
+    eventually(lambda: any(m.request_id == "a" for m in fleet.workers[prefill].got(P.Abort)))  # the peer frees
+    assert fleet.router.stats()["workers"][victim]["up"] is False
+    for i in range(3):
+        fleet.submit(f"after{i}")
+        assert fleet.decode_of(f"after{i}") != victim
+    assert fleet.router.stats()["worker_deaths"] == {"decode": 1}
+
+
+def test_a_worker_the_router_does_not_know_is_told_to_register_and_then_takes_traffic(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    fleet = fleet_of([reg("prefill"), reg("decode", worker_id="decode-0")])
+    for w in fleet.workers.values():
+        w.load = idle(32)
+    stray = fleet.hub.connect("decode-9")
+    stray.send(P.WorkerStats("decode", idle(32)))  # e.g. registered with the router before a restart
+    reply = stray.recv(timeout=2)
+    assert isinstance(reply, P.RegisterReply) and not reply.accepted and reply.reason.startswith("re-register")
+    new = FakeWorker(fleet.hub, reg("decode", worker_id="decode-9"))
+    fleet.workers["decode-9"] = new
+    new.report(fleet.router, **idle(64))
+    fleet.workers["decode-0"].report(fleet.router, **{**idle(32), "num_running": 3})
+    fleet.submit("x")
+    assert fleet.decode_of("x") == "decode-9"
+
+
+def test_the_same_worker_registering_again_ends_what_it_held_before(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of(two_by_two())
+    for w in fleet.workers.values():
+        w.load = idle(32)
+    fleet.submit("a")
+    wid = fleet.decode_of("a")
+    fleet.workers[wid].close()
+    fleet.workers[wid] = FakeWorker(fleet.hub, reg("decode", worker_id=wid))  # restarted in its slot
+    last = fleet.results["a"].result(timeout=5)[-1]
+    assert last.finish_reason == "error" and "registered again" in last.error
+    eventually(lambda: fleet.workers[wid].got(P.RegisterReply))
+    assert fleet.workers[wid].got(P.RegisterReply)[0].accepted  # the new incarnation was accepted
+    assert fleet.router.stats()["workers"][wid]["up"] is True
+
+
+def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> None:
+    from kvfence.server.api import ApiError
+
+    fleet = fleet_of([reg("prefill"), reg("decode")])
+    fleet.workers["decode-0"].silent.set()
+    deadline = time.monotonic() + 3
+    while fleet.router.healthy()["decode"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(ApiError) as e:
+        fleet.router.check_health()
+    assert e.value.status == 503
+    assert "no healthy decode worker (decode-0: decode worker decode-0 lost" in e.value.message
 
 
 def test_zmq_hub_and_channel_exchange_messages_both_ways() -> None:
@@ -155,3 +450,25 @@ def test_inject_fault_flag_targets_a_request_and_a_page() -> None:
     assert parse_faults(None) is None
     with pytest.raises(KvfenceError, match="unknown fault"):
         parse_faults("bogus")
+
+
+def test_metrics_show_each_workers_load_and_health(fleet_of: Callable[..., Fleet]) -> None:
+    from kvfence.server.metrics import Metrics
+
+    fleet = fleet_of(two_by_two())
+    fleet.workers["decode-1"].report(fleet.router, **{**idle(32), "pages_free": 20, "num_running": 3})
+    fleet.workers["prefill-0"].report(fleet.router, **idle(32), queued_prompt_tokens=77)
+    text = Metrics(fleet.router.stats).render().decode()
+    assert 'kvfence_worker_kv_pages_free{role="decode",worker="decode-1"} 20.0' in text
+    assert 'kvfence_worker_running_requests{role="decode",worker="decode-1"} 3.0' in text
+    assert 'kvfence_worker_queued_prompt_tokens{role="prefill",worker="prefill-0"} 77.0' in text
+    assert 'kvfence_worker_up{role="decode",worker="decode-0"} 1.0' in text
+    fleet.workers["decode-0"].silent.set()
+    deadline = time.monotonic() + 3
+    while fleet.router.stats()["workers"]["decode-0"]["up"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    text = Metrics(fleet.router.stats).render().decode()
+    assert 'kvfence_worker_up{role="decode",worker="decode-0"} 0.0' in text
+    assert 'kvfence_worker_deaths_total{role="decode"} 1.0' in text
+    assert 'worker="decode-0"} 32.0' not in text  # a dead worker's last load is not shown as current

@@ -343,19 +343,19 @@ def test_launcher_restarts_a_router_that_exits_and_gives_up_after_the_limit(monk
     dies = [sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(5)"]
     starts: list[str] = []
 
-    def command(role: str) -> list[str]:
-        starts.append(role)
-        return dies if role == "router" else sleeper
+    def command(slot: str) -> list[str]:
+        starts.append(slot)
+        return dies if slot == "router" else sleeper
 
     monkeypatch.setattr(launcher, "command", command)
     launcher.start()
     t0 = time.monotonic()
     assert launcher.watch() == 1  # the third exit is past the limit: everything stops, reported
     assert time.monotonic() - t0 < 15
-    assert starts.count("router") == 3 and starts.count("prefill") == 1 and starts.count("decode") == 1
+    assert starts.count("router") == 3 and starts.count("prefill-0") == 1 and starts.count("decode-0") == 1
     assert launcher.router_restarts == 2
     assert {r: p.returncode for r, p in launcher.procs.items()} == {
         "router": 5,
-        "prefill": -signal.SIGTERM,
-        "decode": -signal.SIGTERM,
+        "prefill-0": -signal.SIGTERM,
+        "decode-0": -signal.SIGTERM,
     }

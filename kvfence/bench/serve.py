@@ -17,9 +17,10 @@ the metric definitions the SGLang / vLLM serving benchmarks use:
 It prints one table with a column per target and the ratio of each target to the first
 (the baseline) measured in the same run, and can write JSON and a PNG of latency CDFs.
 It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`: `kvfence
-serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`) on free
-loopback ports, one at a time so two servers never compete for the CPUs, and says which
-target failed and why.
+serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`; and
+`disagg-1x1`, `disagg-2x1`, `disagg-1x2`, `disagg-2x2`: that many prefill x decode workers)
+on free loopback ports, one at a time so two servers never compete for the CPUs, and says
+which target failed and why.
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -177,11 +178,16 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
 # ---- targets: given URLs or servers we start ----------------------------------------------------------------------
 
 # `kvfence serve` flags per launch kind: `--role aggregated` is one process; plain `kvfence serve` is a router plus
-# one prefill and one decode worker on loopback; `--no-verify` has decode admit handoffs without checking them.
+# one prefill and one decode worker on loopback; `--no-verify` has decode admit handoffs without checking them;
+# disagg-PxD runs P prefill and D decode worker processes behind the router.
 LAUNCH_ARGS: dict[str, tuple[str, ...]] = {
     "agg": ("--role", "aggregated"),
     "disagg": (),
     "disagg-noverify": ("--no-verify",),
+    **{
+        f"disagg-{p}x{d}": ("--prefill-workers", str(p), "--decode-workers", str(d))
+        for p, d in ((1, 1), (2, 1), (1, 2), (2, 2))
+    },
 }
 LAUNCH_KINDS = tuple(LAUNCH_ARGS)
 

@@ -10,8 +10,9 @@ how to build and run the aggregated role (one process: engine thread + API).
 
 Roles are looked up in `ROLE_RUNNERS` (role -> function(args) -> exit code); the
 disaggregated roles (prefill, decode, router) come from `kvfence.disagg.worker_main`
-with their own extra flags, and `--disagg` starts one of each on loopback. What it
-does not know: how those roles work.
+with their own extra flags, and `--disagg` (or no --role) starts a router with
+`--prefill-workers` N and `--decode-workers` M workers on loopback, restarting any that
+dies. What it does not know: how those roles work.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         "--role",
         choices=ROLES,
         default=None,
-        help="what this process serves; without --role, `kvfence serve` starts a router plus one prefill and one "
-        "decode worker as child processes on loopback (same as --disagg)",
+        help="what this process serves; without --role, `kvfence serve` starts a router plus --prefill-workers "
+        "prefill and --decode-workers decode workers (default one each) as child processes on loopback (same as "
+        "--disagg)",
     )
     g.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     g.add_argument(
@@ -84,6 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Without --model, the built-in tiny random model is used.",
         epilog="examples:\n"
         "  kvfence serve --port 8000   # router + prefill + decode on loopback\n"
+        "  kvfence serve --port 8000 --prefill-workers 2 --decode-workers 2   # 2 x 2 worker processes\n"
         "  kvfence serve --role aggregated --port 8000 --max-total-tokens 32768 --context-length 2048",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

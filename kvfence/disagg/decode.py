@@ -389,6 +389,7 @@ class DecodeWorker:
         return {
             **pool,
             "num_waiting": pool["num_waiting"] + len(self.queued),
+            "pages_wanted": sum(self._pages.pages_for(self._reserve_tokens(inc)) for inc in self.queued),
             "handoffs_in_flight": len(self.incoming),
             "handoffs_quarantined": len(self.ending),
             "handoffs_overdue": sum(h.overdue for h in self.ending.values()),  # a write could still land

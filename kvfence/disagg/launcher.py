@@ -1,17 +1,25 @@
-"""Start a router, a prefill worker and a decode worker: as child processes, or as threads of one process.
+"""Start a router and N prefill + M decode workers: as child processes, or as threads of one process.
 
 What it knows: how to pick free loopback ports at run time (the OS chooses; each is
-passed to its process explicitly on the command line), the three command lines
-(`python -m kvfence.disagg.worker_main --role ...`), the order (router first, since
-workers register with it), and the rule that the three live and die together: a
-worker that exits takes the others down (reported with its exit code, for the
-supervisor above to restart the deployment), and Ctrl-C / SIGTERM stops all of them.
-The one exception is the router: it holds nothing but in-flight requests (those fail
-when it dies), so a router that exits is restarted on the same ports, up to
-`max_router_restarts` times, and the workers register with it again keeping their
-loaded models and pools.
-`InProcessDeployment` builds the same three objects in one process (workers on
-threads, control messages on queues, KV on the local transport) for fast tests.
+passed to its process explicitly on the command line: the router's HTTP and control
+ports, one data-plane port per decode worker), the command lines (`python -m
+kvfence.disagg.worker_main --role ...`, each worker with a stable `--worker-id` such as
+`decode-1`), the order (router first, since workers register with it), and what to do
+when a child exits:
+
+* the router holds nothing but in-flight requests (those fail when it dies), so it is
+  restarted on the same ports up to `max_router_restarts` times, and the workers register
+  with it again keeping their loaded models and pools;
+* a worker that dies (killed, crashed) is restarted in its slot (same id, same ports) up
+  to `max_worker_restarts` times; it registers again and takes traffic, while the router
+  has failed the requests that were on it and routed new ones to the others;
+* a worker that exits with code 2 (the router refused it, or its flags are wrong:
+  starting it again would fail the same way), or anything past its restart limit, stops
+  the whole deployment with the exit codes reported, for the supervisor above.
+
+Ctrl-C / SIGTERM stops all of them (workers first).
+`InProcessDeployment` builds the same objects in one process (workers on threads,
+control messages on queues, KV on the local transport) for fast tests.
 
 What it does not know: what the processes do; it only starts, watches and stops them.
 """
@@ -25,12 +33,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvfence.errors import KvfenceError
+
+CONFIG_ERROR_EXIT = 2  # what a kvfence process exits with on a refusal or a configuration error
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,58 +56,79 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     http_port: int = 0  # 0 -> pick a free port
     control_port: int = 0  # router's control-plane (zmq) port; 0 -> pick
-    handoff_port: int = 0  # decode's data-plane port; 0 -> pick
+    handoff_ports: tuple[int, ...] = ()  # each decode worker's data-plane port; missing ones are picked
+    num_prefill: int = 1
+    num_decode: int = 1
     common_args: tuple[str, ...] = ()  # passed to every role (model, page size, ...)
     prefill_args: tuple[str, ...] = ()  # e.g. ("--max-total-tokens", "4096")
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     max_router_restarts: int = 3  # a router that exits is started again on the same ports this many times
+    max_worker_restarts: int = 3  # per worker slot: a worker that dies is started again this many times
     python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        assert self.num_prefill >= 1 and self.num_decode >= 1, (self.num_prefill, self.num_decode)
+        assert len(self.handoff_ports) <= self.num_decode, self.handoff_ports
+        assert self.max_router_restarts >= 0 and self.max_worker_restarts >= 0
 
 
 @dataclass(frozen=True)
 class LaunchedPorts:
     http: int
     control: int
-    handoff: int
+    handoff: tuple[int, ...]  # decode-i listens on handoff[i]
+
+
+def slot_role(slot: str) -> str:
+    """The role of a launcher slot: router -> router, decode-1 -> decode."""
+    return slot.rsplit("-", 1)[0]
 
 
 class Launcher:
-    """The three processes of one disaggregated deployment; use as a context manager."""
+    """The processes of one disaggregated deployment, one per slot ("router", "prefill-0", "decode-1", ...)."""
 
     def __init__(self, config: LaunchConfig, stdout: int | None = None, stderr: int | None = None) -> None:
         self.config = config
+        picked = list(config.handoff_ports)
+        while len(picked) < config.num_decode:
+            port = free_port(config.host)
+            if port not in picked:
+                picked.append(port)
         self.ports = LaunchedPorts(
             http=config.http_port or free_port(config.host),
             control=config.control_port or free_port(config.host),
-            handoff=config.handoff_port or free_port(config.host),
+            handoff=tuple(picked),
+        )
+        self.slots: tuple[str, ...] = (
+            "router",
+            *(f"prefill-{i}" for i in range(config.num_prefill)),
+            *(f"decode-{i}" for i in range(config.num_decode)),
         )
         self._stdout = stdout
         self._stderr = stderr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.router_restarts = 0
+        self.restarts: Counter[str] = Counter()  # slot -> times restarted
+
+    @property
+    def router_restarts(self) -> int:
+        return self.restarts["router"]
 
     # -- command lines --------------------------------------------------------
-    def command(self, role: str) -> list[str]:
+    def command(self, slot: str) -> list[str]:
         c, p = self.config, self.ports
+        role = slot_role(slot)
         base = [c.python, "-m", "kvfence.disagg.worker_main", "--role", role, "--exit-with-parent", *c.common_args]
         router_addr = f"tcp://{c.host}:{p.control}"
-        if role == "router":
+        if slot == "router":
             return [*base, "--host", c.host, "--port", str(p.http), "--control-port", str(p.control), *c.router_args]
+        worker = [*base, "--router-address", router_addr, "--worker-id", slot]
         if role == "prefill":
-            return [*base, "--router-address", router_addr, *c.prefill_args]
+            return [*worker, *c.prefill_args]
         if role == "decode":
-            return [
-                *base,
-                "--router-address",
-                router_addr,
-                "--handoff-host",
-                c.host,
-                "--handoff-port",
-                str(p.handoff),
-                *c.decode_args,
-            ]
-        raise ValueError(f"unknown role {role!r}")
+            port = p.handoff[int(slot.rsplit("-", 1)[1])]
+            return [*worker, "--handoff-host", c.host, "--handoff-port", str(port), *c.decode_args]
+        raise ValueError(f"unknown slot {slot!r}")
 
     @property
     def base_url(self) -> str:
@@ -104,19 +136,19 @@ class Launcher:
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
-        for role in ("router", "prefill", "decode"):
-            self._spawn(role)
+        for slot in self.slots:
+            self._spawn(slot)
 
-    def _spawn(self, role: str) -> None:
+    def _spawn(self, slot: str) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self.procs[role] = subprocess.Popen(
-            self.command(role), stdout=self._stdout, stderr=self._stderr, env=env, start_new_session=True
+        self.procs[slot] = subprocess.Popen(
+            self.command(slot), stdout=self._stdout, stderr=self._stderr, env=env, start_new_session=True
         )
 
     def dead(self) -> list[tuple[str, int]]:
         """Children that exited, with their exit codes."""
-        return [(role, p.returncode) for role, p in self.procs.items() if p.poll() is not None]
+        return [(slot, p.returncode) for slot, p in self.procs.items() if p.poll() is not None]
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait until the router's HTTP server answers /health; raise if a child dies first."""
@@ -139,8 +171,8 @@ class Launcher:
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM every child (workers first), then SIGKILL what is left after `grace_s`."""
-        for role in ("prefill", "decode", "router"):
-            p = self.procs.get(role)
+        for slot in (*self.slots[1:], "router"):
+            p = self.procs.get(slot)
             if p is not None and p.poll() is None:
                 _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -150,10 +182,30 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=5)
-        return {role: p.returncode for role, p in self.procs.items()}
+        return {slot: p.returncode for slot, p in self.procs.items()}
+
+    def supervise(self) -> int | None:
+        """One look at the children: restart the ones that may be; None while serving, else the exit code
+        after stopping everything (see the module docstring for the rules)."""
+        for slot, code in self.dead():
+            limit = self.config.max_router_restarts if slot == "router" else self.config.max_worker_restarts
+            refused = slot != "router" and code == CONFIG_ERROR_EXIT
+            if refused or self.restarts[slot] >= limit:
+                why = "it cannot start as configured" if refused else f"restarted {self.restarts[slot]} time(s) already"
+                print(f"kvfence: {_describe([(slot, code)])} ({why}); stopping the others", file=sys.stderr)
+                self.stop()
+                return 1
+            self.restarts[slot] += 1
+            then = "the workers register with it again" if slot == "router" else "it registers again"
+            print(
+                f"kvfence: {_describe([(slot, code)])}; restarting it ({self.restarts[slot]}/{limit}); {then}",
+                file=sys.stderr,
+            )
+            self._spawn(slot)
+        return None
 
     def watch(self) -> int:
-        """Block until a child exits or we are told to stop; then stop all. Returns an exit code."""
+        """Block until we are told to stop or the deployment cannot go on; then stop all. Returns an exit code."""
         stop = {"signal": None}
 
         def on_signal(signum: int, _frame: object) -> None:
@@ -162,20 +214,9 @@ class Launcher:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while stop["signal"] is None:
-                dead = self.dead()
-                if [role for role, _ in dead] == ["router"] and self.router_restarts < self.config.max_router_restarts:
-                    self.router_restarts += 1
-                    print(
-                        f"kvfence: {_describe(dead)}; restarting it ({self.router_restarts}/"
-                        f"{self.config.max_router_restarts}); the workers register with it again",
-                        file=sys.stderr,
-                    )
-                    self._spawn("router")
-                    continue
-                if dead:
-                    print(f"kvfence: {_describe(dead)}; stopping the others", file=sys.stderr)
-                    self.stop()
-                    return 1
+                code = self.supervise()
+                if code is not None:
+                    return code
                 time.sleep(0.2)
             self.stop()
             return 0
@@ -199,16 +240,17 @@ def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _describe(dead: Sequence[tuple[str, int]]) -> str:
-    return ", ".join(f"{role} exited with code {code}" for role, code in dead)
+    return ", ".join(f"{slot} exited with code {code}" for slot, code in dead)
 
 
 def launch(config: LaunchConfig) -> int:
-    """Start the three processes and serve until Ctrl-C / SIGTERM or a child dies."""
+    """Start the processes and serve until Ctrl-C / SIGTERM or the deployment cannot go on."""
     launcher = Launcher(config)
     launcher.start()
+    handoff = ", ".join(f"decode-{i} {config.host}:{port}" for i, port in enumerate(launcher.ports.handoff))
     print(
-        f"kvfence: router http {launcher.base_url}, control tcp://{config.host}:{launcher.ports.control}, "
-        f"decode handoff {config.host}:{launcher.ports.handoff}",
+        f"kvfence: router http {launcher.base_url}, control tcp://{config.host}:{launcher.ports.control}; "
+        f"{config.num_prefill} prefill and {config.num_decode} decode worker(s); handoff {handoff}",
         file=sys.stderr,
     )
     return launcher.watch()
@@ -218,11 +260,13 @@ def launch(config: LaunchConfig) -> int:
 
 
 class InProcessDeployment:
-    """Router + prefill + decode in this process: worker loops on threads, KV over `transfer.local`.
+    """A router with N prefill and M decode workers in this process: worker loops on threads, KV over `transfer.local`.
 
-    Both engines share one loaded model (forward passes only read it); each has its own
-    KV pool sized by its own `EngineConfig`. `faults` (one injector) is given to both
-    sides, since sender- and receiver-side faults live on different sides.
+    `prefill_config` / `decode_config` are one EngineConfig (one worker) or a sequence of them (one
+    worker each, pools may differ). Every engine shares one loaded model (forward passes only read
+    it); each has its own KV pool. Workers are `prefill-i` / `decode-i`; `prefill` and `decode` (and
+    their engines) are the first of each. `faults` (one injector) is given to every worker, since
+    sender- and receiver-side faults live on different sides.
     """
 
     def __init__(
@@ -243,74 +287,115 @@ class InProcessDeployment:
         from kvfence.disagg.decode import DecodeConfig, DecodeWorker
         from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
         from kvfence.disagg.router import Router, RouterConfig
-        from kvfence.disagg.worker_main import WorkerIdentity, register, run_worker
+        from kvfence.disagg.worker_main import WorkerIdentity
         from kvfence.disagg.worker_main import model_fingerprint as fingerprint_of
         from kvfence.engine.llm_engine import LLMEngine
         from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 
-        self.prefill_engine = LLMEngine(prefill_config, loaded=loaded)
-        self.decode_engine = LLMEngine(decode_config, loaded=loaded or self.prefill_engine.loaded)
-        model_dir = str(prefill_config.model.model_dir)
+        prefill_configs = list(prefill_config) if isinstance(prefill_config, (list, tuple)) else [prefill_config]
+        decode_configs = list(decode_config) if isinstance(decode_config, (list, tuple)) else [decode_config]
+        model_dir = str(prefill_configs[0].model.model_dir)
         fp = model_fingerprint or fingerprint_of(model_dir)
         name = Path(model_dir).name
         self.fabric = LocalFabric()
-        self.receiver = LocalReceiver(self.fabric, "decode-0", self.decode_engine.pool, faults)
-        self.sender = LocalSender(self.fabric, self.prefill_engine.pool, transfer_config, faults)
-        self.prefill = PrefillWorker(
-            self.prefill_engine,
-            WorkerIdentity("prefill-0", name, fp, {"model_dir": model_dir, "transport": "local"}),
-            PrefillConfig(transport="local", deadline_s=deadline_s, strict=strict),
-            faults=faults,
-            sender=self.sender,
-        )
-        self.decode = DecodeWorker(
-            self.decode_engine,
-            WorkerIdentity("decode-0", name, fp, {"model_dir": model_dir, "transport": "local"}),
-            DecodeConfig(transport="local", deadline_s=deadline_s, verify=verify, strict=strict),
-            faults=faults,
-            receiver=self.receiver,
-        )
+        self.prefills: list[Any] = []
+        self.decodes: list[Any] = []
+        for i, cfg in enumerate(prefill_configs):
+            engine = LLMEngine(cfg, loaded=loaded)
+            loaded = loaded or engine.loaded
+            sender = LocalSender(self.fabric, engine.pool, transfer_config, faults)
+            self.prefills.append(
+                PrefillWorker(
+                    engine,
+                    WorkerIdentity(f"prefill-{i}", name, fp, {"model_dir": model_dir, "transport": "local"}),
+                    PrefillConfig(transport="local", deadline_s=deadline_s, strict=strict),
+                    faults=faults,
+                    sender=sender,
+                )
+            )
+        for i, cfg in enumerate(decode_configs):
+            engine = LLMEngine(cfg, loaded=loaded)
+            wid = f"decode-{i}"
+            self.decodes.append(
+                DecodeWorker(
+                    engine,
+                    WorkerIdentity(wid, name, fp, {"model_dir": model_dir, "transport": "local"}),
+                    DecodeConfig(transport="local", deadline_s=deadline_s, verify=verify, strict=strict),
+                    faults=faults,
+                    receiver=LocalReceiver(self.fabric, wid, engine.pool, faults),
+                )
+            )
+        self.prefill, self.decode = self.prefills[0], self.decodes[0]
+        self.prefill_engine, self.decode_engine = self.prefill.engine, self.decode.engine
+        self.sender, self.receiver = self.prefill.sender, self.decode.receiver
         self.hub = P.QueueHub()
-        self.router = Router(self.hub, router_config or RouterConfig(handoff_deadline_s=deadline_s))
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self.router = Router(
+            self.hub,
+            router_config
+            or RouterConfig(
+                handoff_deadline_s=deadline_s,
+                wait_prefill_workers=len(self.prefills),
+                wait_decode_workers=len(self.decodes),
+            ),
+        )
+        self._threads: dict[str, threading.Thread] = {}
+        self._stops: dict[str, threading.Event] = {}
         self.errors: list[BaseException] = []
-        for worker in (self.prefill, self.decode):
-            channel = self.hub.connect(worker.identity.worker_id)
-
-            def serve(worker: Any = worker, channel: Any = channel) -> None:
-                try:
-                    register(worker, channel, timeout=30)
-                    run_worker(worker, channel, stop=self._stop, idle_wait_s=0.002)
-                except Exception as e:  # kept for the tests; a refused registration ends the thread
-                    self.errors.append(e)
-
-            t = threading.Thread(target=serve, name=f"kvfence-{worker.role}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        for worker in self.workers:
+            self.start_worker(worker)
         try:
-            self.router.wait_for_workers(timeout=30)
+            self.router.wait_for_workers(timeout=min(30.0, self.router.config.register_timeout_s))
         except BaseException:
-            self._stop.set()
-            for t in self._threads:
-                t.join(timeout=10)
+            self._stop_all()
             raise
         self.router.start()
 
+    @property
+    def workers(self) -> list[Any]:
+        return [*self.prefills, *self.decodes]
+
+    def start_worker(self, worker: Any) -> None:
+        """Run `worker`'s loop on a thread of its own (register, then serve); also to bring one back."""
+        from kvfence.disagg.worker_main import register, run_worker
+
+        wid = worker.identity.worker_id
+        channel = self.hub.connect(wid, replace=True)
+        stop = threading.Event()
+
+        def serve() -> None:
+            try:
+                register(worker, channel, timeout=30)
+                run_worker(worker, channel, stop=stop, idle_wait_s=0.002)
+            except Exception as e:  # kept for the tests; a refused registration ends the thread
+                self.errors.append(e)
+
+        t = threading.Thread(target=serve, name=f"kvfence-{wid}", daemon=True)
+        self._stops[wid], self._threads[wid] = stop, t
+        t.start()
+
+    def stop_worker(self, worker_id: str, timeout: float = 10.0) -> None:
+        """Stop one worker's loop as if its process vanished: it sends nothing more, and closes its transport."""
+        self._stops[worker_id].set()
+        self._threads[worker_id].join(timeout)
+
     def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Wait until neither worker holds a request or a page (handoffs settled, quarantines over)."""
+        """Wait until no worker holds a request or a page (handoffs settled, quarantines over)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.prefill.idle() and self.decode.idle():
+            if all(w.idle() for w in self.workers):
                 return True
             time.sleep(0.01)
         return False
 
+    def _stop_all(self) -> None:
+        for stop in self._stops.values():
+            stop.set()
+        for t in self._threads.values():
+            t.join(timeout=10)
+
     def close(self) -> None:
         self.router.close()
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=10)
+        self._stop_all()
 
     def __enter__(self) -> InProcessDeployment:
         return self

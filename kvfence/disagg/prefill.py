@@ -228,6 +228,7 @@ class PrefillWorker:
     def stats(self) -> dict[str, Any]:
         return {
             **P.engine_pool_stats(self.engine),
+            "queued_prompt_tokens": sum(len(o.prompt_token_ids) for o in self.orders.values()),  # not prefilled yet
             "handoffs_in_flight": len(self.handoffs),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
         }

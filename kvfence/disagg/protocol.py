@@ -181,7 +181,13 @@ class Abort(Message):
 
 @dataclass(frozen=True)
 class WorkerStats(Message):
-    """Worker -> router, every few hundred ms: live numbers for /metrics (pages, queues, handoffs)."""
+    """Worker -> router, every few hundred ms: its load (the router routes by it) and live numbers for /metrics.
+
+    Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting,
+    handoffs_in_flight; prefill: queued_prompt_tokens; decode: pages_wanted (pages its
+    queued requests wait for); and orders_seen, the orders (PrefillOrder / DecodePrepare)
+    the worker had handled since it registered when it made the report.
+    """
 
     kind: ClassVar[str] = "worker_stats"
     role: str
@@ -354,9 +360,9 @@ class QueueHub:
         self._workers: dict[str, queue.Queue[bytes]] = {}
         self._unbatch = _Unbatcher()
 
-    def connect(self, identity: str) -> QueueChannel:
-        """A new worker end named `identity`."""
-        assert identity not in self._workers, identity
+    def connect(self, identity: str, replace: bool = False) -> QueueChannel:
+        """A new worker end named `identity` (`replace`: a worker coming back under its old name)."""
+        assert replace or identity not in self._workers, identity
         self._workers[identity] = queue.Queue()
         return QueueChannel(identity, self._workers[identity], self._inbox)
 
@@ -428,6 +434,7 @@ class ZmqHub:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker id raises instead of dropping
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker reconnecting under its id takes the id over
         if port == 0:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         else:

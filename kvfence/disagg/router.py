@@ -1,26 +1,30 @@
-"""The router: the front end's engine in disaggregated mode, pairing one prefill and one decode worker.
+"""The router: the front end's engine in disaggregated mode, routing each request to a prefill and a decode worker.
 
-What it knows: the workers that registered (role, capacity, layout and model
-fingerprints) and whether a pair of them may exchange KV at all (same context length,
-page size, dtype, layout and model; each role's pool holding one full context); each
-request in flight and where it stands (decode reserving, prefill running, tokens
-streaming); the expected prompt length and token hash, which it computes itself from
-the ids the API layer admitted, so prefill never vouches for its own prompt. It
-implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine.
-Log probabilities of the prompt come from prefill (in `PrefillSent`) and ride on the
-request's first chunk; those of the output come with decode's tokens. It ends every
-request with one integrity record (JSON log line + the final chunk + the counters in
-`stats()`), and relays aborts and failures to the other side.
+What it knows: the workers that registered (a `WorkerTable`: the deployment's identity,
+each worker's health and reported load, the routing policy), each request in flight and
+where it stands (decode reserving, prefill running, tokens streaming) and which pair of
+workers serves it; the expected prompt length and token hash, which it computes itself
+from the ids the API layer admitted, so prefill never vouches for its own prompt. It
+implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
+admits a request only if some up worker of each role can hold it (the largest pool per
+role is the front end's capacity: 400 before any handoff otherwise), then picks the decode
+worker (at admission) and the prefill worker (once decode reserved pages) by load. Log
+probabilities of the prompt come from prefill (in `PrefillSent`) and ride on the request's
+first chunk; those of the output come with decode's tokens. It ends every request with one
+integrity record (JSON log line + the final chunk + the counters in
+`stats()`), and relays aborts and failures to the other worker of the pair.
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
-sends each worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
+sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
 worker silent for `worker_timeout_s` is declared dead: the requests that still need it
-fail at once with an error naming the worker (the surviving side is told to drop them
-and free their pages), and new requests get HTTP 503 with an OpenAI-style error body
-until a worker of that role registers (a replacement, or the same worker again). A
-message from a worker the router does not know (the router restarted, or declared
-that worker dead) is answered `RegisterReply(accepted=False, reason=REREGISTER ...)`:
-the worker drops what it holds and registers afresh.
+fail at once with an error naming it (the other worker of each pair is told to drop them
+and free their pages), and new requests go to the others; a role with no worker up gets
+HTTP 503 with an OpenAI-style error body until one registers. A worker may register at
+any time (a replacement, a new one, or the same one again after it lost its router); one
+that does not match the deployment is refused naming the difference. A message from a
+worker the router does not know (the router restarted, or declared that worker dead) is
+answered `RegisterReply(accepted=False, reason=REREGISTER ...)`: the worker drops what it
+holds and registers afresh.
 
 What it does not know: tokens' text (decode detokenizes), KV bytes (they go straight
 from prefill to decode on the data plane) or the model.
@@ -39,12 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvfence.disagg import protocol as P
+from kvfence.disagg.workers import ROLES, WorkerTable, check_match, check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, InvalidRequestError
 from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason
-from kvfence.server.admission import admit, build_capacity, check_role_settings, role_capacity
+from kvfence.server.admission import admit
 from kvfence.server.engine_client import Capacity, GenerationChunk
 
 logger = logging.getLogger(__name__)
@@ -52,7 +57,9 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 
 HEARTBEAT = "heartbeat"  # reason of the router's keepalive RegisterReply
 REREGISTER = "re-register"  # prefix of the reason telling an unknown worker to register again
-ROLES = ("prefill", "decode")
+WORKER_LOST = "worker_lost"  # error code of a request failed because a worker of its pair was declared dead
+
+__all__ = ["Router", "RouterConfig", "check_pair", "check_registration", "params_from_dict", "params_to_dict"]
 
 
 class Hub(Protocol):
@@ -65,15 +72,19 @@ class Hub(Protocol):
 class RouterConfig:
     handoff_deadline_s: float = 60.0  # decode must have verified the KV this long after the order (flag)
     request_timeout_s: float = 300.0  # a request with no news from any worker for this long is failed (flag)
-    register_timeout_s: float = 300.0  # how long to wait at start for one prefill and one decode worker
+    register_timeout_s: float = 300.0  # how long to wait at start for the workers below
     worker_timeout_s: float = 10.0  # a worker silent this long is declared dead (flag)
     heartbeat_interval_s: float = 0.5  # router -> worker keepalive period
+    suspect_after_s: float = 1.0  # a worker silent this long is routed to only when no other can take the request
+    wait_prefill_workers: int = 1  # start serving once this many prefill workers registered (later ones join)
+    wait_decode_workers: int = 1  # ... and this many decode workers
     allow_context_above_pool: bool = False
     model_name: str | None = None  # name served to clients; default: the workers' model name
 
     def __post_init__(self) -> None:
         assert self.handoff_deadline_s > 0 and self.request_timeout_s > 0 and self.register_timeout_s > 0
-        assert self.worker_timeout_s > self.heartbeat_interval_s > 0
+        assert self.worker_timeout_s > self.heartbeat_interval_s > 0 and self.suspect_after_s > 0
+        assert self.wait_prefill_workers >= 1 and self.wait_decode_workers >= 1
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -85,40 +96,8 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 
 def check_pair(prefill: P.Register, decode: P.Register) -> None:
-    """Refuse a prefill/decode pair that cannot exchange KV; the message names both values."""
-    check_role_settings(_pairing_info(prefill), _pairing_info(decode))
-    if prefill.vocab_size != decode.vocab_size:
-        raise CapacityConfigError(
-            f"prefill and decode workers disagree on the vocabulary (prefill={prefill.vocab_size} "
-            f"decode={decode.vocab_size} token ids); start both with the same --model"
-        )
-    p_transport, d_transport = prefill.settings.get("transport", "tcp"), decode.settings.get("transport", "tcp")
-    if p_transport != d_transport:
-        raise CapacityConfigError(
-            f"prefill and decode workers use different KV transfer backends (prefill={p_transport!r} "
-            f"decode={d_transport!r}); start both with the same --transfer-backend"
-        )
-
-
-def _pairing_info(reg: P.Register) -> dict[str, Any]:
-    return {
-        "context_length": reg.context_length,
-        "page_size": reg.page_size,
-        "dtype": reg.dtype,
-        "model_fingerprint": reg.model_fingerprint,
-        "layout_fingerprint": reg.layout_fingerprint,
-    }
-
-
-def check_registration(reg: P.Register, allow_context_above_pool: bool = False) -> None:
-    """A role whose context length exceeds its own pool is refused."""
-    if reg.role not in ("prefill", "decode"):
-        raise CapacityConfigError(f"worker {reg.worker_id} registered with unknown role {reg.role!r}")
-    if reg.pool_tokens % reg.page_size:
-        raise CapacityConfigError(f"{reg.role}: pool of {reg.pool_tokens} tokens is not whole pages of {reg.page_size}")
-    role_capacity(
-        reg.role, reg.context_length, reg.pool_tokens // reg.page_size, reg.page_size, allow_context_above_pool
-    )
+    """Refuse a prefill/decode pair that cannot exchange KV; the message names every difference and both values."""
+    check_match(decode, prefill)
 
 
 @dataclass
@@ -134,8 +113,8 @@ class _Flight:
     queue: asyncio.Queue[P.Message]
     started: float = field(default_factory=time.monotonic)
     phase: str = "reserving"  # reserving -> prefilling -> decoding -> done
-    decode_id: str = ""  # the workers serving this request
-    prefill_id: str = ""  # set when the prefill order goes out
+    decode_id: str = ""  # the workers serving this request: decode chosen at admission,
+    prefill_id: str = ""  # prefill once decode reserved its pages
     done: bool = False
     num_output_tokens: int = 0
     prefill_sent: P.PrefillSent | None = None
@@ -143,98 +122,95 @@ class _Flight:
     record: IntegrityRecord | None = None  # the integrity record, once finished
     decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
 
+    @property
+    def pair(self) -> str:
+        return f"prefill {self.prefill_id or '-'} -> decode {self.decode_id}"
+
+
+@dataclass(frozen=True)
+class _Failure(P.Message):
+    """Router-internal: a request failed because of `worker` (queued to the request's generator, never sent)."""
+
+    kind = "router_failure"
+    request_id: str
+    role: str
+    reason: str
+    code: str = "generation_failed"
+
 
 class Router:
-    """EngineClient over one prefill and one decode worker, reached through a `Hub`."""
+    """EngineClient over N prefill and M decode workers, reached through a `Hub`."""
 
     def __init__(self, hub: Hub, config: RouterConfig | None = None) -> None:
         self.hub = hub
         self.config = config or RouterConfig()
-        self.prefill: P.Register | None = None
-        self.decode: P.Register | None = None
-        self._capacity: Capacity | None = None
+        self.workers = WorkerTable(
+            suspect_after_s=self.config.suspect_after_s, transit_timeout_s=self.config.worker_timeout_s
+        )
         self._flights: dict[str, _Flight] = {}
-        self._lock = threading.Lock()
-        self._worker_stats: dict[str, dict[str, Any]] = {}
+        self._sources: dict[str, tuple[str, str, float]] = {}  # rid -> (prefill, decode, since) until it settles
+        self._lock = threading.RLock()  # flights, sources and the worker table
         self.integrity_counts: Counter[str] = Counter()
         self.transfer_counts: Counter[str] = Counter()
         self.records: list[IntegrityRecord] = []  # last records (bounded), for tests
         self.integrity_metrics = IntegrityMetrics()  # Prometheus counters, in a registry of this router
         self._receiver: threading.Thread | None = None
         self._stop = threading.Event()
-        self._last_seen: dict[str, float] = {}  # worker id -> monotonic time of its last message
-        self._down: dict[str, str] = {}  # role -> why it has no healthy worker (until one registers)
+        self._started = False
         self._told_reregister: dict[str, float] = {}  # worker id -> when we last asked it to register again
         self._last_heartbeat = 0.0
         self.worker_deaths: Counter[str] = Counter()  # role -> workers declared dead
+        self.refusals: list[str] = []  # why workers were refused (last few), for the start-up error and tests
 
-    # -- start-up -------------------------------------------------------------
+    # -- start-up -------------------------------------------------------------------------------------------
     def wait_for_workers(self, timeout: float | None = None) -> None:
-        """Block until one prefill and one decode worker registered and were accepted as a pair."""
+        """Block until `wait_prefill_workers` prefill and `wait_decode_workers` decode workers registered.
+
+        A worker that does not match the deployment is refused (it is told why) and the wait goes on. At the
+        deadline the router starts with what it has if it has a worker of each role, else raises naming what
+        is missing and why workers were refused.
+        """
         timeout = timeout if timeout is not None else self.config.register_timeout_s
         deadline = time.monotonic() + timeout
-        pending: dict[str, P.Register] = {}
-        while self.prefill is None or self.decode is None:
+        want = {"prefill": self.config.wait_prefill_workers, "decode": self.config.wait_decode_workers}
+        while any(self.workers.count(r) < n for r, n in want.items()):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [r for r in ("prefill", "decode") if getattr(self, r) is None]
-                raise CapacityConfigError(
-                    f"router: no {' and no '.join(missing)} worker registered within {timeout:.0f}s"
-                )
-            got = self.hub.recv(timeout=min(left, 0.5))
-            if got is None:
-                continue
-            wid, msg = got
-            if not isinstance(msg, P.Register):
-                logger.warning("router: ignoring %s from %s before registration", msg.kind, wid)
-                continue
-            try:
-                check_registration(msg, self.config.allow_context_above_pool)
-                if getattr(self, msg.role) is not None:
+                missing = [r for r in ROLES if self.workers.count(r) == 0]
+                if missing:
+                    refused = f" (refused: {' | '.join(self.refusals[-4:])})" if self.refusals else ""
                     raise CapacityConfigError(
-                        f"router: a {msg.role} worker is already registered; one of each is served"
+                        f"router: no {' and no '.join(missing)} worker registered within {timeout:g}s{refused}"
                     )
-            except CapacityConfigError as e:
-                self.hub.send(wid, P.RegisterReply(accepted=False, reason=str(e)))
-                raise
-            pending[msg.role] = msg
-            setattr(self, msg.role, msg)
-            if self.prefill is not None and self.decode is not None:
-                try:
-                    check_pair(self.prefill, self.decode)
-                except CapacityConfigError as e:
-                    for reg in (self.prefill, self.decode):
-                        self.hub.send(reg.worker_id, P.RegisterReply(accepted=False, reason=str(e)))
-                    raise
-        assert self.prefill is not None and self.decode is not None
-        self._capacity = build_capacity(
-            min(self.prefill.context_length, self.decode.context_length),
-            {
-                "prefill": (self.prefill.pool_tokens // self.prefill.page_size, self.prefill.page_size),
-                "decode": (self.decode.pool_tokens // self.decode.page_size, self.decode.page_size),
-            },
-            self.config.allow_context_above_pool,
-        )
-        for reg in (self.prefill, self.decode):
-            self._last_seen[reg.worker_id] = time.monotonic()
-            self.hub.send(reg.worker_id, P.RegisterReply(accepted=True))
+                logger.warning(
+                    "router: starting with %s after %.0fs (asked for %s)",
+                    {r: self.workers.count(r) for r in ROLES},
+                    timeout,
+                    want,
+                )
+                break
+            got = self.hub.recv(timeout=min(left, 0.2))
+            if got is not None:  # registrations, and the stats of workers accepted already
+                self._dispatch(*got)
+            self._check_workers()  # accepted workers hear keepalives while the others start
+        identity = self.workers.identity
+        assert identity is not None
+        cap = self.capacity()
         logger.info(
-            "router: paired prefill %s (pool %d tokens) with decode %s (pool %d tokens); context %d, page %d, "
-            "layout %s, model %s",
-            self.prefill.worker_id,
-            self.prefill.pool_tokens,
-            self.decode.worker_id,
-            self.decode.pool_tokens,
-            self._capacity.context_length,
-            self._capacity.page_size,
-            self.decode.layout_fingerprint,
-            self.decode.model_fingerprint,
+            "router: serving with %s; context %d, page %d, pools %s, layout %s, model %s",
+            ", ".join(f"{e.role} {e.worker_id}" for e in self.workers.up()),
+            cap.context_length,
+            cap.page_size,
+            {e.worker_id: e.reg.pool_tokens for e in self.workers.up()},
+            identity.layout_fingerprint,
+            identity.model_fingerprint,
         )
 
     def start(self) -> None:
         """Start the receiver thread (after `wait_for_workers`)."""
-        assert self._capacity is not None, "call wait_for_workers() first"
+        assert self.workers.capacity() is not None, "call wait_for_workers() first"
         if self._receiver is None:
+            self._started = True
             self._receiver = threading.Thread(target=self._receive_loop, name="kvfence-router-recv", daemon=True)
             self._receiver.start()
 
@@ -244,9 +220,10 @@ class Router:
         if self._stop.is_set():
             return
         if notify_workers:
-            for reg in (self.prefill, self.decode):
-                if reg is not None:
-                    self.hub.send(reg.worker_id, P.Shutdown())
+            with self._lock:
+                ids = [e.worker_id for e in self.workers.up()]
+            for wid in ids:
+                self.hub.send(wid, P.Shutdown())
         self._stop.set()
         if self._receiver is not None:
             self._receiver.join(timeout=5)
@@ -256,21 +233,25 @@ class Router:
             self._fail_flight(flight, "router", "router shutting down")
         self.hub.close()
 
-    # -- EngineClient ---------------------------------------------------------
+    # -- EngineClient ---------------------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
         if self.config.model_name:
             return self.config.model_name
-        return self.decode.model_name if self.decode is not None else "unknown"
+        identity = self.workers.identity
+        return identity.model_name if identity is not None else "unknown"
 
     def capacity(self) -> Capacity:
-        assert self._capacity is not None, "router has no workers yet"
-        return self._capacity
+        with self._lock:
+            cap = self.workers.capacity()
+        assert cap is not None, "router has no workers yet"
+        return cap
 
     @property
     def vocab_size(self) -> int | None:
-        """Token ids the paired workers accept are [0, vocab_size); None until a decode worker registered one."""
-        return (self.decode.vocab_size or None) if self.decode is not None else None
+        """Token ids every worker accepts are [0, vocab_size); None until a worker registered one."""
+        identity = self.workers.identity
+        return (identity.vocab_size or None) if identity is not None else None
 
     def check_token_ids(self, prompt: list[int]) -> None:
         """Refuse (HTTP 400) a prompt with an id outside the vocabulary, before any worker sees it."""
@@ -281,28 +262,34 @@ class Router:
             raise InvalidRequestError(f"prompt: token id {bad} is outside the vocabulary {limit}", param="prompt")
 
     def healthy(self) -> dict[str, bool]:
-        """Role -> whether a live worker of that role is registered."""
-        return {role: getattr(self, role) is not None and role not in self._down for role in ROLES}
+        """Role -> whether at least one worker of that role is up."""
+        with self._lock:
+            return {role: self.workers.count(role) > 0 for role in ROLES}
+
+    def _down_reason(self, role: str) -> str:
+        with self._lock:
+            down = [e for e in self.workers.entries.values() if e.role == role and not e.up]
+        return "; ".join(f"{e.worker_id}: {e.down_reason}" for e in down[-3:]) or "none registered"
 
     def check_health(self) -> None:
-        """Raise (HTTP 503 on /health and on new requests) when a role has no healthy worker."""
-        for role in ROLES:
-            if getattr(self, role) is None or role in self._down:
-                from kvfence.server.api import ApiError
+        """Raise (HTTP 503 on /health and on new requests) when a role has no worker up."""
+        for role, ok in self.healthy().items():
+            if not ok:
+                self._unavailable(f"no healthy {role} worker ({self._down_reason(role)})")
 
-                why = self._down.get(role, "none registered")
-                raise ApiError(503, f"no healthy {role} worker ({why})", type="server_error", code="no_healthy_worker")
+    @staticmethod
+    def _unavailable(message: str) -> None:
+        from kvfence.server.api import ApiError
+
+        raise ApiError(503, message, type="server_error", code="no_healthy_worker")
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         self.check_health()  # HTTP 503 while a role has no live worker
-        assert self.prefill is not None and self.decode is not None, "router has no workers yet"
         prompt = [int(t) for t in prompt_token_ids]
         self.check_token_ids(prompt)  # raises InvalidRequestError (HTTP 400)
-        admit(len(prompt), params.max_tokens, self.capacity())  # raises ContextLengthExceededError (HTTP 400)
-        if request_id in self._flights:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        max_tokens = admit(len(prompt), params.max_tokens, self.capacity())  # ContextLengthExceededError (400)
         self.start()
         flight = _Flight(
             request_id=request_id,
@@ -312,12 +299,21 @@ class Router:
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
-            decode_id=self.decode.worker_id,
         )
+        need = len(prompt) + max_tokens
         with self._lock:
+            if request_id in self._flights:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            now = time.monotonic()
+            decode = self.workers.pick_decode(need, now)
+            if decode is None:  # the decode worker that could hold it went down since admission
+                self._unavailable(f"no healthy decode worker can hold {need} tokens")
+            assert decode is not None
+            self.workers.order(decode, now, pages=self.workers.pages_for(need))
+            flight.decode_id = decode.worker_id
             self._flights[request_id] = flight
         self.hub.send(
-            self.decode.worker_id,
+            flight.decode_id,
             P.DecodePrepare(
                 request_id=request_id,
                 prompt_token_ids=prompt,
@@ -366,7 +362,14 @@ class Router:
                     else:
                         reason = Reason.TIMEOUT if msg.reason.startswith("timeout") else Reason.TRANSFER_ERROR
                         record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
-                    yield self._error_chunk(flight, f"{msg.role} worker: {msg.reason}", record)
+                    wid = flight.decode_id if msg.role == "decode" else flight.prefill_id
+                    message = f"{msg.role} worker {wid}: {msg.reason} ({flight.pair})"
+                    yield self._error_chunk(flight, message, record)
+                    return
+                elif isinstance(msg, _Failure):
+                    reason = Reason.TIMEOUT if msg.code == "timeout" else Reason.TRANSFER_ERROR
+                    record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
+                    yield self._error_chunk(flight, f"{msg.reason} ({flight.pair})", record, msg.code)
                     return
         finally:
             if not flight.done:  # the client went away (generator closed or cancelled)
@@ -386,22 +389,39 @@ class Router:
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, chunk)
 
     def server_info(self) -> dict[str, Any]:
-        cap = self._capacity
-        roles = {}
-        for reg in (self.prefill, self.decode):
-            if reg is not None:
-                roles[reg.role] = {
-                    "worker_id": reg.worker_id,
-                    "context_length": reg.context_length,
-                    "max_total_tokens": reg.pool_tokens,
-                    "page_size": reg.page_size,
-                    "dtype": reg.dtype,
-                    "model_fingerprint": reg.model_fingerprint,
-                    "layout_fingerprint": reg.layout_fingerprint,
-                    "layout": reg.layout,
-                    "handoff_address": reg.handoff_address,
-                    **reg.settings,
-                }
+        with self._lock:
+            cap = self.workers.capacity()
+            identity = self.workers.identity
+            entries = list(self.workers.entries.values())
+        roles: dict[str, Any] = {}
+        for role in ROLES:
+            up = [e for e in entries if e.role == role and e.up]
+            if not up:
+                continue
+            largest = max(up, key=lambda e: e.reg.pool_tokens).reg
+            roles[role] = {
+                "workers": [e.worker_id for e in up],
+                "context_length": largest.context_length,
+                "max_total_tokens": largest.pool_tokens,
+                "page_size": largest.page_size,
+                "dtype": largest.dtype,
+                "model_fingerprint": largest.model_fingerprint,
+                "layout_fingerprint": largest.layout_fingerprint,
+                "layout": largest.layout,
+                **{k: v for k, v in largest.settings.items() if k not in ("pid", "host", "num_pages")},
+            }
+        workers = {
+            e.worker_id: {
+                "role": e.role,
+                "up": e.up,
+                "max_total_tokens": e.reg.pool_tokens,
+                "num_pages": e.pool_pages,
+                "handoff_address": e.reg.handoff_address,
+                "pid": e.reg.settings.get("pid"),
+                "host": e.reg.settings.get("host"),
+            }
+            for e in entries
+        }
         return {
             "mode": "disaggregated",
             "model_name": self.model_name,
@@ -412,22 +432,28 @@ class Router:
             "digest_algorithm": DIGEST_ALGORITHM,
             "router": dataclasses.asdict(self.config),
             "roles": roles,
+            "workers": workers,
+            "model_fingerprint": identity.model_fingerprint if identity else None,
         }
 
     def stats(self) -> dict[str, Any]:
+        """Per role (summed over its up workers that reported) and per worker: pages, requests, load."""
+        now = time.monotonic()
+        with self._lock:
+            workers = self.workers.describe(now)
+            in_flight = len(self._flights)
+            page_size = self.workers.identity.page_size if self.workers.identity is not None else None
         roles: dict[str, Any] = {}
         num_running = num_waiting = 0
-        for role in ("prefill", "decode"):
-            s = self._worker_stats.get(role)
-            if s is None:
+        for w in workers.values():
+            if not w["up"] or "pages_total" not in w:
                 continue
-            roles[role] = {
-                k: s[k] for k in ("pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size") if k in s
-            }
-            num_running += int(s.get("num_running", 0))
-            num_waiting += int(s.get("num_waiting", 0))
-        with self._lock:
-            in_flight = len(self._flights)
+            r = roles.setdefault(w["role"], {"workers": 0, "page_size": page_size})
+            r["workers"] += 1
+            for k in ("pages_total", "pages_used", "pages_free", "pages_quarantined"):
+                r[k] = r.get(k, 0) + int(w.get(k, 0))
+            num_running += int(w.get("num_running", 0))
+            num_waiting += int(w.get("num_waiting", 0))
         return {
             "roles": roles,
             "num_running": num_running,
@@ -435,12 +461,12 @@ class Router:
             "in_flight": in_flight,
             "transfers": dict(self.transfer_counts),
             "integrity": dict(self.integrity_counts),
-            "workers": dict(self._worker_stats),
+            "workers": workers,
             "healthy": self.healthy(),
             "worker_deaths": dict(self.worker_deaths),
         }
 
-    # -- receiver thread ------------------------------------------------------
+    # -- receiver thread ------------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -459,61 +485,96 @@ class Router:
             self._check_workers()
 
     def _dispatch(self, wid: str, msg: P.Message) -> None:
-        assert self.prefill is not None and self.decode is not None
         if isinstance(msg, P.Register):
-            self._register_late(wid, msg)
+            self._register(wid, msg)
             return
-        role = self._role_of(wid)
-        if role is None:  # a worker we do not know (we restarted) or declared dead: it must register again
-            now = time.monotonic()
+        now = time.monotonic()
+        with self._lock:
+            entry = self.workers.get(wid)
+            if entry is not None:
+                self.workers.heard(wid, now)
+        if entry is None:  # a worker we do not know (we restarted) or declared dead: it must register again
             if now - self._told_reregister.get(wid, 0.0) > 1.0:
                 self._told_reregister[wid] = now
                 reason = f"{REREGISTER}: this router does not know worker {wid}; register again"
                 self.hub.send(wid, P.RegisterReply(accepted=False, reason=reason))
             return
-        self._last_seen[wid] = time.monotonic()
         if isinstance(msg, P.WorkerStats):
-            self._worker_stats[msg.role] = msg.stats
+            with self._lock:
+                self.workers.report(wid, msg.stats, now)
             return
         if isinstance(msg, P.HandoffSettled):  # even after the client got its answer: prefill must free
             self.transfer_counts["ok" if msg.verified else "failed"] += 1
-            self.hub.send(self.prefill.worker_id, P.ReleaseSource(msg.request_id, msg.verified))
+            with self._lock:
+                source = self._sources.get(msg.request_id)
+                if source is not None and source[1] == wid:
+                    del self._sources[msg.request_id]
+                else:
+                    source = None
+            if source is not None:
+                self.hub.send(source[0], P.ReleaseSource(msg.request_id, msg.verified))
             return
         rid = getattr(msg, "request_id", None)
         with self._lock:
             flight = self._flights.get(rid) if rid is not None else None
+            source = self._sources.get(rid) if rid is not None else None
+        if flight is not None and wid not in (flight.decode_id, flight.prefill_id):
+            logger.warning("router: ignoring %s for %s from %s (not its worker)", msg.kind, rid, wid)
+            return
         if isinstance(msg, P.RequestFailed):
             # tell the other side first, whatever the client is doing
-            other = self.prefill if msg.role == "decode" else self.decode
-            self.hub.send(other.worker_id, P.Abort(msg.request_id, f"{msg.role} failed: {msg.reason}"))
+            pair = (flight.prefill_id, flight.decode_id) if flight is not None else (source or ("", ""))[:2]
+            other = pair[1] if wid == pair[0] else pair[0]
+            if other:
+                self.hub.send(other, P.Abort(msg.request_id, f"{msg.role} failed: {msg.reason}"))
+            with self._lock:
+                self._sources.pop(msg.request_id, None)
         if flight is None or flight.done:
             if isinstance(msg, P.DecodeReserved):  # reserved for a request that is gone: give it back
-                self.hub.send(self.decode.worker_id, P.Abort(msg.request_id, "request gone before prefill"))
+                self.hub.send(wid, P.Abort(msg.request_id, "request gone before prefill"))
             return
         if isinstance(msg, P.DecodeReserved):
-            if "prefill" in self._down:  # raced with prefill's death: nobody can fill these pages
-                self._fail_flight(flight, "prefill", f"no healthy prefill worker ({self._down['prefill']})")
+            if wid != flight.decode_id:
                 return
-            flight.phase = "prefilling"
-            flight.prefill_id = self.prefill.worker_id
-            self.hub.send(
-                self.prefill.worker_id,
-                P.PrefillOrder(
-                    request_id=flight.request_id,
-                    prompt_token_ids=flight.prompt_token_ids,
-                    params=params_to_dict(flight.params),
-                    handoff_address=msg.handoff_address,
-                    transfer_info=msg.transfer_info,
-                    deadline_s=self.config.handoff_deadline_s,
-                ),
-            )
-        elif isinstance(msg, P.PrefillSent):
+            self._order_prefill(flight, msg)
+            return
+        if isinstance(msg, P.PrefillSent):
+            if wid != flight.prefill_id:
+                return
             flight.phase = "decoding"
             flight.prefill_sent = msg
             flight.prompt_logprobs = msg.prompt_logprobs
             # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
-            self.hub.send(self.decode.worker_id, dataclasses.replace(msg, prompt_logprobs=None))
+            self.hub.send(flight.decode_id, dataclasses.replace(msg, prompt_logprobs=None))
+        elif isinstance(msg, P.Tokens) and wid != flight.decode_id:
+            return
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, msg)
+
+    def _order_prefill(self, flight: _Flight, reserved: P.DecodeReserved) -> None:
+        """Decode reserved the pages: pick the prefill worker by load and send it the order."""
+        n = flight.expected_len
+        with self._lock:
+            now = time.monotonic()
+            prefill = self.workers.pick_prefill(n, now)
+            if prefill is not None:
+                self.workers.order(prefill, now, tokens=n)
+                flight.prefill_id = prefill.worker_id
+                flight.phase = "prefilling"
+                self._sources[flight.request_id] = (prefill.worker_id, flight.decode_id, now)
+        if prefill is None:  # raced with the death of the prefill worker(s) that could hold it
+            self._fail_flight(flight, "prefill", f"no healthy prefill worker can hold {n} tokens")
+            return
+        self.hub.send(
+            flight.prefill_id,
+            P.PrefillOrder(
+                request_id=flight.request_id,
+                prompt_token_ids=flight.prompt_token_ids,
+                params=params_to_dict(flight.params),
+                handoff_address=reserved.handoff_address,
+                transfer_info=reserved.transfer_info,
+                deadline_s=self.config.handoff_deadline_s,
+            ),
+        )
 
     def _check_deadlines(self) -> None:
         """Handoffs that did not verify in time fail here (decode and prefill also time out on their own)."""
@@ -523,116 +584,108 @@ class Router:
             late = [
                 f for f in self._flights.values() if not f.done and f.phase != "decoding" and now - f.started > limit
             ]
+            for rid, (_, _, since) in list(self._sources.items()):
+                if now - since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
+                    del self._sources[rid]
         for flight in late:
             reason = f"KV handoff did not complete within {self.config.handoff_deadline_s:.0f}s (phase {flight.phase})"
-            self._abort_both(flight, reason)
-            flight.loop.call_soon_threadsafe(
-                flight.queue.put_nowait, P.RequestFailed(flight.request_id, "router", reason)
-            )
-            flight.phase = "done"
+            self._fail_flight(flight, "router", reason, code="timeout")
 
-    # -- worker health ----------------------------------------------------------
-    def _role_of(self, wid: str) -> str | None:
-        """The role of a live registered worker `wid`; None for unknown or dead ones."""
-        for role in ROLES:
-            reg = getattr(self, role)
-            if reg is not None and reg.worker_id == wid and role not in self._down:
-                return role
-        return None
-
+    # -- worker health --------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
         """Keepalives out; a worker silent for `worker_timeout_s` is declared dead."""
         now = time.monotonic()
+        with self._lock:
+            up = self.workers.up()
         if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
             self._last_heartbeat = now
-            for role in ROLES:
-                reg = getattr(self, role)
-                if reg is not None and role not in self._down:
-                    self.hub.send(reg.worker_id, P.RegisterReply(accepted=True, reason=HEARTBEAT))
-        for role in ROLES:
-            reg = getattr(self, role)
-            if reg is None or role in self._down:
-                continue
-            silent = now - self._last_seen.get(reg.worker_id, now)
+            for e in up:
+                self.hub.send(e.worker_id, P.RegisterReply(accepted=True, reason=HEARTBEAT))
+        for e in up:
+            silent = now - e.last_seen
             if silent > self.config.worker_timeout_s:
-                self._declare_dead(role, f"worker {reg.worker_id} lost: no message for {silent:.1f}s")
+                self._declare_dead(e.worker_id, f"{e.role} worker {e.worker_id} lost: no message for {silent:.1f}s")
 
-    def _declare_dead(self, role: str, detail: str) -> None:
-        """Fail every request that still needs `role`'s worker; new requests get 503 until one registers."""
-        reg = getattr(self, role)
-        assert reg is not None
-        self._down[role] = detail
-        self.worker_deaths[role] += 1
-        self._worker_stats.pop(role, None)
-        logger.error("router: %s worker %s declared dead: %s", role, reg.worker_id, detail)
+    def _declare_dead(self, wid: str, detail: str) -> None:
+        """Fail every request that still needs worker `wid`; new requests go to the other workers."""
         with self._lock:
+            entry = self.workers.mark_down(wid, detail)
+            if entry is None:
+                return
             flights = [f for f in self._flights.values() if not f.done and f.phase != "done"]
+            orphans = [(rid, p) for rid, (p, d, _) in self._sources.items() if d == wid]
+            for rid in [rid for rid, (p, d, _) in self._sources.items() if wid in (p, d)]:
+                del self._sources[rid]
+        role = entry.role
+        self.worker_deaths[role] += 1
+        logger.error("router: %s worker %s declared dead: %s", role, wid, detail)
         for flight in flights:
             needs = (
-                flight.decode_id == reg.worker_id
+                flight.decode_id == wid
                 if role == "decode"
-                else flight.phase in ("reserving", "prefilling") and flight.prefill_id in ("", reg.worker_id)
+                else flight.phase == "prefilling" and flight.prefill_id == wid
             )
             if needs:
-                self._fail_flight(flight, role, detail)
+                self._fail_flight(flight, role, detail, code=WORKER_LOST)
+        for rid, prefill_id in orphans:  # answered already, but prefill still holds the source pages
+            self.hub.send(prefill_id, P.Abort(rid, detail))
 
-    def _fail_flight(self, flight: _Flight, role: str, detail: str) -> None:
+    def _fail_flight(self, flight: _Flight, role: str, detail: str, code: str = "generation_failed") -> None:
         """End `flight` with an error chunk (via its queue) and tell both its workers to drop it."""
         self._abort_both(flight, f"{role}: {detail}")
         flight.phase = "done"
-        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, P.RequestFailed(flight.request_id, role, detail))
+        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, _Failure(flight.request_id, role, detail, code))
 
-    def _register_late(self, wid: str, msg: P.Register) -> None:
-        """A worker registering after start-up: a replacement for a dead one, or a known one coming back."""
-        try:
-            check_registration(msg, self.config.allow_context_above_pool)
-            current = getattr(self, msg.role)
-            if current is not None and msg.role not in self._down and current.worker_id != wid:
-                raise CapacityConfigError(
-                    f"router: a healthy {msg.role} worker ({current.worker_id}) is already registered; "
-                    "one of each is served"
-                )
-            other = self.decode if msg.role == "prefill" else self.prefill
-            if other is not None:
-                pair = (msg, other) if msg.role == "prefill" else (other, msg)
-                check_pair(*pair)
-        except CapacityConfigError as e:
-            logger.warning("router: refused %s worker %s: %s", msg.role, wid, e)
-            self.hub.send(wid, P.RegisterReply(accepted=False, reason=str(e)))
+    def _register(self, wid: str, msg: P.Register) -> None:
+        """A worker registering: at start, a replacement, a new one, or a known one coming back."""
+        if msg.worker_id != wid:
+            self._refuse(wid, msg, f"worker registered as {msg.worker_id!r} over the connection of {wid!r}")
             return
-        if current is not None and msg.role not in self._down:  # the same worker again: it dropped its requests
-            self._declare_dead(msg.role, f"worker {wid} registered again (it lost its router)")
-        setattr(self, msg.role, msg)
-        self._down.pop(msg.role, None)
-        self._told_reregister.pop(wid, None)
-        self._last_seen[wid] = time.monotonic()
-        assert self.prefill is not None and self.decode is not None
-        self._capacity = build_capacity(
-            min(self.prefill.context_length, self.decode.context_length),
-            {
-                "prefill": (self.prefill.pool_tokens // self.prefill.page_size, self.prefill.page_size),
-                "decode": (self.decode.pool_tokens // self.decode.page_size, self.decode.page_size),
-            },
-            self.config.allow_context_above_pool,
-        )
+        try:
+            with self._lock:
+                self.workers.check(msg, self.config.allow_context_above_pool)
+        except CapacityConfigError as e:
+            self._refuse(wid, msg, str(e))
+            return
+        with self._lock:
+            old = self.workers.get(wid)
+        if old is not None:  # the same worker again: it restarted or lost its router, and dropped its requests
+            self._declare_dead(wid, f"{msg.role} worker {wid} registered again (it restarted or lost its router)")
+        with self._lock:
+            self.workers.add(msg, time.monotonic())
+            self._told_reregister.pop(wid, None)
         self.hub.send(wid, P.RegisterReply(accepted=True))
-        logger.info("router: %s worker %s registered (replacing a lost one)", msg.role, wid)
+        logger.info(
+            "router: %s worker %s registered (pool %d tokens, data plane %s)%s",
+            msg.role,
+            wid,
+            msg.pool_tokens,
+            msg.handoff_address or "-",
+            " and takes traffic" if self._started else "",
+        )
 
-    # -- helpers --------------------------------------------------------------
+    def _refuse(self, wid: str, msg: P.Register, reason: str) -> None:
+        logger.warning("router: refused %s worker %s: %s", msg.role, wid, reason)
+        self.refusals = [*self.refusals[-15:], f"{wid}: {reason}"]
+        self.hub.send(wid, P.RegisterReply(accepted=False, reason=reason))
+
+    # -- helpers --------------------------------------------------------------------------------------------
     def _abort_both(self, flight: _Flight, reason: str) -> None:
-        assert self.prefill is not None and self.decode is not None
-        self.hub.send(flight.decode_id or self.decode.worker_id, P.Abort(flight.request_id, reason))
-        self.hub.send(flight.prefill_id or self.prefill.worker_id, P.Abort(flight.request_id, reason))
+        for wid in (flight.decode_id, flight.prefill_id):
+            if wid:
+                self.hub.send(wid, P.Abort(flight.request_id, reason))
+        with self._lock:
+            self._sources.pop(flight.request_id, None)
 
     def _router_record(self, flight: _Flight, reason: Reason, detail: str) -> IntegrityRecord:
-        """The record of a request that ended without one from decode (abort, timeout, prefill failure).
+        """The record of a request that ended without one from decode (abort, timeout, a worker lost).
 
         A request aborted after decode verified its handoff keeps decode's record: the
         record is about the handoff, which did verify.
         """
-        assert self.decode is not None
         if flight.decode_record is not None and reason == Reason.ABORTED:
             return flight.decode_record
+        identity = self.workers.identity
         return IntegrityRecord(
             request_id=flight.request_id,
             status="failed",
@@ -641,11 +694,13 @@ class Router:
             tokens_expected=flight.expected_len,
             tokens_covered=0,
             pages=0,
-            layout_fingerprint=self.decode.layout_fingerprint,
+            layout_fingerprint=identity.layout_fingerprint if identity is not None else "",
             role="router",
         )
 
-    def _error_chunk(self, flight: _Flight, message: str, record: IntegrityRecord) -> GenerationChunk:
+    def _error_chunk(
+        self, flight: _Flight, message: str, record: IntegrityRecord, code: str = "generation_failed"
+    ) -> GenerationChunk:
         return GenerationChunk(
             token_ids=[],
             text="",
@@ -655,6 +710,7 @@ class Router:
             num_output_tokens=flight.num_output_tokens,
             integrity=self._finish(flight, record),
             error=message,
+            extra={"code": code},
         )
 
     def _finish(self, flight: _Flight, record: IntegrityRecord) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 What it knows: the command-line flags of each role, how to build a worker's engine
 from them (each role has its own KV pool, sized by its own `--max-total-tokens`),
-the model fingerprint both workers register (a hash of config.json and of the weight
+the model fingerprint every worker registers (a hash of config.json and of the weight
 files' bytes, so two different checkpoints of one architecture never pair), and the
 worker loop shared by prefill and decode: register, then alternate between the
-control channel and one engine step, publishing stats every few hundred ms, until
-told to shut down, signalled, or orphaned.
+control channel and one engine step, publishing load reports every few hundred ms
+(each says how many orders it covers), until told to shut down, signalled, or
+orphaned; a worker that loses its router drops what it holds and registers again.
 
 What it does not know: what prefill or decode do with a message (their own modules),
 or HTTP (the router role hands its `Router` to the API helper's `build_app`).
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -124,6 +126,7 @@ def run_worker(
     parent = os.getppid()
     last_stats = 0.0
     heard = time.monotonic()
+    orders = 0  # orders handled since this worker registered: its load reports say which ones they cover
     try:
         while not stop.is_set():
             wait = 0.0 if worker.busy else min(idle_wait_s, getattr(worker, "poll_interval_s", None) or idle_wait_s)
@@ -137,6 +140,7 @@ def run_worker(
                     lost = msg.reason
                 elif not isinstance(msg, P.RegisterReply):
                     worker.handle(msg)
+                    orders += isinstance(msg, (P.PrefillOrder, P.DecodePrepare))
                 msg = channel.recv(timeout=0.0)
             if router_timeout_s is not None and not lost and time.monotonic() - heard > router_timeout_s:
                 lost = f"no message from the router for {router_timeout_s:.0f}s"
@@ -150,12 +154,12 @@ def run_worker(
                 except KvfenceError as e:
                     raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
                 logger.info("%s: registered again", worker.role)
-                heard = time.monotonic()
+                heard, orders, last_stats = time.monotonic(), 0, 0.0
             worker.step()
             now = time.monotonic()
             if now - last_stats >= stats_interval_s:
                 last_stats = now
-                channel.send(P.WorkerStats(worker.role, worker.stats()))
+                channel.send(P.WorkerStats(worker.role, {**worker.stats(), "orders_seen": orders}))
                 if orphan_check and os.getppid() != parent:
                     logger.error("%s: parent process %d is gone; exiting", worker.role, parent)
                     return
@@ -185,12 +189,12 @@ def drop_requests(worker: Any, reason: str) -> int:
 
 def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the disaggregated roles, on top of `kvfence serve`'s server and engine flags."""
-    g = p.add_argument_group("disaggregated serving (--role prefill|decode|router, or --disagg for all three)")
+    g = p.add_argument_group("disaggregated serving (--role prefill|decode|router, or --disagg for a whole deployment)")
     g.add_argument(
         "--disagg",
         action="store_true",
-        help="start a router, a prefill and a decode worker (one process each, free loopback ports); "
-        "--role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
+        help="start a router and --prefill-workers / --decode-workers workers (one process each, free loopback "
+        "ports); role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
     )
     g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
     g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
@@ -231,6 +235,21 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prefill-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: prefill pool")
     g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
+    g.add_argument(
+        "--prefill-workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="--disagg: start N prefill worker processes (each its own pool); router: wait for N at start (default 1)",
+    )
+    g.add_argument(
+        "--decode-workers",
+        type=_positive_int,
+        default=1,
+        metavar="M",
+        help="--disagg: start M decode worker processes (each its own pool and data-plane port); router: wait for M "
+        "at start (default 1)",
+    )
     g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
     g.add_argument(
         "--torch-threads",
@@ -266,12 +285,26 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         help="--disagg: restart a router that exits this many times (the workers register again; default 3)",
     )
     g.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=3,
+        help="--disagg: restart each worker that dies (killed, crashed) this many times; a worker that exits with "
+        "code 2 (refused by the router, bad flags) stops the deployment (default 3)",
+    )
+    g.add_argument(
         "--throttle-kv-send",
         default=None,
         metavar="SECONDS[@PREFIX]",
         help="tests/demos, prefill over tcp: send KV one page per frame and sleep SECONDS before each page frame "
         "(only for request ids starting with PREFIX)",
     )
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,6 +395,8 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             "transport": args.transport,
             "verify": not args.no_verify,
             "allow_context_above_pool": bool(args.allow_context_above_pool),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
         },
         context_length=context_length,
     )
@@ -428,14 +463,15 @@ def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
 
 
-def torch_threads_for(role: str, num_cpus: int) -> int:
-    """Default intra-op threads per role: the three processes share the machine's cores.
+def torch_threads_for(role: str, num_cpus: int, num_workers: int = 2) -> int:
+    """Default intra-op threads per role: the processes of one deployment share the machine's cores.
 
     Two workers with torch's default (one thread per core) each spin OpenMP threads
     over the same cores; on 2 cores that made a decode step ~10x slower than with one
-    thread. The router does no tensor work; each worker gets half of what is left.
+    thread. The router does no tensor work; each of the `num_workers` workers gets an
+    equal share of what is left.
     """
-    return 1 if role == "router" else max(1, (num_cpus - 1) // 2)
+    return 1 if role == "router" else max(1, (num_cpus - 1) // max(1, num_workers))
 
 
 def set_torch_threads(role: str, requested: int | None) -> None:
@@ -486,6 +522,8 @@ def run_router(args: argparse.Namespace) -> int:
             allow_context_above_pool=args.allow_context_above_pool,
             model_name=args.served_model_name,
             worker_timeout_s=args.worker_timeout_s,
+            wait_prefill_workers=args.prefill_workers,
+            wait_decode_workers=args.decode_workers,
         ),
     )
     try:
@@ -572,25 +610,35 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         decode += ["--max-total-tokens", str(n)]
     if args.no_verify:
         decode.append("--no-verify")
+    if args.throttle_kv_send:
+        prefill += ["--throttle-kv-send", args.throttle_kv_send]
     return tuple(common), tuple(prefill), tuple(decode)
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    """`--disagg`: router + prefill + decode as child processes; the router's HTTP port is --port."""
+    """`--disagg`: a router and N prefill + M decode workers as child processes; the router's HTTP port is --port."""
     from kvfence.config import resolve_model_dir
     from kvfence.disagg.launcher import LaunchConfig, launch
 
     if args.model is None:  # build the default model once here, not three times in parallel
         args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
     common, prefill, decode = launch_command_args(args)
+    workers = args.prefill_workers + args.decode_workers
+    if args.torch_threads is None and not os.environ.get("OMP_NUM_THREADS"):  # share the cores among all workers
+        threads = ("--torch-threads", str(torch_threads_for("prefill", len(os.sched_getaffinity(0)), workers)))
+        prefill, decode = (*prefill, *threads), (*decode, *threads)
     return launch(
         LaunchConfig(
             host=args.host,
             http_port=args.port,
+            num_prefill=args.prefill_workers,
+            num_decode=args.decode_workers,
             common_args=common,
             prefill_args=prefill,
             decode_args=decode,
+            router_args=("--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers)),
             max_router_restarts=args.max_router_restarts,
+            max_worker_restarts=args.max_worker_restarts,
         )
     )
 

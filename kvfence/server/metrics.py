@@ -8,7 +8,9 @@ end), and a collector that reads the engine's live numbers at scrape time from
 
     {"roles": {role: {"pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size"}},
      "num_running": int, "num_waiting": int,
-     "transfers": {result: count, ...}}          # PD mode; e.g. {"ok": 12, "failed": 1}
+     "transfers": {result: count, ...},          # PD mode; e.g. {"ok": 12, "failed": 1}
+     "workers": {worker_id: {"role", "up", "routed", "pages_free", "num_running", ...}},  # PD mode, per worker
+     "worker_deaths": {role: count}}             # PD mode
 
 Missing keys are simply not exported. Registries the EngineClient exposes (attribute
 `metrics_registry`, or `integrity_metrics.registry` as the PD router has) are
@@ -33,6 +35,19 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _PAGE_KEYS = ("pages_total", "pages_used", "pages_free", "pages_quarantined")
+# per-worker gauges (PD mode): stats key -> (metric name, help); each labelled by worker and role
+_WORKER_GAUGES = (
+    ("pages_total", "kvfence_worker_kv_pages_total", "KV pages of the worker's pool"),
+    ("pages_free", "kvfence_worker_kv_pages_free", "Free KV pages the worker reported"),
+    ("pages_used", "kvfence_worker_kv_pages_used", "KV pages in use the worker reported"),
+    ("pages_quarantined", "kvfence_worker_kv_pages_quarantined", "Quarantined KV pages the worker reported"),
+    ("num_running", "kvfence_worker_running_requests", "Requests running on the worker"),
+    ("num_waiting", "kvfence_worker_waiting_requests", "Requests queued on the worker"),
+    ("handoffs_in_flight", "kvfence_worker_handoffs_in_flight", "KV handoffs in flight on the worker"),
+    ("queued_prompt_tokens", "kvfence_worker_queued_prompt_tokens", "Prompt tokens queued on a prefill worker"),
+    ("load_free_pages", "kvfence_worker_routing_free_pages", "Free pages the router routes by (report - in transit)"),
+    ("load_requests", "kvfence_worker_routing_requests", "Requests the router routes by (report + in transit)"),
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -71,6 +86,32 @@ class _EngineStatsCollector(Collector):
         for result, count in (stats.get("transfers") or {}).items():
             transfers.add_metric([str(result)], float(count))
         yield transfers
+        yield from _worker_families(stats)
+
+
+def _worker_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Per-worker load and health of a disaggregated deployment (nothing when `stats` has no workers)."""
+    workers: dict[str, dict[str, Any]] = stats.get("workers") or {}
+    if not workers:
+        return
+    labels = ["worker", "role"]
+    up = GaugeMetricFamily("kvfence_worker_up", "1 while the worker is registered and heard from", labels=labels)
+    routed = CounterMetricFamily("kvfence_worker_routed_requests", "Requests routed to the worker", labels=labels)
+    for wid, w in workers.items():
+        up.add_metric([wid, str(w.get("role"))], 1.0 if w.get("up") else 0.0)
+        routed.add_metric([wid, str(w.get("role"))], float(w.get("routed", 0)))
+    yield up
+    yield routed
+    for key, name, help_text in _WORKER_GAUGES:
+        family = GaugeMetricFamily(name, help_text, labels=labels)
+        for wid, w in workers.items():
+            if w.get("up") and isinstance(w.get(key), (int, float)):
+                family.add_metric([wid, str(w.get("role"))], float(w[key]))
+        yield family
+    deaths = CounterMetricFamily("kvfence_worker_deaths", "Workers declared dead, by role", labels=["role"])
+    for role, count in (stats.get("worker_deaths") or {}).items():
+        deaths.add_metric([str(role)], float(count))
+    yield deaths
 
 
 class Metrics:
