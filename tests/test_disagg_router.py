@@ -395,7 +395,7 @@ def test_the_same_worker_registering_again_ends_what_it_held_before(fleet_of: Ca
 
 
 def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> None:
-    from kvfence.server.api import ApiError
+    from kvfence.server.http import ApiError
 
     fleet = fleet_of([reg("prefill"), reg("decode")])
     fleet.workers["decode-0"].silent.set()

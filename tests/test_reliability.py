@@ -33,7 +33,7 @@ from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.server.api import ApiError
+from kvfence.server.http import ApiError
 
 CTX = 256
 DEADLINE_S = 3.0  # handoff deadline of router and workers

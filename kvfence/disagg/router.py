@@ -279,7 +279,7 @@ class Router:
 
     @staticmethod
     def _unavailable(message: str) -> None:
-        from kvfence.server.api import ApiError
+        from kvfence.server.http import ApiError
 
         raise ApiError(503, message, type="server_error", code="no_healthy_worker")
 
