@@ -9,6 +9,7 @@ visibly changes a request's output: the checks are what protects it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 from pathlib import Path
@@ -342,3 +343,122 @@ def test_workers_with_different_page_sizes_are_never_paired(loaded: Any) -> None
             loaded=loaded,
             model_fingerprint="m",
         )
+
+
+# -- prefill overlaps decode's reservation ---------------------------------------------------------------------
+
+
+def _delay_decode_prepares(dep: InProcessDeployment) -> list[P.DecodePrepare]:
+    """Decode keeps DecodePrepare messages aside until the test lets them through (a slow reservation)."""
+    held: list[P.DecodePrepare] = []
+    real = dep.decode.handle
+
+    def handle(msg: P.Message) -> None:
+        if isinstance(msg, P.DecodePrepare):
+            held.append(msg)
+        else:
+            real(msg)
+
+    dep.decode.handle = handle  # type: ignore[method-assign]
+    dep.decode.release_held = lambda: [real(m) for m in held]  # type: ignore[attr-defined]
+    return held
+
+
+def test_prefill_computes_while_decode_reserves_and_sends_only_once_decode_has(loaded: Any) -> None:
+    import threading
+    import time
+
+    prompt = list(range(40, 90))
+    with deploy(loaded) as dep:
+        held = _delay_decode_prepares(dep)
+        result: dict[str, list[GenerationChunk]] = {}
+        t = threading.Thread(target=lambda: result.update(run(dep, [("o", prompt, greedy(5))])))
+        t.start()
+        deadline = time.monotonic() + 20
+        while "o" not in dep.prefill.computed:  # the prompt is done on prefill before decode reserved anything
+            assert time.monotonic() < deadline and t.is_alive(), "prefill never finished the prompt"
+            time.sleep(0.005)
+        assert held and not dep.prefill.handoffs  # nothing sent: decode has not said where, or that it expects it
+        assert dep.prefill_engine.allocator.num_free < dep.prefill_engine.allocator.num_pages  # its KV is held
+        dep.decode.release_held()
+        t.join(30)
+        assert_baseline(dep)
+    assert tokens(result["o"]) == reference(loaded, [("o", prompt, greedy(5))])["o"]
+    assert result["o"][-1].integrity["status"] == "verified"
+
+
+def test_a_request_aborted_while_prefill_waits_for_decode_frees_prefills_pages(loaded: Any) -> None:
+    import time
+
+    with deploy(loaded) as dep:
+        held = _delay_decode_prepares(dep)
+
+        async def main() -> None:
+            gen = dep.router.generate("w", list(range(40, 90)), greedy(5))
+            task = asyncio.ensure_future(gen.__anext__())
+            deadline = time.monotonic() + 20
+            while "w" not in dep.prefill.computed:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            task.cancel()  # the client goes away: the generator's own cleanup aborts both workers
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await gen.aclose()
+
+        asyncio.run(main())
+        assert held
+        dep.decode.release_held()  # decode reserves late, for a request that is gone: the router hands it back
+        assert_baseline(dep)
+    assert dep.prefill.counts["aborted"] == 1
+
+
+def _drop_prefill_sent_at_decode(dep: InProcessDeployment, replace_token: int | None = None) -> None:
+    """Decode never gets the router's relay of PrefillSent (or gets it with another first token)."""
+    real = dep.decode.handle
+
+    def handle(msg: P.Message) -> None:
+        if isinstance(msg, P.PrefillSent):
+            if replace_token is None:
+                return
+            msg = dataclasses.replace(msg, first_token=replace_token)
+        real(msg)
+
+    dep.decode.handle = handle  # type: ignore[method-assign]
+
+
+def test_decode_takes_the_first_token_from_the_manifest_without_waiting_for_the_relay(loaded: Any) -> None:
+    reqs = [("m1", list(range(30, 70)), greedy(6)), ("m2", [5] * 17, greedy(3))]
+    with deploy(loaded) as dep:
+        _drop_prefill_sent_at_decode(dep)
+        got = run(dep, reqs)
+        assert_baseline(dep)
+    want = reference(loaded, reqs)
+    for rid, _, _ in reqs:
+        assert tokens(got[rid]) == want[rid] and got[rid][-1].integrity["status"] == "verified"
+
+
+def test_a_relayed_first_token_that_contradicts_the_manifest_fails_the_request(loaded: Any) -> None:
+    with deploy(loaded) as dep:
+        dep.decode.config = dataclasses.replace(dep.decode.config)  # the same worker, only the relay is forged
+        real = dep.decode.handle
+        held: list[P.Message] = []
+
+        def handle(msg: P.Message) -> None:  # deliver the relay only after the manifest's token was taken
+            if isinstance(msg, P.PrefillSent):
+                held.append(dataclasses.replace(msg, first_token=msg.first_token + 1))
+                return
+            real(msg)
+
+        dep.decode.handle = handle  # type: ignore[method-assign]
+        real_step = dep.decode.step
+
+        def step() -> bool:
+            worked = real_step()
+            while held:
+                real(held.pop())
+            return worked
+
+        dep.decode.step = step  # type: ignore[method-assign]
+        chunks = run(dep, [("x", list(range(30, 70)), greedy(20))])["x"]
+        assert_baseline(dep)
+    assert chunks[-1].finish_reason == "error" and "first token differs" in chunks[-1].error

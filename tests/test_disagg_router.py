@@ -309,6 +309,21 @@ def test_prefill_is_picked_by_reported_queued_prompt_tokens(fleet_of: Callable[.
     assert fleet.reserve("b") == "prefill-0"
 
 
+def test_prefill_starts_with_decode_and_sends_only_after_decode_reserved(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of([reg("prefill"), reg("decode"), reg("decode", worker_id="decode-1")])
+    p0 = fleet.workers["prefill-0"]
+    fleet.submit("a", prompt_len=20)
+    eventually(lambda: p0.got(P.PrefillOrder))
+    (order,) = p0.got(P.PrefillOrder)
+    assert order.handoff_address == "" and not p0.got(P.DecodeReserved)  # compute now, send nowhere yet
+    other = "decode-1" if fleet.decode_of("a") == "decode-0" else "decode-0"
+    fleet.workers[other].channel.send(P.DecodeReserved("a", "tcp://intruder:1", 2))  # not the request's decode
+    fleet.reserve("a")
+    eventually(lambda: p0.got(P.DecodeReserved))
+    time.sleep(0.05)
+    assert [m.handoff_address for m in p0.got(P.DecodeReserved)] == [f"tcp://{fleet.decode_of('a')}:1"]
+
+
 def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_pool_holds(
     fleet_of: Callable[..., Fleet],
 ) -> None:
@@ -436,6 +451,23 @@ def test_zmq_hub_and_channel_exchange_messages_both_ways() -> None:
         hub.send("decode-7", P.Shutdown())  # wake the pump so it sees `done`
         t.join(timeout=5)
         assert not t.is_alive()
+    finally:
+        ch.close()
+        hub.close()
+
+
+@pytest.mark.parametrize("kind", ["zmq", "queue"])
+def test_a_wake_from_another_thread_ends_a_waiting_recv_with_no_message(kind: str) -> None:
+    hub: Any = P.ZmqHub("127.0.0.1", 0) if kind == "zmq" else P.QueueHub()
+    ch = P.ZmqChannel(hub.address, "w") if kind == "zmq" else hub.connect("w")
+    try:
+        timer = threading.Timer(0.2, ch.wake)
+        timer.start()
+        t0 = time.monotonic()
+        assert ch.recv(timeout=10.0) is None
+        assert time.monotonic() - t0 < 5.0  # woken, not timed out
+        ch.send(P.Shutdown())  # the channel still works after a wake
+        assert hub.recv(timeout=5.0)[1] == P.Shutdown()
     finally:
         ch.close()
         hub.close()

@@ -109,7 +109,8 @@ def test_a_decode_worker_that_stops_fails_only_its_requests(loaded: Any) -> None
     reqs = requests(
         8, seed=9, lengths=(16, 33, 50), outputs=200
     )  # long outputs: they are still decoding when the worker stops
-    with two_by_two(loaded, worker_timeout_s=0.5, heartbeat_interval_s=0.1) as dep:
+    # 1.5 s: a loaded 2-core machine can starve a healthy worker thread for half a second
+    with two_by_two(loaded, worker_timeout_s=1.5, heartbeat_interval_s=0.1) as dep:
 
         async def main() -> dict[str, list[GenerationChunk]]:
             tasks = {rid: asyncio.ensure_future(_collect(dep, rid, p, sp)) for rid, p, sp in reqs}

@@ -221,3 +221,23 @@ def test_decode_abort_before_any_frame_quarantines_and_tells_a_late_sender_to_st
     assert "does not expect request r" in pre.reason  # the slot is gone: nothing of the late transfer lands
     assert p_alloc.num_free == N
     receiver.close()
+
+
+def test_the_receiver_notifies_decode_whenever_a_transfer_moves_on() -> None:
+    _, d_pool, p_pool, receiver, _, config = setup()
+    calls: list[str] = []
+    receiver.core.notify = lambda: calls.append(receiver.core.slot("r").status.value)
+    d_alloc = PageAllocator(N)
+    ids = list(range(8))
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec.start()
+    core, link = receiver.core, FakeLink()
+    core.on_frame(
+        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1]).to_bytes()
+    )
+    for i in range(2):
+        core.receive_page("r", "x", i, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(i)), link)
+    core.on_frame(link, {"t": "done", "rid": "r", "xid": "x", "pages": 2})
+    assert calls == ["receiving", "complete"]  # manifest accepted, sender done: each wakes the worker
+    assert dec.poll() == DecodeState.READY
+    receiver.close()

@@ -116,15 +116,25 @@ def test_manifest_round_trips_through_bytes() -> None:
     assert b"pickle" not in m.to_bytes() and json.loads(m.to_bytes())["version"] == 1
 
 
+def test_manifest_carries_prefills_first_token_and_its_scores() -> None:
+    pool = filled_pool(GQA, 2)
+    m = build_manifest("r1", "x1", [3, 4, 5], pool, [0], first_token=42, first_logprobs=[42, -0.5, [[42, -0.5]]])
+    back = HandoffManifest.from_bytes(m.to_bytes())
+    assert (back.first_token, back.first_logprobs) == (42, [42, -0.5, [[42, -0.5]]])
+    plain = build_manifest("r1", "x1", [3, 4, 5], pool, [0])
+    assert HandoffManifest.from_bytes(plain.to_bytes()).first_token is None and b"first_token" not in plain.to_bytes()
+
+
 @pytest.mark.parametrize(
     "mutate",
     [
         lambda d: d.update(version=99),
+        lambda d: d.update(first_token=-3),
         lambda d: d.pop("token_hash"),
         lambda d: d.update(page_digests="!!notbase64"),
         lambda d: d.update(num_pages=7),
     ],
-    ids=["version", "missing", "badpack", "inconsistent"],
+    ids=["version", "first_token", "missing", "badpack", "inconsistent"],
 )
 def test_manifest_from_bytes_refuses_what_it_does_not_understand(mutate) -> None:
     pool = filled_pool(GQA, 2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ class _Incoming:
 @dataclass
 class _Running:
     record: dict[str, Any] | None
+    first_token: int  # prefill's, as admitted: a later copy of it must agree
     num_output_tokens: int = 0
     sent_record: bool = field(default=False)
 
@@ -148,6 +150,7 @@ class DecodeWorker:
         self.incoming: dict[str, _Incoming] = {}  # reserved, handoff in progress
         self.ending: dict[str, DecodeHandoff] = {}  # failed/aborted, pages quarantined until settled
         self.running: dict[str, _Running] = {}  # admitted into the engine
+        self._settled: list[str] = []  # admitted this step: HandoffSettled goes out after their first tokens
         self.counts: dict[str, int] = {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
 
     def attach(self, send: Any) -> None:
@@ -163,11 +166,15 @@ class DecodeWorker:
         if isinstance(msg, P.DecodePrepare):
             self._prepare(msg)
         elif isinstance(msg, P.PrefillSent):
-            inc = self.incoming.get(msg.request_id)
+            rid, token = msg.request_id, int(msg.first_token)
+            inc = self.incoming.get(rid)
             if inc is not None:
-                inc.first_token = int(msg.first_token)
-                first = P.logprobs_from_wire([msg.first_logprobs]) if msg.first_logprobs is not None else None
-                inc.first_logprobs = first[0] if first else None
+                self._first_token(inc, token, msg.first_logprobs, "the router")
+            elif rid in self.running and self.running[rid].first_token != token:  # admitted on the manifest's
+                self.engine.abort_request(rid)
+                first = self.running.pop(rid).first_token
+                detail = f"prefill's first token differs: {first} in the manifest, {token} from the router"
+                self._out(P.RequestFailed(rid, self.role, detail))
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id, msg.reason)
         elif not isinstance(msg, P.RegisterReply):
@@ -263,14 +270,20 @@ class DecodeWorker:
             inc.first_token is not None and inc.handoff.state == DecodeState.READY for inc in self.incoming.values()
         )
 
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """The worker loop's wake-up (its channel's `wake`): the receiver calls it when a transfer moves on."""
+        self.receiver.core.notify = wake
+
     @property
     def poll_interval_s(self) -> float | None:
         """How long the worker loop may wait for a message when not `busy` (None: its idle default).
 
-        Handoffs in flight complete on the transport's thread, which cannot wake the loop;
-        a short wait notices them within a millisecond without spinning a core that
-        prefill needs to compute the very prompt being waited for.
+        Handoffs in flight complete on the transport's thread. With a waker (`set_waker`) that thread
+        ends the loop's wait itself; without one, a short wait notices them within a millisecond without
+        spinning a core that prefill needs to compute the very prompt being waited for.
         """
+        if self.receiver.core.notify is not None:
+            return None
         return 0.001 if self.incoming else None
 
     def step(self) -> bool:
@@ -279,6 +292,11 @@ class DecodeWorker:
             h = inc.handoff
             h.poll()
             if h.state == DecodeState.READY:
+                m = h.slot.manifest if h.slot is not None else None
+                if m is not None and m.first_token is not None:  # no relay to wait for; or it must agree
+                    self._first_token(inc, m.first_token, m.first_logprobs, "the manifest")
+                if rid not in self.incoming:
+                    continue  # the two sources disagreed: failed
                 if inc.first_token is not None:
                     self._admit(rid, inc)
                 elif time.monotonic() - inc.received_at > self.config.deadline_s:
@@ -292,6 +310,9 @@ class DecodeWorker:
             if h.released:
                 del self.ending[rid]
         self._send_tokens(self.engine.report_pending())  # just-admitted first tokens, before a forward
+        for rid in self._settled:  # now prefill may release their source pages
+            self._out(P.HandoffSettled(rid, verified=True))
+        self._settled.clear()
         worked = False
         if self.engine.has_unfinished_requests():
             worked = True
@@ -326,6 +347,21 @@ class DecodeWorker:
         if (msg := P.batch(tokens)) is not None:
             self._out(msg)
 
+    def _first_token(self, inc: _Incoming, token: int, logprobs: list | None, source: str) -> None:
+        """Prefill's first token, from whichever of its two messages comes first (the manifest or the router's
+        relay of PrefillSent); the second must say the same, else the request fails."""
+        if inc.first_token is not None:
+            if inc.first_token != token:
+                rid = inc.prepare.request_id
+                self.engine.release(rid)
+                self.incoming.pop(rid, None)
+                detail = f"prefill's first token differs: {inc.first_token} earlier, {token} from {source}"
+                self._out(P.RequestFailed(rid, self.role, detail))
+            return
+        inc.first_token = token
+        first = P.logprobs_from_wire([logprobs]) if logprobs is not None else None
+        inc.first_logprobs = first[0] if first else None
+
     def _admit(self, rid: str, inc: _Incoming) -> None:
         h = inc.handoff
         del self.incoming[rid]
@@ -340,8 +376,9 @@ class DecodeWorker:
             self._out(P.RequestFailed(rid, self.role, f"cannot admit the request: {e}", integrity=record))
             return
         self._skip_first_draw(rid)
-        self.running[rid] = _Running(record)
-        self._out(P.HandoffSettled(rid, verified=True))
+        assert inc.first_token is not None
+        self.running[rid] = _Running(record, inc.first_token)
+        self._settled.append(rid)  # told after its first token went out (that is on the client's critical path)
 
     def _skip_first_draw(self, rid: str) -> None:
         """A seeded request's generator has already made one draw on prefill (the first token).

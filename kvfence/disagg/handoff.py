@@ -309,8 +309,12 @@ class PrefillHandoff:
         faults: FaultInjector | None = None,
         transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        first_token: int | None = None,
+        first_logprobs: list | None = None,
     ) -> None:
+        """`first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
         assert len(token_ids) > 0, "empty prompt"
+        self.first_token, self.first_logprobs = first_token, first_logprobs
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.allocator, self.pool, self.sender, self.address = allocator, pool, sender, address
@@ -345,7 +349,14 @@ class PrefillHandoff:
         pages = self.allocator.pages_of(self.request_id)
         try:
             self.manifest = build_manifest(
-                self.request_id, self.transfer_id, self.token_ids, self.pool, pages, self.faults
+                self.request_id,
+                self.transfer_id,
+                self.token_ids,
+                self.pool,
+                pages,
+                self.faults,
+                first_token=self.first_token,
+                first_logprobs=self.first_logprobs,
             )
         except ValueError as e:
             self._fail(f"cannot build manifest: {e}")

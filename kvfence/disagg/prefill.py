@@ -15,6 +15,7 @@ router's expectation (decode checks it), HTTP or text.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +91,8 @@ class PrefillWorker:
             strict=self.config.strict,
         )
         self.send_msg: Any = None  # set by `attach`
-        self.orders: dict[str, P.PrefillOrder] = {}  # prompt still running in the engine
+        self.orders: dict[str, P.PrefillOrder] = {}  # prompt running in the engine, or computed and waiting
+        self.computed: dict[str, RequestOutput] = {}  # prompt done, pages held, until decode's DecodeReserved
         self.handoffs: dict[str, PrefillHandoff] = {}  # prompt done, pages held until settled
         self.counts: dict[str, int] = {"prefilled": 0, "released": 0, "failed": 0, "aborted": 0}
 
@@ -106,6 +108,8 @@ class PrefillWorker:
     def handle(self, msg: P.Message) -> None:
         if isinstance(msg, P.PrefillOrder):
             self._order(msg)
+        elif isinstance(msg, P.DecodeReserved):
+            self._reserved(msg)
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id, msg.reason)
         elif isinstance(msg, P.ReleaseSource):
@@ -132,7 +136,23 @@ class PrefillWorker:
             return
         self.orders[rid] = msg
 
+    def _reserved(self, msg: P.DecodeReserved) -> None:
+        """Decode reserved the pages: the order now knows where to send (at once, if the prompt is done)."""
+        order = self.orders.get(msg.request_id)
+        if order is None:
+            return  # aborted meanwhile
+        self.orders[msg.request_id] = dataclasses.replace(
+            order, handoff_address=msg.handoff_address, transfer_info=msg.transfer_info
+        )
+        done = self.computed.pop(msg.request_id, None)
+        if done is not None:
+            self._send(done)
+
     def _abort(self, rid: str, reason: str) -> None:
+        if self.computed.pop(rid, None) is not None:  # computed, waiting for decode: its pages are held
+            self.orders.pop(rid, None)
+            self.engine.release(rid)
+            self.counts["aborted"] += 1
         if self.orders.pop(rid, None) is not None:
             self.engine.abort_request(rid)  # frees its pages: nothing was sent yet
             self.counts["aborted"] += 1
@@ -166,10 +186,15 @@ class PrefillWorker:
 
     def _send(self, out: RequestOutput) -> None:
         rid, first_token = out.request_id, out.new_token_ids[-1]
-        order = self.orders.pop(rid, None)
+        order = self.orders.get(rid)
         if order is None:  # aborted while its last chunk ran: give the pages back
             self.engine.release(rid)
             return
+        if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has
+            self.computed[rid] = out
+            return
+        del self.orders[rid]
+        first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
         h = PrefillHandoff(
             rid,
             order.prompt_token_ids,
@@ -179,6 +204,8 @@ class PrefillWorker:
             order.handoff_address,
             self._handoff_config,
             self.faults,
+            first_token=int(first_token),
+            first_logprobs=first[0] if first else None,
         )
         self.handoffs[rid] = h
         h.send()
@@ -188,7 +215,6 @@ class PrefillWorker:
             self._settle(rid, h)
             return
         assert h.manifest is not None
-        first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
         self._out(
             P.PrefillSent(
                 rid,
@@ -207,7 +233,9 @@ class PrefillWorker:
             st == SendStatus.ABORTED and h.handle is not None and h.handle.remote_abort is not None
         )
         if not from_decode:
-            self._out(P.RequestFailed(rid, self.role, f"KV handoff failed on prefill: {h.reason}"))
+            lost = h.handle is not None and h.handle.unreachable  # its decode worker is gone
+            code = P.WORKER_LOST if lost else ""
+            self._out(P.RequestFailed(rid, self.role, f"KV handoff failed on prefill: {h.reason}", code=code))
         self.counts["failed"] += 1
 
     def _settle(self, rid: str, h: PrefillHandoff) -> None:

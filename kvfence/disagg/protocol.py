@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import socket
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -159,6 +160,9 @@ class Tokens(Message):
     logprobs: list[Any] | None = None  # one wire entry per token in token_ids, when the request asked
 
 
+WORKER_LOST = "worker_lost"  # the client's error code when a worker of the request's pair is gone
+
+
 @dataclass(frozen=True)
 class RequestFailed(Message):
     """Worker -> router: this request cannot go on on this side (the router aborts the other side)."""
@@ -168,6 +172,7 @@ class RequestFailed(Message):
     role: str
     reason: str
     integrity: dict[str, Any] | None = None
+    code: str = ""  # the client's error code when it is not the generic one (e.g. "worker_lost")
 
 
 @dataclass(frozen=True)
@@ -327,6 +332,9 @@ class _Unbatcher:
 # from one thread (the router's receiver), `close()`.
 
 
+_WAKE = b""  # a QueueChannel inbox entry that is no message: `wake()` was called
+
+
 class QueueChannel:
     """Worker end of an in-process link; messages still go through encode/decode."""
 
@@ -340,13 +348,19 @@ class QueueChannel:
         self._outbox.put((self.identity, encode(msg)))
 
     def recv(self, timeout: float | None = 0.0) -> Message | None:
-        """Next message, or None after `timeout` seconds (0 -> do not wait, None -> wait forever)."""
+        """Next message, or None after `timeout` seconds (0 -> do not wait, None -> wait forever) or a `wake`."""
         try:
             if timeout is not None and timeout <= 0:
-                return decode(self._inbox.get_nowait())
-            return decode(self._inbox.get(timeout=timeout))
+                raw = self._inbox.get_nowait()
+            else:
+                raw = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return None
+        return None if raw is _WAKE else decode(raw)
+
+    def wake(self) -> None:
+        """From any thread: end a `recv` waiting now (or the next one) early, with no message."""
+        self._inbox.put(_WAKE)
 
     def close(self) -> None:
         self.closed = True
@@ -398,22 +412,45 @@ class ZmqChannel:
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self.closed = False
 
     def send(self, msg: Message) -> None:
         self._sock.send(encode(msg))
 
     def recv(self, timeout: float | None = 0.0) -> Message | None:
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        if self._sock.poll(ms, self._zmq.POLLIN) == 0:
+        """Next message, or None after `timeout` seconds or when `wake` was called."""
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        ready = dict(self._poller.poll(ms))
+        if self._wake_r.fileno() in ready:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._sock not in ready:
             return None
         return decode(self._sock.recv())
+
+    def wake(self) -> None:
+        """From any thread (a transport thread whose transfer moved on): end a waiting `recv` early."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake is already pending, or we are closing
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self._sock.close(0)
             self._ctx.term()
+            self._wake_r.close()
+            self._wake_w.close()
 
 
 class ZmqHub:
@@ -425,8 +462,6 @@ class ZmqHub:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        import socket
-
         import zmq
 
         self._zmq = zmq

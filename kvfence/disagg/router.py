@@ -2,7 +2,7 @@
 
 What it knows: the workers that registered (a `WorkerTable`: the deployment's identity,
 each worker's health and reported load, the routing policy), each request in flight and
-where it stands (decode reserving, prefill running, tokens streaming) and which pair of
+where it stands (prefill running while decode reserves, tokens streaming) and which pair of
 workers serves it; the expected prompt length and token hash, which it computes itself
 from the ids the API layer admitted, so prefill never vouches for its own prompt. It
 implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
@@ -57,7 +57,7 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 
 HEARTBEAT = "heartbeat"  # reason of the router's keepalive RegisterReply
 REREGISTER = "re-register"  # prefix of the reason telling an unknown worker to register again
-WORKER_LOST = "worker_lost"  # error code of a request failed because a worker of its pair was declared dead
+WORKER_LOST = P.WORKER_LOST
 
 __all__ = ["Router", "RouterConfig", "check_pair", "check_registration", "params_from_dict", "params_to_dict"]
 
@@ -112,7 +112,7 @@ class _Flight:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[P.Message]
     started: float = field(default_factory=time.monotonic)
-    phase: str = "reserving"  # reserving -> prefilling -> decoding -> done
+    phase: str = "prefilling"  # prefilling (decode reserves meanwhile) -> decoding -> done
     decode_id: str = ""  # the workers serving this request: decode chosen at admission,
     prefill_id: str = ""  # prefill once decode reserved its pages
     done: bool = False
@@ -306,12 +306,32 @@ class Router:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
             now = time.monotonic()
             decode = self.workers.pick_decode(need, now)
-            if decode is None:  # the decode worker that could hold it went down since admission
-                self._unavailable(f"no healthy decode worker can hold {need} tokens")
-            assert decode is not None
+            prefill = self.workers.pick_prefill(len(prompt), now)
+            if decode is None or prefill is None:  # the worker that could hold it went down since admission
+                role, n = ("decode", need) if decode is None else ("prefill", len(prompt))
+                self._unavailable(f"no healthy {role} worker can hold {n} tokens")
+            assert decode is not None and prefill is not None
             self.workers.order(decode, now, pages=self.workers.pages_for(need))
-            flight.decode_id = decode.worker_id
+            self.workers.order(prefill, now, tokens=len(prompt))
+            flight.decode_id, flight.prefill_id = decode.worker_id, prefill.worker_id
+            flight.phase = "prefilling"  # decode reserves while prefill computes
             self._flights[request_id] = flight
+            self._sources[request_id] = (prefill.worker_id, decode.worker_id, now)
+        # Both at once: decode reserves pages for the router's expectation while prefill computes the prompt.
+        # Prefill sends nothing before decode's DecodeReserved reaches it (relayed in _dispatch), so decode
+        # never sees a transfer it has not reserved for. The order goes out first: the hub delivers each
+        # worker's messages in the order they were sent, so the relay can never overtake it.
+        self.hub.send(
+            flight.prefill_id,
+            P.PrefillOrder(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                params=params_to_dict(params),
+                handoff_address="",  # decode's DecodeReserved follows with it
+                transfer_info={},
+                deadline_s=self.config.handoff_deadline_s,
+            ),
+        )
         self.hub.send(
             flight.decode_id,
             P.DecodePrepare(
@@ -364,7 +384,7 @@ class Router:
                         record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
                     wid = flight.decode_id if msg.role == "decode" else flight.prefill_id
                     message = f"{msg.role} worker {wid}: {msg.reason} ({flight.pair})"
-                    yield self._error_chunk(flight, message, record)
+                    yield self._error_chunk(flight, message, record, msg.code or "generation_failed")
                     return
                 elif isinstance(msg, _Failure):
                     reason = Reason.TIMEOUT if msg.code == "timeout" else Reason.TRANSFER_ERROR
@@ -534,9 +554,8 @@ class Router:
                 self.hub.send(wid, P.Abort(msg.request_id, "request gone before prefill"))
             return
         if isinstance(msg, P.DecodeReserved):
-            if wid != flight.decode_id:
-                return
-            self._order_prefill(flight, msg)
+            if wid == flight.decode_id:  # prefill may send now, to where decode listens
+                self.hub.send(flight.prefill_id, msg)
             return
         if isinstance(msg, P.PrefillSent):
             if wid != flight.prefill_id:
@@ -549,32 +568,6 @@ class Router:
         elif isinstance(msg, P.Tokens) and wid != flight.decode_id:
             return
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, msg)
-
-    def _order_prefill(self, flight: _Flight, reserved: P.DecodeReserved) -> None:
-        """Decode reserved the pages: pick the prefill worker by load and send it the order."""
-        n = flight.expected_len
-        with self._lock:
-            now = time.monotonic()
-            prefill = self.workers.pick_prefill(n, now)
-            if prefill is not None:
-                self.workers.order(prefill, now, tokens=n)
-                flight.prefill_id = prefill.worker_id
-                flight.phase = "prefilling"
-                self._sources[flight.request_id] = (prefill.worker_id, flight.decode_id, now)
-        if prefill is None:  # raced with the death of the prefill worker(s) that could hold it
-            self._fail_flight(flight, "prefill", f"no healthy prefill worker can hold {n} tokens")
-            return
-        self.hub.send(
-            flight.prefill_id,
-            P.PrefillOrder(
-                request_id=flight.request_id,
-                prompt_token_ids=flight.prompt_token_ids,
-                params=params_to_dict(flight.params),
-                handoff_address=reserved.handoff_address,
-                transfer_info=reserved.transfer_info,
-                deadline_s=self.config.handoff_deadline_s,
-            ),
-        )
 
     def _check_deadlines(self) -> None:
         """Handoffs that did not verify in time fail here (decode and prefill also time out on their own)."""

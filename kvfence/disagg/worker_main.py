@@ -44,7 +44,8 @@ class Worker(Protocol):
     def step(self) -> bool: ...  # True when it did work (the loop then polls without waiting)
     @property
     def busy(self) -> bool: ...
-    # optional: `poll_interval_s -> float | None`, a shorter wait than the idle one while not busy
+    # optional: `poll_interval_s -> float | None`, a shorter wait than the idle one while not busy;
+    # `set_waker(fn)`, given the channel's `wake` so other threads can end the loop's wait
     def stats(self) -> dict[str, Any]: ...
     def attach(self, send: Any) -> None: ...
     def close(self) -> None: ...
@@ -123,6 +124,9 @@ def run_worker(
 
     stop = stop or threading.Event()
     worker.attach(channel.send)
+    set_waker, wake = getattr(worker, "set_waker", None), getattr(channel, "wake", None)
+    if set_waker is not None and wake is not None:
+        set_waker(wake)  # transport threads end the loop's wait when a transfer moves on
     parent = os.getppid()
     last_stats = 0.0
     heard = time.monotonic()

@@ -2,8 +2,10 @@
 
 What it knows: the request id and transfer id, the number of prompt tokens and
 their hash as prefill saw them, the KV layout (fingerprint and full description),
-the page count, one digest and one canary per page in logical order, and the
-digest algorithm. It encodes to compact JSON bytes (digests and canaries packed as
+the page count, one digest and one canary per page in logical order, the
+digest algorithm, and (optionally) the first token prefill sampled with its scores,
+so decode can start as soon as the pages verify, without waiting for the router's
+relay. It encodes to compact JSON bytes (digests and canaries packed as
 little-endian uint64 in base64; no pickle) with a version field, and refuses to
 decode anything it does not fully understand.
 
@@ -67,9 +69,12 @@ class HandoffManifest:
     digest_algorithm: str = DIGEST_ALGORITHM
     canary_samples: int = CANARY_SAMPLES
     version: int = MANIFEST_VERSION
+    first_token: int | None = None  # the token prefill sampled after the prompt (its word, like the rest)
+    first_logprobs: list | None = None  # its scores in the control plane's wire form, when the request asked
 
     def __post_init__(self) -> None:
         assert self.num_tokens >= 0 and self.num_pages >= 0 and self.page_size > 0
+        assert self.first_token is None or self.first_token >= 0, self.first_token
         assert len(self.page_digests) == self.num_pages, (len(self.page_digests), self.num_pages)
         assert len(self.canaries) == self.num_pages, (len(self.canaries), self.num_pages)
 
@@ -89,6 +94,9 @@ class HandoffManifest:
             "page_digests": _pack_u64(self.page_digests),
             "canaries": _pack_u64(self.canaries),
         }
+        if self.first_token is not None:
+            d["first_token"] = self.first_token
+            d["first_logprobs"] = self.first_logprobs
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -116,6 +124,8 @@ class HandoffManifest:
                 digest_algorithm=str(d["digest_algorithm"]),
                 canary_samples=int(d["canary_samples"]),
                 version=int(d["version"]),
+                first_token=None if d.get("first_token") is None else int(d["first_token"]),
+                first_logprobs=None if d.get("first_logprobs") is None else list(d["first_logprobs"]),
             )
         except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from e
@@ -129,8 +139,11 @@ def build_manifest(
     pool: KVPool,
     pages: Sequence[int],
     faults: FaultInjector | None = None,
+    first_token: int | None = None,
+    first_logprobs: list | None = None,
 ) -> HandoffManifest:
-    """Prefill's manifest for the first ceil(len(token_ids)/page_size) of `pages` (logical order).
+    """Prefill's manifest for the first ceil(len(token_ids)/page_size) of `pages` (logical order), carrying the
+    first token prefill sampled when given.
 
     Fault hooks: `placeholder_handoff` (claim the 1-token stand-in), `wrong_layout`.
     """
@@ -156,4 +169,6 @@ def build_manifest(
         num_pages=num_pages,
         page_digests=tuple(page_digests(pool, send_pages)),
         canaries=tuple(compute_canaries(pool, send_pages, request_id)),
+        first_token=first_token,
+        first_logprobs=first_logprobs,
     )

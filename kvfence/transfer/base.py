@@ -156,6 +156,13 @@ class ReceiverCore:
         self.one_sided = one_sided
         self._slots: dict[str, ReceiveSlot] = {}
         self._lock = threading.Lock()
+        # called (on the transport's thread) when a slot's status moves: lets decode's loop wake up at once
+        # instead of polling for it; must not block
+        self.notify: Callable[[], None] | None = None
+
+    def changed(self) -> None:
+        if self.notify is not None:
+            self.notify()
 
     # -- decode-side API -------------------------------------------------------------------------------------
     def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
@@ -225,6 +232,7 @@ class ReceiverCore:
                 if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
                     slot.status = SlotStatus.ERROR
                     slot.error = "the sender fenced the transfer before it completed"
+            self.changed()
             return
         if link is not slot.link:  # the transfer's frames come on the connection its manifest came on
             return
@@ -241,6 +249,7 @@ class ReceiverCore:
                     slot.error = str(header.get("reason", "sender aborted"))
             elif kind == "aborted":
                 slot.sender_final = True
+        self.changed()
 
     def _on_manifest(
         self, link: Link, slot: ReceiveSlot | None, rid: str, xid: str, payload: bytes | bytearray | memoryview
@@ -267,6 +276,7 @@ class ReceiverCore:
                     except ManifestError as e:
                         slot.status, slot.error, slot.closed = SlotStatus.ERROR, str(e), True
                         reply = {"t": "error", "rid": rid, "xid": xid, "reason": str(e)}
+        self.changed()
         if reply is not None:
             link.send(reply)
 
@@ -322,6 +332,7 @@ class ReceiverCore:
                     if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
                         slot.status = SlotStatus.ERROR
                         slot.error = "connection to prefill closed before the transfer completed"
+        self.changed()
 
 
 def fill_from_bytes(data: bytes | bytearray | memoryview) -> Callable[[list[memoryview] | None, int], None]:
@@ -372,6 +383,7 @@ class SendHandle:
         self.max_chunk_pages = 0
         self.sender_done = False  # the send thread exited: no more reads of the source pages
         self.final_sent = False  # the transfer's last frame (done/abort/aborted) reached the connection
+        self.unreachable = False  # no receiver answered at the address: the peer is gone (or never was)
         self.link: Link | None = None  # the connection carrying the transfer, once connected
         self.address = ""  # the receiver's address
         self.local_abort: str | None = None
@@ -722,6 +734,7 @@ class SenderBase:
         try:
             link = self._connect(address)
         except (OSError, ValueError) as e:
+            handle.unreachable = True
             handle._set(SendStatus.ERROR, self._connect_failed(address, e))
             with handle._cond:  # no thread will read the source pages
                 handle.sender_done = True

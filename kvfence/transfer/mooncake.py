@@ -229,6 +229,7 @@ class MooncakeReceiver(TcpReceiver):
                 if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
                     slot.status = SlotStatus.ERROR
                     slot.error = "control connection to prefill closed before the transfer completed"
+        self.core.changed()
 
     def close(self) -> None:
         """Stop listening, drop every connection, wait for the threads, then unregister the pool."""
