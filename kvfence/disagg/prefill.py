@@ -233,7 +233,7 @@ class PrefillWorker:
             st == SendStatus.ABORTED and h.handle is not None and h.handle.remote_abort is not None
         )
         if not from_decode:
-            lost = h.handle is not None and h.handle.unreachable  # its decode worker is gone
+            lost = h.handle is not None and h.handle.peer_lost  # its decode worker is gone
             code = P.WORKER_LOST if lost else ""
             self._out(P.RequestFailed(rid, self.role, f"KV handoff failed on prefill: {h.reason}", code=code))
         self.counts["failed"] += 1

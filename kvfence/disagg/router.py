@@ -58,6 +58,7 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 HEARTBEAT = "heartbeat"  # reason of the router's keepalive RegisterReply
 REREGISTER = "re-register"  # prefix of the reason telling an unknown worker to register again
 WORKER_LOST = P.WORKER_LOST
+MAX_BACKLOG = 1024  # messages handled per pass before deadlines and worker health are checked
 
 __all__ = ["Router", "RouterConfig", "check_pair", "check_registration", "params_from_dict", "params_to_dict"]
 
@@ -496,11 +497,17 @@ class Router:
                     return
                 logger.exception("router: receive failed")
                 continue
-            if got is not None:
+            backlog = 0
+            while got is not None:  # catch up with the inbox before judging any worker silent
                 try:
                     self._dispatch(*got)
                 except Exception:
                     logger.exception("router: failed to handle %s from %s", got[1].kind, got[0])
+                backlog += 1
+                try:
+                    got = self.hub.recv(timeout=0.0) if backlog < MAX_BACKLOG else None
+                except Exception:  # a closed hub at shutdown: the outer recv says so
+                    got = None
             self._check_deadlines()
             self._check_workers()
 

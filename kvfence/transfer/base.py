@@ -383,7 +383,7 @@ class SendHandle:
         self.max_chunk_pages = 0
         self.sender_done = False  # the send thread exited: no more reads of the source pages
         self.final_sent = False  # the transfer's last frame (done/abort/aborted) reached the connection
-        self.unreachable = False  # no receiver answered at the address: the peer is gone (or never was)
+        self.peer_lost = False  # the connection to decode failed (nobody answered, or it broke): the peer is gone
         self.link: Link | None = None  # the connection carrying the transfer, once connected
         self.address = ""  # the receiver's address
         self.local_abort: str | None = None
@@ -445,6 +445,8 @@ class SendHandle:
             self._cond.notify_all()
 
     def on_link_closed(self) -> None:
+        if not self.finished:
+            self.peer_lost = True
         self._set(SendStatus.ERROR, "connection to decode closed")
 
 
@@ -632,6 +634,7 @@ def run_send(
         except OSError:
             pass
     except OSError as e:
+        handle.peer_lost = not handle.finished
         handle._set(SendStatus.ERROR, f"connection to decode failed: {e}")
     finally:
         with handle._cond:
@@ -734,7 +737,7 @@ class SenderBase:
         try:
             link = self._connect(address)
         except (OSError, ValueError) as e:
-            handle.unreachable = True
+            handle.peer_lost = True
             handle._set(SendStatus.ERROR, self._connect_failed(address, e))
             with handle._cond:  # no thread will read the source pages
                 handle.sender_done = True
