@@ -98,7 +98,8 @@ def test_kernel_bench_prints_a_row_per_shape_and_row_count(capsys: pytest.Captur
     assert [(r[0], r[1]) for r in rows] == [
         (n, w) for n in ("1", "20") for w in ("qkv", "o", "gate_up", "down", "lm_head")
     ]
-    assert all(float(r[5][:-1]) > 0 and float(r[6][:-1]) > 0 for r in rows)
+    assert all(float(t) > 0 for r in rows for t in r[2:5])  # F.linear, oneDNN, packed: each timed
+    assert all(r[5].endswith("x") and r[6].endswith("x") for r in rows)  # ratios (their size depends on the load)
 
 
 def test_row_buckets_bound_padding_and_the_number_of_shapes() -> None:
@@ -126,6 +127,7 @@ def _rss_mib() -> float:
 
 
 @needs_onednn
+@pytest.mark.slow  # 1,200 oneDNN products and an RSS reading
 def test_many_row_counts_do_not_grow_memory_without_bound() -> None:
     """oneDNN keeps a ~0.6 MB primitive per input shape; 600 distinct row counts unpadded grew RSS ~330 MB."""
     w, r = _rand(512, 128, seed=22), _rand(600, 512, seed=23)

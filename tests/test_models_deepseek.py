@@ -395,14 +395,14 @@ def test_short_prompts_batched_with_a_long_one_get_the_tokens_they_get_alone(
     engine = LLMEngine(
         EngineConfig(ModelConfig(str(tmp_path)), CacheConfig(page_size=PAGE_SIZE, max_total_tokens=1024))
     )
-    batch = prompts(11, [1, 3, 6, 10, 15, 21, 30, 40])
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
+    batch = prompts(11, [1, 6, 15, 40])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, detokenize=False)
     together = [o.token_ids for o in engine.generate(batch, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in batch]
     assert together == alone
-    assert alone == [hf_generate_stable(hf, p, 8, monkeypatch) for p in batch]
+    assert alone == [hf_generate_stable(hf, p, 6, monkeypatch) for p in batch]
     if variant == "glm_moe_dsa":  # the ties are real here: transformers' own top-k picks other keys for some
-        assert alone != [hf_generate(hf, p, 8) for p in batch]
+        assert alone != [hf_generate(hf, p, 6) for p in batch]
 
 
 @pytest.mark.parametrize("variant", ["glm_moe_dsa", "deepseek_v3"])

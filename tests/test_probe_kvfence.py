@@ -26,6 +26,9 @@ import pytest
 
 from kvfence.cli import main
 
+# nine worker processes come up for the module; the verdict on hand-made replies is test_probe_verdict.py
+pytestmark = pytest.mark.slow
+
 CTX, POOL, PAGE = 128, 256, 4  # small pool: churn requests recycle the pages a golden prompt used
 MODES = {
     "normal": [],

@@ -200,6 +200,7 @@ def assert_fault_failed_cleanly(c: Client) -> None:
     assert c.last.integrity["status"] in ("failed", "rejected"), c.last.integrity
 
 
+@pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_slow_transfer_past_the_deadline_fails_only_that_request(
     dep: Deployment, healthy_ref: tuple[list[int], list[int]]
 ) -> None:
@@ -214,6 +215,7 @@ def test_slow_transfer_past_the_deadline_fails_only_that_request(
     assert_pools_at_baseline(dep.router)
 
 
+@pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_decode_killed_mid_transfer(dep: Deployment, healthy_ref: tuple[list[int], list[int]]) -> None:
     c = Client(dep.router, "slow-decode-kill", SLOW_PROMPT)
     wait_for(lambda: flight_phase(dep.router, c.rid) == "decoding", 15, "the transfer to start")
@@ -235,6 +237,7 @@ def test_decode_killed_mid_transfer(dep: Deployment, healthy_ref: tuple[list[int
     assert_pools_at_baseline(dep.router)
 
 
+@pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_prefill_killed_mid_prefill(dep: Deployment, healthy_ref: tuple[list[int], list[int]]) -> None:
     prefill = dep.procs["prefill"]
     prefill.send_signal(signal.SIGSTOP)  # hold it inside the request: the order arrives, nothing comes back
@@ -257,6 +260,7 @@ def test_prefill_killed_mid_prefill(dep: Deployment, healthy_ref: tuple[list[int
     assert_pools_at_baseline(dep.router)
 
 
+@pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_http_answers_503_with_an_openai_error_body_while_a_role_is_down(dep: Deployment, tiny_llama_dir: Path) -> None:
     from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
@@ -285,6 +289,7 @@ def test_http_answers_503_with_an_openai_error_body_while_a_role_is_down(dep: De
     assert_pools_at_baseline(dep.router)
 
 
+@pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_router_restart_workers_register_with_the_new_router(
     dep: Deployment, healthy_ref: tuple[list[int], list[int]]
 ) -> None:

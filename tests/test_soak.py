@@ -86,6 +86,7 @@ def _check(report: soak.SoakReport) -> None:
     assert report.ok, report.format()
 
 
+@pytest.mark.slow  # a launched server under load for seconds; the judge and the mix are unit-tested above
 def test_short_soak_leaves_the_server_clean(agg_server: bs.LaunchedServer) -> None:
     report = soak.run_soak(agg_server.url, clients=4, duration_s=15, pids=agg_server.pids, sample_interval_s=0.5)
     _check(report)

@@ -297,7 +297,8 @@ def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_th
 
 def test_handoff_between_two_processes(pair: Pair) -> None:
     """Decode (this process, the module's receiver) and prefill (a child process with its own engine)."""
-    rig = Rig(pair)
+    # the child imports torch and Mooncake before it sends: on a loaded 2-core machine that can take 10 s
+    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=60, ack_timeout_s=60, quarantine_timeout_s=60))
     ids = list(range(500, 530))  # 30 tokens -> 4 pages of 8
     dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
     dec.start()
