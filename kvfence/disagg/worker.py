@@ -29,6 +29,8 @@ from kvfence.errors import CapacityConfigError, KvfenceError
 
 logger = logging.getLogger(__name__)
 
+RECONNECT_TIMEOUT_S = 60.0  # how long a worker that lost its router tries to register again (--reconnect-timeout-s)
+
 
 class Worker(Protocol):
     role: str
@@ -103,7 +105,7 @@ def run_worker(
     idle_wait_s: float = 0.01,
     orphan_check: bool = False,
     router_timeout_s: float | None = None,
-    reconnect_s: float = 60.0,
+    reconnect_s: float = RECONNECT_TIMEOUT_S,
 ) -> None:
     """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies.
 

@@ -4,16 +4,24 @@ What it knows: the flags of the HTTP front end and its start-up checks, shared b
 role (--role, --host, --port, --served-model-name, --allow-context-above-pool,
 --max-body-bytes, --seed, --logprobs-mode, --log-level), and the flags of the
 disaggregated roles and of a whole deployment (--disagg, --router-address, --control-port,
---handoff-port, --transfer-backend, timeouts, restart limits, worker counts, ...). The
-engine's flags (--model, --page-size, ...) live with the engine's config in
-`kvfence.config`. What it does not know: what any role does with its flags.
+--handoff-port, --transfer-backend, timeouts, restart limits, worker counts, ...). A flag
+that sets a config dataclass's field takes that field's default (RouterConfig,
+DecodeConfig, TransferConfig, LaunchConfig, the worker loop's reconnect timeout), so each
+default is stated once. The engine's flags (--model, --page-size, ...) live with the
+engine's config in `kvfence.config`. What it does not know: what any role does with its
+flags.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from kvfence.disagg.decode import DecodeConfig
+from kvfence.disagg.launcher import LaunchConfig
+from kvfence.disagg.router import RouterConfig
+from kvfence.disagg.worker import RECONNECT_TIMEOUT_S
 from kvfence.roles import ROLES
+from kvfence.transfer.base import TransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -76,26 +84,36 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
     g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
     g.add_argument("--worker-id", default=None, help="workers: name to register with (default: role + random)")
-    g.add_argument("--handoff-host", default="127.0.0.1", help="decode: data-plane listen host")
+    g.add_argument("--handoff-host", default=DecodeConfig.listen_host, help="decode: data-plane listen host")
     g.add_argument("--handoff-port", type=int, default=None, metavar="N", help="decode: data-plane listen port")
     g.add_argument(
         "--transfer-backend",
         "--transport",
         dest="transport",
-        default="tcp",
+        default=DecodeConfig.transport,
         choices=["tcp", "mooncake"],
         help="KV data plane: kvfence's own TCP transport, or the Mooncake Transfer Engine (TCP protocol, P2P "
-        "handshake; needs mooncake-transfer-engine-non-cuda) with control frames over TCP (default: tcp)",
+        "handshake; needs mooncake-transfer-engine-non-cuda) with control frames over TCP "
+        f"(default: {DecodeConfig.transport})",
     )
-    g.add_argument("--handoff-deadline-s", type=float, default=60.0, help="seconds a KV handoff may take (default 60)")
     g.add_argument(
-        "--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long (default 300)"
+        "--handoff-deadline-s",
+        type=float,
+        default=RouterConfig.handoff_deadline_s,
+        help=f"seconds a KV handoff may take (default {RouterConfig.handoff_deadline_s:g})",
+    )
+    g.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=RouterConfig.request_timeout_s,
+        help=f"router: fail a request silent this long (default {RouterConfig.request_timeout_s:g})",
     )
     g.add_argument(
         "--kv-io-timeout-s",
         type=float,
-        default=10.0,
-        help="KV data connections: drop one that moves no byte this long in the middle of a frame (default 10)",
+        default=TransferConfig.io_timeout_s,
+        help="KV data connections: drop one that moves no byte this long in the middle of a frame "
+        f"(default {TransferConfig.io_timeout_s:g})",
     )
     g.add_argument("--strict-kv", action="store_true", help="poison KV pages when they are quarantined or freed")
     g.add_argument(
@@ -115,17 +133,18 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-workers",
         type=_positive_int,
-        default=1,
+        default=LaunchConfig.num_prefill,
         metavar="N",
-        help="--disagg: start N prefill worker processes (each its own pool); router: wait for N at start (default 1)",
+        help="--disagg: start N prefill worker processes (each its own pool); router: wait for N at start "
+        f"(default {LaunchConfig.num_prefill})",
     )
     g.add_argument(
         "--decode-workers",
         type=_positive_int,
-        default=1,
+        default=LaunchConfig.num_decode,
         metavar="M",
         help="--disagg: start M decode worker processes (each its own pool and data-plane port); router: wait for M "
-        "at start (default 1)",
+        f"at start (default {LaunchConfig.num_decode})",
     )
     g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
     g.add_argument(
@@ -139,8 +158,9 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--worker-timeout-s",
         type=float,
-        default=10.0,
-        help="router: declare a worker dead after this long without a message from it (default 10)",
+        default=RouterConfig.worker_timeout_s,
+        help="router: declare a worker dead after this long without a message from it "
+        f"(default {RouterConfig.worker_timeout_s:g})",
     )
     g.add_argument(
         "--router-timeout-s",
@@ -152,21 +172,23 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reconnect-timeout-s",
         type=float,
-        default=60.0,
-        help="workers: how long to try registering with a new router before exiting with code 2 (default 60)",
+        default=RECONNECT_TIMEOUT_S,
+        help="workers: how long to try registering with a new router before exiting with code 2 "
+        f"(default {RECONNECT_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--max-router-restarts",
         type=int,
-        default=3,
-        help="--disagg: restart a router that exits this many times (the workers register again; default 3)",
+        default=LaunchConfig.max_router_restarts,
+        help="--disagg: restart a router that exits this many times (the workers register again; "
+        f"default {LaunchConfig.max_router_restarts})",
     )
     g.add_argument(
         "--max-worker-restarts",
         type=int,
-        default=3,
+        default=LaunchConfig.max_worker_restarts,
         help="--disagg: restart each worker that dies (killed, crashed) this many times; a worker that exits with "
-        "code 2 (refused by the router, bad flags) stops the deployment (default 3)",
+        f"code 2 (refused by the router, bad flags) stops the deployment (default {LaunchConfig.max_worker_restarts})",
     )
     g.add_argument(
         "--throttle-kv-send",
