@@ -135,7 +135,9 @@ def check_scheduler_fits(context_length: int, scheduler: SchedulerConfig) -> Non
 
 
 def add_engine_arguments(parser: Any) -> None:
-    """Add --model, --dtype, --page-size, --max-total-tokens, ... to an argparse parser."""
+    """Add --model, --dtype, --page-size, --max-total-tokens, ... to an argparse parser.
+
+    Each default is the config dataclass's own (stated once, there)."""
     g = parser.add_argument_group("model and engine")
     g.add_argument(
         "--model",
@@ -143,9 +145,15 @@ def add_engine_arguments(parser: Any) -> None:
         default=None,
         help="local Hugging Face model directory (default: the built-in tiny model, created on first use)",
     )
-    g.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="weights and KV cache dtype")
-    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default: 16)")
+    g.add_argument("--dtype", default=ModelConfig.dtype, choices=list(_DTYPES), help="weights and KV cache dtype")
+    g.add_argument("--device", default=ModelConfig.device, help=f"torch device (default: {ModelConfig.device})")
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=CacheConfig.page_size,
+        metavar="N",
+        help=f"tokens per KV page (default: {CacheConfig.page_size})",
+    )
     g.add_argument(
         "--max-total-tokens",
         type=int,
@@ -157,13 +165,23 @@ def add_engine_arguments(parser: Any) -> None:
     g.add_argument(
         "--chunked-prefill-size",
         type=int,
-        default=512,
+        default=SchedulerConfig.chunked_prefill_size,
         metavar="N",
-        help="longest prefill chunk in tokens; 0 turns chunking off (default: 512)",
+        help=f"longest prefill chunk in tokens; 0 turns chunking off (default: {SchedulerConfig.chunked_prefill_size})",
     )
-    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests per step (default: 64)")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, metavar="N", help="tokens per step (default: 2048)"
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig.max_num_seqs,
+        metavar="N",
+        help=f"requests per step (default: {SchedulerConfig.max_num_seqs})",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        metavar="N",
+        help=f"tokens per step (default: {SchedulerConfig.max_num_batched_tokens})",
     )
 
 

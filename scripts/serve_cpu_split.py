@@ -1,6 +1,6 @@
 """CPU seconds each process of a launched `kvfence serve` spends while `kvfence bench serve` drives it.
 
-Launches each deployment kind in turn (`kvfence.bench.serve.LAUNCH_ARGS`: agg, disagg-1x1, disagg-2x1, ...),
+Launches each deployment kind in turn (`kvfence.bench.launch.LAUNCH_ARGS`: agg, disagg-1x1, disagg-2x1, ...),
 reads utime + stime of every process under it from /proc before and after one `kvfence bench serve --url`
 run, and prints the wall time of the run and the CPU seconds per process (named by its --worker-id or
 --role). Linux only (/proc). Everything after the kinds goes to `kvfence bench serve`:
@@ -15,14 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvfence.bench.serve import LaunchedServer, _descendants, launch_server
+from kvfence.bench.launch import LaunchedServer, descendants, launch_server
 
 
 def cpu_seconds(server: LaunchedServer) -> dict[str, float]:
     """Process name -> CPU seconds so far, for the server's process and every descendant."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for pid in _descendants(server.proc.pid):
+    for pid in descendants(server.proc.pid):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

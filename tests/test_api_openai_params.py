@@ -27,12 +27,13 @@ import torch
 from kvfence.cli import build_parser
 from kvfence.commands.serve import build_aggregated
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg.launcher import InProcessDeployment, free_port
+from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.api import ApiSettings, build_app
 from kvfence.server.launch import ServerThread
+from tests.helpers.inprocess import InProcessDeployment
 from tests.test_structured_output import SCHEMA
 
 FLAGS = ["--page-size", "4", "--max-total-tokens", "1024", "--context-length", "256", "--served-model-name", "tiny"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfence.bench import launch as bl
 from kvfence.bench import serve as bs
 from kvfence.bench.client import RequestResult, check_target
 
@@ -86,7 +87,7 @@ def test_targets_must_be_loopback_unless_authorised() -> None:
 def test_launch_kinds_are_flag_lists_kvfence_serve_accepts() -> None:
     from kvfence.cli import build_parser
 
-    parsed = {kind: build_parser().parse_args(["serve", *args]) for kind, args in bs.LAUNCH_ARGS.items()}
+    parsed = {kind: build_parser().parse_args(["serve", *args]) for kind, args in bl.LAUNCH_ARGS.items()}
     assert parsed["agg"].role == "aggregated" and not parsed["agg"].no_verify
     assert parsed["disagg"].role is None and not parsed["disagg"].no_verify  # no role: router + prefill + decode
     assert parsed["disagg-noverify"].role is None and parsed["disagg-noverify"].no_verify
@@ -107,9 +108,9 @@ SERVER_ARGS = ("--context-length", "512", "--max-total-tokens", "4096")
 
 
 @pytest.fixture(scope="module")
-def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bs.LaunchedServer]:
+def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bl.LaunchedServer]:
     log_dir = tmp_path_factory.mktemp("bench-serve")
-    server = bs.launch_server(
+    server = bl.launch_server(
         "agg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, ready_timeout_s=120, log_dir=log_dir
     )
     try:
@@ -126,7 +127,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_bench_serve_cli_against_a_launched_server(
-    agg_server: bs.LaunchedServer, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    agg_server: bl.LaunchedServer, tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import argparse
 
@@ -181,9 +182,9 @@ def test_bench_serve_launches_each_kind(tiny_llama_dir: Path) -> None:
         output_len=bs.LengthSpec(8, 8),
         tokenizer_dir=str(tiny_llama_dir),
     )
-    runs, skipped = bs.run_bench(cfg, launch=bs.LAUNCH_KINDS, model_dir=str(tiny_llama_dir), server_args=SERVER_ARGS)
+    runs, skipped = bs.run_bench(cfg, launch=bl.LAUNCH_KINDS, model_dir=str(tiny_llama_dir), server_args=SERVER_ARGS)
     assert skipped == []
-    assert [r.label for r in runs] == list(bs.LAUNCH_KINDS)
+    assert [r.label for r in runs] == list(bl.LAUNCH_KINDS)
     assert [r.how.split()[:2] for r in runs] == [["kvfence", "serve"]] * len(runs)
     for r in runs:
         assert r.summary["completed"] == 12 and r.summary["total_output_tokens"] == 12 * 8

@@ -19,7 +19,6 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvfence.disagg import protocol as P
-from kvfence.disagg.launcher import InProcessDeployment
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -27,6 +26,7 @@ from kvfence.errors import CapacityConfigError
 from kvfence.faults import FAULT_NAMES, FaultInjector
 from kvfence.models.loader import load_model
 from kvfence.server.engine_client import GenerationChunk
+from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
 

@@ -321,7 +321,7 @@ def test_launched_deployment_serves_http_and_goes_down_together(launched: Launch
 def test_end_to_end_bench_runs_both_modes_and_reports_a_ratio(tiny_llama_dir: Path, tmp_path: Path) -> None:
     import json
 
-    from kvfence.disagg.bench_e2e import main as bench_main
+    from kvfence.bench.handoff_e2e import main as bench_main
 
     out = tmp_path / "bench.json"
     argv = ["--model", str(tiny_llama_dir), "--num-requests", "4", "--input-len", "32", "--output-len", "4"]

@@ -74,7 +74,7 @@ def test_decode_waits_instead_of_spinning_while_a_handoff_is_in_flight(tiny_llam
     from kvfence.config import CacheConfig, EngineConfig, ModelConfig
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.router import params_to_dict
-    from kvfence.disagg.worker_main import WorkerIdentity
+    from kvfence.disagg.worker import WorkerIdentity
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.sampling_params import SamplingParams
     from kvfence.integrity.digest import token_hash

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg.launcher import InProcessDeployment
 from kvfence.disagg.router import WORKER_LOST, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.models.loader import load_model
 from kvfence.server.engine_client import GenerationChunk
+from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
 

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvfence.bench.serve import LaunchedServer, _descendants, launch_server
+from kvfence.bench.launch import LaunchedServer, descendants, launch_server
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -139,7 +139,7 @@ def assert_served_exactly(results: dict[str, tuple[int, dict[str, Any], float]],
 
 
 def router_pid(server: LaunchedServer) -> int:
-    for pid in _descendants(server.proc.pid):
+    for pid in descendants(server.proc.pid):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:

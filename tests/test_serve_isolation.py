@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvfence.bench.serve import LaunchedServer, launch_server
+from kvfence.bench.launch import LaunchedServer, launch_server
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.bench import serve as bs
+from kvfence.bench import launch as bl
 from kvfence.bench import soak
 from kvfence.bench.client import RequestResult
 
@@ -58,8 +58,8 @@ SERVER_ARGS = ("--context-length", "256", "--max-total-tokens", "2048")
 
 
 @pytest.fixture(scope="module")
-def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bs.LaunchedServer]:
-    server = bs.launch_server(
+def agg_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[bl.LaunchedServer]:
+    server = bl.launch_server(
         "agg",
         model=str(tiny_llama_dir),
         server_args=SERVER_ARGS,
@@ -87,7 +87,7 @@ def _check(report: soak.SoakReport) -> None:
 
 
 @pytest.mark.slow  # a launched server under load for seconds; the judge and the mix are unit-tested above
-def test_short_soak_leaves_the_server_clean(agg_server: bs.LaunchedServer) -> None:
+def test_short_soak_leaves_the_server_clean(agg_server: bl.LaunchedServer) -> None:
     report = soak.run_soak(agg_server.url, clients=4, duration_s=15, pids=agg_server.pids, sample_interval_s=0.5)
     _check(report)
     assert report.rss_source in ("server_info", "/proc")
@@ -96,7 +96,7 @@ def test_short_soak_leaves_the_server_clean(agg_server: bs.LaunchedServer) -> No
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_long_soak_16_clients_10_minutes(agg_server: bs.LaunchedServer) -> None:
+def test_long_soak_16_clients_10_minutes(agg_server: bl.LaunchedServer) -> None:
     report = soak.run_soak(agg_server.url, clients=16, duration_s=600, pids=agg_server.pids, max_rss_growth_mb=256)
     print(report.format())  # with -s: the numbers of the long run
     _check(report)
@@ -107,7 +107,7 @@ def test_long_soak_16_clients_10_minutes(agg_server: bs.LaunchedServer) -> None:
 
 @pytest.mark.slow
 def test_disagg_soak_is_clean_and_every_response_is_verified(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    with bs.launch_server("disagg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, log_dir=tmp_path) as server:
+    with bl.launch_server("disagg", model=str(tiny_llama_dir), server_args=SERVER_ARGS, log_dir=tmp_path) as server:
         report = soak.run_soak(server.url, clients=4, duration_s=10, pids=server.pids)
     _check(report)
     assert set(report.baseline_pages) == {"prefill", "decode"}
@@ -117,7 +117,7 @@ def test_disagg_soak_is_clean_and_every_response_is_verified(tiny_llama_dir: Pat
 @pytest.mark.slow
 def test_soak_fails_a_deployment_that_corrupts_kv_in_flight(tiny_llama_dir: Path, tmp_path: Path) -> None:
     args = (*SERVER_ARGS, "--inject-fault", "corrupt_byte")
-    with bs.launch_server("disagg", model=str(tiny_llama_dir), server_args=args, log_dir=tmp_path) as server:
+    with bl.launch_server("disagg", model=str(tiny_llama_dir), server_args=args, log_dir=tmp_path) as server:
         report = soak.run_soak(server.url, clients=2, duration_s=5, pids=server.pids)
     assert not report.ok
     assert report.integrity_failures and {r["reason"] for r in report.integrity_failures} == {"digest_mismatch"}

@@ -81,8 +81,8 @@ def test_a_schema_xgrammar_cannot_compile_is_a_request_error(engine: LLMEngine) 
 def test_prefill_then_decode_continues_the_grammar(engine: LLMEngine) -> None:
     """Prefill samples the first token under the grammar; decode's grammar accepts it and goes on (real
     in-process disaggregation), giving the aggregated engine's tokens for the same seed."""
-    from kvfence.disagg.launcher import InProcessDeployment
     from kvfence.disagg.router import RouterConfig
+    from tests.helpers.inprocess import InProcessDeployment
 
     sp = SamplingParams(max_tokens=150, temperature=1.0, seed=9, structured_outputs=StructuredOutputs(json=SCHEMA))
     ids = prompt(engine, 7)

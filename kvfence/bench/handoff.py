@@ -281,7 +281,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="also run N alternating rounds of end-to-end serving with verification on and off on real "
-        "router/prefill/decode processes (kvfence.disagg.bench_e2e; default 0: skip)",
+        "router/prefill/decode processes (kvfence.bench.handoff_e2e; default 0: skip)",
     )
     p.add_argument("--e2e-model", default=None, metavar="DIR", help="model for --e2e-rounds (default: built-in)")
 
@@ -300,9 +300,9 @@ def _run(args: argparse.Namespace) -> int:
         processes=not args.threads,
     )
     if args.e2e_rounds > 0:
-        from kvfence.disagg import bench_e2e
+        from kvfence.bench import handoff_e2e
 
-        return bench_e2e.main(
+        return handoff_e2e.main(
             ["--rounds", str(args.e2e_rounds), *(["--model", args.e2e_model] if args.e2e_model else [])]
         )
     return 0

@@ -19,8 +19,8 @@ It prints one table with a column per target and the ratio of each target to the
 It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`: `kvfence
 serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`; and
 `disagg-1x1`, `disagg-2x1`, `disagg-1x2`, `disagg-2x2`: that many prefill x decode workers)
-on free loopback ports, one at a time so two servers never compete for the CPUs, and says
-which target failed and why.
+on free loopback ports (`kvfence.bench.launch`), one at a time so two servers never compete
+for the CPUs, and says which target failed and why.
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -35,10 +35,7 @@ import math
 import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -49,6 +46,7 @@ from typing import Any
 import httpx
 
 from kvfence.bench.client import RequestResult, ServerFacts, check_target, read_server_facts, send_completion
+from kvfence.bench.launch import LAUNCH_KINDS, LaunchedServer, add_launch_arguments, launch_server, vocab_size_of
 
 MAX_PROMPTS = 5000  # hard cap on requests per target
 MAX_DURATION_S = 3600.0  # hard cap on one target's run
@@ -121,17 +119,6 @@ def special_token_ids(tokenizer_dir: str | os.PathLike[str] | None) -> frozenset
     return frozenset(int(t["id"]) for t in data.get("added_tokens", []) if t.get("special", True))
 
 
-def vocab_size_of(model_dir: str | os.PathLike[str] | None) -> int | None:
-    """vocab_size from a local model's config.json (None when there is no such file or field)."""
-    if model_dir is None:
-        return None
-    try:
-        value = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def build_requests(
     num_prompts: int,
     input_len: LengthSpec,
@@ -173,168 +160,6 @@ def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
         out.append(t)
         t += rng.expovariate(request_rate)
     return out
-
-
-# ---- targets: given URLs or servers we start ----------------------------------------------------------------------
-
-# `kvfence serve` flags per launch kind: `--role aggregated` is one process; plain `kvfence serve` is a router plus
-# one prefill and one decode worker on loopback; `--no-verify` has decode admit handoffs without checking them;
-# disagg-PxD runs P prefill and D decode worker processes behind the router.
-LAUNCH_ARGS: dict[str, tuple[str, ...]] = {
-    "agg": ("--role", "aggregated"),
-    "disagg": (),
-    "disagg-noverify": ("--no-verify",),
-    **{
-        f"disagg-{p}x{d}": ("--prefill-workers", str(p), "--decode-workers", str(d))
-        for p, d in ((1, 1), (2, 1), (1, 2), (2, 2))
-    },
-}
-LAUNCH_KINDS = tuple(LAUNCH_ARGS)
-
-
-def _descendants(pid: int) -> list[int]:
-    """pid and every live descendant (read from /proc; empty where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def rss_bytes(pids: Sequence[int]) -> int | None:
-    """Sum of VmRSS over `pids` and their descendants, from /proc/<pid>/status; None when unreadable."""
-    total, seen = 0, False
-    for root in pids:
-        for pid in _descendants(root):
-            try:
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        seen = True
-                        break
-            except (OSError, ValueError):
-                continue
-    return total if seen else None
-
-
-@dataclass
-class LaunchedServer:
-    """A `kvfence serve` this tool started: its URL, its process (disagg: the parent of three), and its log."""
-
-    label: str
-    kind: str
-    url: str
-    how: str  # the command line, for the report
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def pids(self) -> list[int]:
-        return [self.proc.pid]
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        """Wait until /health answers 200; stop the server and raise RuntimeError if it exits or times out first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"{self.label}: server exited with code {self.proc.returncode} before it was ready\n"
-                    f"--- {self.log_path} ---\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.label}: {self.url}/health not ready within {timeout:.0f} s\n{self.log_tail()}")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's process group (a disagg parent stops its workers), SIGKILL after `grace_s`."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is not None:
-                return
-            try:
-                os.killpg(self.proc.pid, sig)  # the server leads its own session (start_new_session)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def __enter__(self) -> LaunchedServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def launch_server(
-    kind: str,
-    *,
-    label: str | None = None,
-    model: str | None = None,
-    server_args: Sequence[str] = (),
-    host: str = "127.0.0.1",
-    ready_timeout_s: float = 300.0,
-    log_dir: str | os.PathLike[str] | None = None,
-) -> LaunchedServer:
-    """Start `kvfence serve` as deployment `kind` (see LAUNCH_ARGS) on a free port of `host`; wait for /health.
-
-    Raises RuntimeError when the server dies or never answers /health.
-    """
-    from kvfence.disagg.launcher import free_port
-
-    label = label or kind
-    log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-")) / f"{label}.log"
-    port = free_port(host)
-    model_args = ["--model", str(model)] if model else []
-    args = [*model_args, "--host", host, "--port", str(port), *LAUNCH_ARGS[kind], *server_args]
-    with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfence", "serve", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            start_new_session=True,
-        )
-    server = LaunchedServer(label, kind, f"http://{host}:{port}", "kvfence serve " + shlex.join(args), proc, log_path)
-    server.wait_ready(ready_timeout_s)
-    return server
-
-
-def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags `bench serve` and `bench soak` share: how `--launch` starts servers, what to send, where to."""
-    p.add_argument("--model", dest="model_dir", help="model directory for --launch (default: the server's default)")
-    p.add_argument("--server-args", default="", help="extra arguments for every launched server (one quoted string)")
-    p.add_argument("--launch-timeout", type=float, default=300.0, help="seconds a launched server may take to start")
-    p.add_argument("--model-name", help="model name to send (default: the first of /v1/models)")
-    p.add_argument(
-        "--i-am-authorised",
-        "--i-am-authorized",
-        dest="allow_remote",
-        action="store_true",
-        help="allow a non-loopback target you are authorised to load",
-    )
 
 
 # ---- running one target --------------------------------------------------------------------------------------------
@@ -868,7 +693,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `serve` (and `soak`, when not there yet) to the `kvfence bench` subcommands."""
+    """Add `serve` to the `kvfence bench` subcommands."""
     if "serve" not in subparsers.choices:
         p = subparsers.add_parser(
             "serve",
@@ -879,9 +704,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--i-am-authorised. Exit code 0 when every request completed, 1 when some failed, 2 when nothing ran.",
         )
         add_arguments(p)
-    from kvfence.bench import soak
-
-    soak.register(subparsers)
 
 
 if __name__ == "__main__":

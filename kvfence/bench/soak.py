@@ -48,7 +48,7 @@ from kvfence.bench.client import (
     read_server_facts,
     send_completion,
 )
-from kvfence.bench.serve import add_launch_arguments, launch_server, rss_bytes, vocab_size_of
+from kvfence.bench.launch import add_launch_arguments, launch_server, rss_bytes, vocab_size_of
 
 MAX_CLIENTS = 256
 MAX_DURATION_S = 4 * 3600.0
@@ -505,7 +505,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `soak` to the `kvfence bench` subcommands (once, whoever calls first)."""
+    """Add `soak` to the `kvfence bench` subcommands."""
     if "soak" in subparsers.choices:
         return
     p = subparsers.add_parser(

@@ -157,7 +157,7 @@ class DecodeWorker:
         self.send_msg = send
 
     def registration(self) -> P.Register:
-        from kvfence.disagg.worker_main import registration_for
+        from kvfence.disagg.worker import registration_for
 
         return registration_for(self.role, self.engine, self.identity, self.receiver.address)
 

@@ -1,4 +1,4 @@
-"""Start a router and N prefill + M decode workers: as child processes, or as threads of one process.
+"""Start a router and N prefill + M decode workers as child processes, and keep them running.
 
 What it knows: how to pick free loopback ports at run time (the OS chooses; each is
 passed to its process explicitly on the command line: the router's HTTP and control
@@ -18,8 +18,6 @@ when a child exits:
   the whole deployment with the exit codes reported, for the supervisor above.
 
 Ctrl-C / SIGTERM stops all of them (workers first).
-`InProcessDeployment` builds the same objects in one process (workers on threads,
-control messages on queues, KV on the local transport) for fast tests.
 
 What it does not know: what the processes do; it only starts, watches and stops them.
 """
@@ -31,13 +29,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from kvfence.errors import KvfenceError
 
@@ -254,151 +249,3 @@ def launch(config: LaunchConfig) -> int:
         file=sys.stderr,
     )
     return launcher.watch()
-
-
-# -- one process ------------------------------------------------------------------------------------------
-
-
-class InProcessDeployment:
-    """A router with N prefill and M decode workers in this process: worker loops on threads, KV over `transfer.local`.
-
-    `prefill_config` / `decode_config` are one EngineConfig (one worker) or a sequence of them (one
-    worker each, pools may differ). Every engine shares one loaded model (forward passes only read
-    it); each has its own KV pool. Workers are `prefill-i` / `decode-i`; `prefill` and `decode` (and
-    their engines) are the first of each. `faults` (one injector) is given to every worker, since
-    sender- and receiver-side faults live on different sides.
-    """
-
-    def __init__(
-        self,
-        prefill_config: Any,
-        decode_config: Any,
-        router_config: Any = None,
-        *,
-        loaded: Any = None,
-        verify: bool = True,
-        strict: bool = False,
-        deadline_s: float = 30.0,
-        faults: Any = None,
-        transfer_config: Any = None,
-        model_fingerprint: str | None = None,
-    ) -> None:
-        from kvfence.disagg import protocol as P
-        from kvfence.disagg.decode import DecodeConfig, DecodeWorker
-        from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
-        from kvfence.disagg.router import Router, RouterConfig
-        from kvfence.disagg.worker_main import WorkerIdentity
-        from kvfence.disagg.worker_main import model_fingerprint as fingerprint_of
-        from kvfence.engine.llm_engine import LLMEngine
-        from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
-
-        prefill_configs = list(prefill_config) if isinstance(prefill_config, (list, tuple)) else [prefill_config]
-        decode_configs = list(decode_config) if isinstance(decode_config, (list, tuple)) else [decode_config]
-        model_dir = str(prefill_configs[0].model.model_dir)
-        fp = model_fingerprint or fingerprint_of(model_dir)
-        name = Path(model_dir).name
-        self.fabric = LocalFabric()
-        self.prefills: list[Any] = []
-        self.decodes: list[Any] = []
-        for i, cfg in enumerate(prefill_configs):
-            engine = LLMEngine(cfg, loaded=loaded)
-            loaded = loaded or engine.loaded
-            sender = LocalSender(self.fabric, engine.pool, transfer_config, faults)
-            self.prefills.append(
-                PrefillWorker(
-                    engine,
-                    WorkerIdentity(f"prefill-{i}", name, fp, {"model_dir": model_dir, "transport": "local"}),
-                    PrefillConfig(transport="local", deadline_s=deadline_s, strict=strict),
-                    faults=faults,
-                    sender=sender,
-                )
-            )
-        for i, cfg in enumerate(decode_configs):
-            engine = LLMEngine(cfg, loaded=loaded)
-            wid = f"decode-{i}"
-            self.decodes.append(
-                DecodeWorker(
-                    engine,
-                    WorkerIdentity(wid, name, fp, {"model_dir": model_dir, "transport": "local"}),
-                    DecodeConfig(transport="local", deadline_s=deadline_s, verify=verify, strict=strict),
-                    faults=faults,
-                    receiver=LocalReceiver(self.fabric, wid, engine.pool, faults),
-                )
-            )
-        self.prefill, self.decode = self.prefills[0], self.decodes[0]
-        self.prefill_engine, self.decode_engine = self.prefill.engine, self.decode.engine
-        self.sender, self.receiver = self.prefill.sender, self.decode.receiver
-        self.hub = P.QueueHub()
-        self.router = Router(
-            self.hub,
-            router_config
-            or RouterConfig(
-                handoff_deadline_s=deadline_s,
-                wait_prefill_workers=len(self.prefills),
-                wait_decode_workers=len(self.decodes),
-            ),
-        )
-        self._threads: dict[str, threading.Thread] = {}
-        self._stops: dict[str, threading.Event] = {}
-        self.errors: list[BaseException] = []
-        for worker in self.workers:
-            self.start_worker(worker)
-        try:
-            self.router.wait_for_workers(timeout=min(30.0, self.router.config.register_timeout_s))
-        except BaseException:
-            self._stop_all()
-            raise
-        self.router.start()
-
-    @property
-    def workers(self) -> list[Any]:
-        return [*self.prefills, *self.decodes]
-
-    def start_worker(self, worker: Any) -> None:
-        """Run `worker`'s loop on a thread of its own (register, then serve); also to bring one back."""
-        from kvfence.disagg.worker_main import register, run_worker
-
-        wid = worker.identity.worker_id
-        channel = self.hub.connect(wid, replace=True)
-        stop = threading.Event()
-
-        def serve() -> None:
-            try:
-                register(worker, channel, timeout=30)
-                run_worker(worker, channel, stop=stop, idle_wait_s=0.002)
-            except Exception as e:  # kept for the tests; a refused registration ends the thread
-                self.errors.append(e)
-
-        t = threading.Thread(target=serve, name=f"kvfence-{wid}", daemon=True)
-        self._stops[wid], self._threads[wid] = stop, t
-        t.start()
-
-    def stop_worker(self, worker_id: str, timeout: float = 10.0) -> None:
-        """Stop one worker's loop as if its process vanished: it sends nothing more, and closes its transport."""
-        self._stops[worker_id].set()
-        self._threads[worker_id].join(timeout)
-
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Wait until no worker holds a request or a page (handoffs settled, quarantines over)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(w.idle() for w in self.workers):
-                return True
-            time.sleep(0.01)
-        return False
-
-    def _stop_all(self) -> None:
-        for stop in self._stops.values():
-            stop.set()
-        for t in self._threads.values():
-            t.join(timeout=10)
-
-    def close(self) -> None:
-        self.router.close()
-        self._stop_all()
-
-    def __enter__(self) -> InProcessDeployment:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -68,7 +68,7 @@ class PrefillWorker:
         sender: Sender | None = None,
     ) -> None:
         self.engine = engine  # kvfence.engine.llm_engine.LLMEngine
-        self.identity = identity  # worker_main.WorkerIdentity
+        self.identity = identity  # worker.WorkerIdentity
         self.config = config or PrefillConfig()
         self.faults = faults
         if sender is None:
@@ -100,7 +100,7 @@ class PrefillWorker:
         self.send_msg = send
 
     def registration(self) -> P.Register:
-        from kvfence.disagg.worker_main import registration_for
+        from kvfence.disagg.worker import registration_for
 
         return registration_for(self.role, self.engine, self.identity)
 

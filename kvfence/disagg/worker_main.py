@@ -1,22 +1,19 @@
 """Process entry points of disaggregated serving: `python -m kvfence.disagg.worker_main --role ...`.
 
-What it knows: the command-line flags of each role, how to build a worker's engine
-from them (each role has its own KV pool, sized by its own `--max-total-tokens`),
-the model fingerprint every worker registers (a hash of config.json and of the weight
-files' bytes, so two different checkpoints of one architecture never pair), and the
-worker loop shared by prefill and decode: register, then alternate between the
-control channel and one engine step, publishing load reports every few hundred ms
-(each says how many orders it covers), until told to shut down, signalled, or
-orphaned; a worker that loses its router drops what it holds and registers again.
+What it knows: how to turn the parsed flags (defined in `kvfence.server.args` and
+`kvfence.config`) into a running role: a prefill or decode worker (its engine with its
+own KV pool, sized by its own `--max-total-tokens`; its transport and faults; then the
+worker loop of `kvfence.disagg.worker`), the router (a `Router` behind the API's
+`build_app`), or `--disagg`, a whole deployment of child processes (`kvfence.disagg.launcher`);
+torch threads per role; and the exit code 2 on a configuration error.
 
-What it does not know: what prefill or decode do with a message (their own modules),
-or HTTP (the router role hands its `Router` to the API helper's `build_app`).
+What it does not know: the worker loop or registration (`kvfence.disagg.worker`), what
+prefill or decode do with a message (their own modules), or HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import signal
@@ -26,294 +23,19 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from kvfence.disagg import protocol as P
-from kvfence.errors import CapacityConfigError, KvfenceError
+from kvfence.disagg.worker import Worker, WorkerIdentity, model_fingerprint, register, run_worker
+from kvfence.errors import KvfenceError
+from kvfence.roles import DECODE, PREFILL, ROUTER
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "router")
-
-
-class Worker(Protocol):
-    role: str
-
-    def registration(self) -> P.Register: ...
-    def handle(self, msg: P.Message) -> None: ...
-    def step(self) -> bool: ...  # True when it did work (the loop then polls without waiting)
-    @property
-    def busy(self) -> bool: ...
-    # optional: `poll_interval_s -> float | None`, a shorter wait than the idle one while not busy;
-    # `set_waker(fn)`, given the channel's `wake` so other threads can end the loop's wait
-    def stats(self) -> dict[str, Any]: ...
-    def attach(self, send: Any) -> None: ...
-    def close(self) -> None: ...
-
-
-class Channel(Protocol):
-    def send(self, msg: P.Message) -> None: ...
-    def recv(self, timeout: float | None = 0.0) -> P.Message | None: ...
-    def close(self) -> None: ...
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    """Hash of config.json and every weight file's bytes (xxh3_64 streamed; ~10 GB/s)."""
-    import xxhash
-
-    d = Path(model_dir)
-    h = hashlib.sha256()
-    h.update((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
-        x = xxhash.xxh3_64()
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 24):
-                x.update(block)
-        h.update(f.name.encode() + b":" + x.digest())
-    return h.hexdigest()[:16]
-
-
-# -- the loop ---------------------------------------------------------------------------------------------
-
-
-def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
-    """Send the registration and wait for the router's answer; a refusal raises with its reason."""
-    from kvfence.disagg.router import HEARTBEAT, REREGISTER
-
-    worker.attach(channel.send)
-    channel.send(worker.registration())
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        msg = channel.recv(timeout=0.5)
-        if msg is None:
-            continue
-        if isinstance(msg, P.RegisterReply):
-            if msg.reason.startswith(REREGISTER):  # an answer to a message queued before our Register: the
-                continue  # Register itself comes after it on the same connection, so it needs no resending
-            if not msg.accepted:
-                raise CapacityConfigError(f"router refused this {worker.role} worker: {msg.reason}")
-            if msg.reason == HEARTBEAT:  # a keepalive of a router that still knows us from before
-                continue
-            return
-        if isinstance(msg, P.Shutdown):
-            raise KvfenceError(f"router shut down before accepting this {worker.role} worker")
-        logger.warning("%s: ignoring %s before registration", worker.role, msg.kind)
-    raise KvfenceError(f"{worker.role}: no answer from the router within {timeout:.0f}s")
-
-
-def run_worker(
-    worker: Worker,
-    channel: Channel,
-    stop: threading.Event | None = None,
-    stats_interval_s: float = 0.25,
-    idle_wait_s: float = 0.01,
-    orphan_check: bool = False,
-    router_timeout_s: float | None = None,
-    reconnect_s: float = 60.0,
-) -> None:
-    """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies.
-
-    With `router_timeout_s`, a router silent that long (it sends keepalives) is lost: the
-    worker drops every request it holds (freeing their pages) and registers again with
-    whatever router answers at the same address within `reconnect_s`, else raises
-    KvfenceError (the process exits non-zero and its launcher reports it). A router
-    that does not know this worker (it restarted, or declared it dead) asks it to
-    register again; the worker does the same.
-    """
-    from kvfence.disagg.router import REREGISTER
-
-    stop = stop or threading.Event()
-    worker.attach(channel.send)
-    set_waker, wake = getattr(worker, "set_waker", None), getattr(channel, "wake", None)
-    if set_waker is not None and wake is not None:
-        set_waker(wake)  # transport threads end the loop's wait when a transfer moves on
-    parent = os.getppid()
-    last_stats = 0.0
-    heard = time.monotonic()
-    orders = 0  # orders handled since this worker registered: its load reports say which ones they cover
-    try:
-        while not stop.is_set():
-            wait = 0.0 if worker.busy else min(idle_wait_s, getattr(worker, "poll_interval_s", None) or idle_wait_s)
-            msg = channel.recv(timeout=wait)
-            lost = ""
-            while msg is not None:
-                heard = time.monotonic()
-                if isinstance(msg, P.Shutdown):
-                    return
-                if isinstance(msg, P.RegisterReply) and msg.reason.startswith(REREGISTER):
-                    lost = msg.reason
-                elif not isinstance(msg, P.RegisterReply):
-                    worker.handle(msg)
-                    orders += isinstance(msg, (P.PrefillOrder, P.DecodePrepare))
-                msg = channel.recv(timeout=0.0)
-            if router_timeout_s is not None and not lost and time.monotonic() - heard > router_timeout_s:
-                lost = f"no message from the router for {router_timeout_s:.0f}s"
-            if lost:
-                if router_timeout_s is None:
-                    raise KvfenceError(f"{worker.role}: the router no longer knows this worker ({lost})")
-                dropped = drop_requests(worker, f"router lost: {lost}")
-                logger.error("%s: %s; dropped %d request(s), registering again", worker.role, lost, dropped)
-                try:
-                    register(worker, channel, timeout=reconnect_s)
-                except KvfenceError as e:
-                    raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
-                logger.info("%s: registered again", worker.role)
-                heard, orders, last_stats = time.monotonic(), 0, 0.0
-            worker.step()
-            now = time.monotonic()
-            if now - last_stats >= stats_interval_s:
-                last_stats = now
-                channel.send(P.WorkerStats(worker.role, {**worker.stats(), "orders_seen": orders}))
-                if orphan_check and os.getppid() != parent:
-                    logger.error("%s: parent process %d is gone; exiting", worker.role, parent)
-                    return
-    finally:
-        worker.close()
-
-
-def held_request_ids(worker: Any) -> list[str]:
-    """Every request a prefill or decode worker holds (queued, running, handing off)."""
-    rids: list[str] = []
-    for name in ("orders", "handoffs", "incoming", "running"):
-        rids += list(getattr(worker, name, {}))
-    rids += [inc.prepare.request_id for inc in getattr(worker, "queued", ())]
-    return list(dict.fromkeys(rids))
-
-
-def drop_requests(worker: Any, reason: str) -> int:
-    """Abort every request the worker holds, as the router's Abort would (pages freed or quarantined)."""
-    rids = held_request_ids(worker)
-    for rid in rids:
-        worker.handle(P.Abort(rid, reason))
-    return len(rids)
-
-
-# -- flags ----------------------------------------------------------------------------------------------
-
-
-def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of the disaggregated roles, on top of `kvfence serve`'s server and engine flags."""
-    g = p.add_argument_group("disaggregated serving (--role prefill|decode|router, or --disagg for a whole deployment)")
-    g.add_argument(
-        "--disagg",
-        action="store_true",
-        help="start a router and --prefill-workers / --decode-workers workers (one process each, free loopback "
-        "ports); role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
-    )
-    g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
-    g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
-    g.add_argument("--worker-id", default=None, help="workers: name to register with (default: role + random)")
-    g.add_argument("--handoff-host", default="127.0.0.1", help="decode: data-plane listen host")
-    g.add_argument("--handoff-port", type=int, default=None, metavar="N", help="decode: data-plane listen port")
-    g.add_argument(
-        "--transfer-backend",
-        "--transport",
-        dest="transport",
-        default="tcp",
-        choices=["tcp", "mooncake"],
-        help="KV data plane: kvfence's own TCP transport, or the Mooncake Transfer Engine (TCP protocol, P2P "
-        "handshake; needs mooncake-transfer-engine-non-cuda) with control frames over TCP (default: tcp)",
-    )
-    g.add_argument("--handoff-deadline-s", type=float, default=60.0, help="seconds a KV handoff may take (default 60)")
-    g.add_argument(
-        "--request-timeout-s", type=float, default=300.0, help="router: fail a request silent this long (default 300)"
-    )
-    g.add_argument(
-        "--kv-io-timeout-s",
-        type=float,
-        default=10.0,
-        help="KV data connections: drop one that moves no byte this long in the middle of a frame (default 10)",
-    )
-    g.add_argument("--strict-kv", action="store_true", help="poison KV pages when they are quarantined or freed")
-    g.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="decode: admit handoffs WITHOUT verifying them -- only to demonstrate what the checks protect against",
-    )
-    g.add_argument(
-        "--inject-fault",
-        default=None,
-        metavar="SPEC",
-        help="tests/demos: NAME[@PATTERN][#PAGE][%%N],... -- PATTERN a glob over request ids (clients set them "
-        "with X-Request-Id), %%N every Nth matching request (kvfence.faults)",
-    )
-    g.add_argument("--prefill-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: prefill pool")
-    g.add_argument("--decode-max-total-tokens", type=int, default=None, metavar="N", help="--disagg: decode pool")
-    g.add_argument(
-        "--prefill-workers",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="--disagg: start N prefill worker processes (each its own pool); router: wait for N at start (default 1)",
-    )
-    g.add_argument(
-        "--decode-workers",
-        type=_positive_int,
-        default=1,
-        metavar="M",
-        help="--disagg: start M decode worker processes (each its own pool and data-plane port); router: wait for M "
-        "at start (default 1)",
-    )
-    g.add_argument("--exit-with-parent", action="store_true", help="exit when the launching process goes away")
-    g.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch intra-op threads of this process (default: $OMP_NUM_THREADS if set, else router 1 and each "
-        "worker (cores - 1) // 2, at least 1, so the three processes do not oversubscribe the cores)",
-    )
-    g.add_argument(
-        "--worker-timeout-s",
-        type=float,
-        default=10.0,
-        help="router: declare a worker dead after this long without a message from it (default 10)",
-    )
-    g.add_argument(
-        "--router-timeout-s",
-        type=float,
-        default=10.0,
-        help="workers: after this long without a message from the router, drop all requests and register again "
-        "(default 10)",
-    )
-    g.add_argument(
-        "--reconnect-timeout-s",
-        type=float,
-        default=60.0,
-        help="workers: how long to try registering with a new router before exiting with code 2 (default 60)",
-    )
-    g.add_argument(
-        "--max-router-restarts",
-        type=int,
-        default=3,
-        help="--disagg: restart a router that exits this many times (the workers register again; default 3)",
-    )
-    g.add_argument(
-        "--max-worker-restarts",
-        type=int,
-        default=3,
-        help="--disagg: restart each worker that dies (killed, crashed) this many times; a worker that exits with "
-        "code 2 (refused by the router, bad flags) stops the deployment (default 3)",
-    )
-    g.add_argument(
-        "--throttle-kv-send",
-        default=None,
-        metavar="SECONDS[@PREFIX]",
-        help="tests/demos, prefill over tcp: send KV one page per frame and sleep SECONDS before each page frame "
-        "(only for request ids starting with PREFIX)",
-    )
-
-
-def _positive_int(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvfence.commands.serve import add_server_arguments
     from kvfence.config import add_engine_arguments
+    from kvfence.server.args import add_disagg_arguments, add_server_arguments
 
     p = argparse.ArgumentParser(prog="python -m kvfence.disagg.worker_main", description=__doc__.split("\n")[0])
     add_server_arguments(p)
@@ -335,57 +57,11 @@ def parse_faults(value: str | None) -> Any:
 # -- building workers -------------------------------------------------------------------------------------
 
 
-class WorkerIdentity:
-    """What a worker says about itself at registration, besides its engine's numbers.
-
-    `context_length`: the deployment's context length when it exceeds what the engine runs with (the
-    engine is capped at its pool under --allow-context-above-pool); None: the engine's own."""
-
-    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings", "context_length")
-
-    def __init__(
-        self,
-        worker_id: str,
-        model_name: str,
-        model_fingerprint: str,
-        settings: dict[str, Any],
-        context_length: int | None = None,
-    ) -> None:
-        self.worker_id = worker_id
-        self.model_name = model_name
-        self.model_fingerprint = model_fingerprint
-        self.settings = settings
-        self.context_length = context_length
-
-
-def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_address: str = "") -> P.Register:
-    """The Register message of a worker built around `engine` (an LLMEngine)."""
-    from kvfence.kv.layout import dtype_name
-
-    r = engine.resolved
-    layout = engine.pool.layout
-    return P.Register(
-        role=role,
-        worker_id=identity.worker_id,
-        model_name=identity.model_name,
-        model_fingerprint=identity.model_fingerprint,
-        context_length=identity.context_length or r.context_length,
-        pool_tokens=r.pool_tokens,
-        page_size=r.page_size,
-        dtype=dtype_name(layout.dtype),
-        layout_fingerprint=layout.fingerprint,
-        layout=layout.describe(),
-        handoff_address=handoff_address,
-        settings={**identity.settings, "num_pages": r.num_pages, "bytes_per_page": r.bytes_per_page},
-        vocab_size=int(engine.vocab_size),
-    )
-
-
 def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
     """The prefill or decode worker the flags describe (engine with its own pool, transport, faults)."""
-    from kvfence.commands.serve import build_role_engine
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
+    from kvfence.server.role_engine import build_role_engine
     from kvfence.transfer.base import TransferConfig
 
     engine, context_length, _ = build_role_engine(args, model_dir, args.role)
@@ -404,7 +80,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         },
         context_length=context_length,
     )
-    if args.role == "prefill":
+    if args.role == PREFILL:
         config = PrefillConfig(
             transport=args.transport,
             deadline_s=args.handoff_deadline_s,
@@ -475,7 +151,7 @@ def torch_threads_for(role: str, num_cpus: int, num_workers: int = 2) -> int:
     thread. The router does no tensor work; each of the `num_workers` workers gets an
     equal share of what is left.
     """
-    return 1 if role == "router" else max(1, (num_cpus - 1) // max(1, num_workers))
+    return 1 if role == ROUTER else max(1, (num_cpus - 1) // max(1, num_workers))
 
 
 def set_torch_threads(role: str, requested: int | None) -> None:
@@ -515,7 +191,7 @@ def run_router(args: argparse.Namespace) -> int:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
     if args.exit_with_parent:
         _exit_with_parent()
-    set_torch_threads("router", args.torch_threads)
+    set_torch_threads(ROUTER, args.torch_threads)
     model_dir = resolve_model_dir(args.model)
     hub = P.ZmqHub(args.host, args.control_port)
     router = Router(
@@ -629,7 +305,7 @@ def run_launch(args: argparse.Namespace) -> int:
     common, prefill, decode = launch_command_args(args)
     workers = args.prefill_workers + args.decode_workers
     if args.torch_threads is None and not os.environ.get("OMP_NUM_THREADS"):  # share the cores among all workers
-        threads = ("--torch-threads", str(torch_threads_for("prefill", len(os.sched_getaffinity(0)), workers)))
+        threads = ("--torch-threads", str(torch_threads_for(PREFILL, len(os.sched_getaffinity(0)), workers)))
         prefill, decode = (*prefill, *threads), (*decode, *threads)
     return launch(
         LaunchConfig(
@@ -647,7 +323,7 @@ def run_launch(args: argparse.Namespace) -> int:
     )
 
 
-ROLE_RUNNERS = {"prefill": run_worker_role, "decode": run_worker_role, "router": run_router}
+ROLE_RUNNERS = {PREFILL: run_worker_role, DECODE: run_worker_role, ROUTER: run_router}
 
 
 def main(argv: list[str] | None = None) -> int:

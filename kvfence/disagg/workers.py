@@ -35,10 +35,11 @@ from typing import Any, NamedTuple
 
 from kvfence.disagg import protocol as P
 from kvfence.errors import CapacityConfigError
+from kvfence.roles import WORKER_ROLES
 from kvfence.server.admission import role_capacity
 from kvfence.server.engine_client import Capacity
 
-ROLES = ("prefill", "decode")
+ROLES = WORKER_ROLES  # prefill, decode
 MAX_DOWN_ENTRIES = 32  # workers declared down that stay listed (metrics, server_info) until replaced
 
 # What every worker of one deployment must agree on: (name, how to read it from a registration).

@@ -30,11 +30,11 @@ from kvfence.engine.llm_engine import LLMEngine, RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.integrity.record import IntegrityRecord
+from kvfence.roles import AGGREGATED as ROLE  # the one role this engine serves
 from kvfence.server.engine_client import Capacity, GenerationChunk
 
 logger = logging.getLogger(__name__)
 
-ROLE = "aggregated"
 _IDLE_STEP_WAIT_S = 0.005  # work is queued but nothing could be scheduled: wait this long for a change
 
 

@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 
 from kvfence.config import check_capacity
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
+from kvfence.roles import PREFILL
 from kvfence.server.engine_client import Capacity
 
 logger = logging.getLogger(__name__)
-
-PREFILL_ROLE = "prefill"  # holds only the prompt's KV; every other role holds prompt + output
 
 
 def _refuse(message: str, param: str) -> ContextLengthExceededError:
@@ -49,7 +48,7 @@ def admit(num_prompt_tokens: int, max_tokens: int | None, capacity: Capacity, pa
     # limits on prompt + output: the context length and every pool that holds the output
     output_limits: list[tuple[int, str]] = [(capacity.context_length, "the context length")]
     for role, pool_tokens in capacity.max_total_tokens.items():
-        if role == PREFILL_ROLE:
+        if role == PREFILL:  # holds only the prompt's KV; every other role holds prompt + output
             if num_prompt_tokens > pool_tokens:
                 raise _refuse(
                     f"The prompt has {num_prompt_tokens} tokens, more than the {role} KV pool holds "

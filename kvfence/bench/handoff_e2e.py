@@ -13,7 +13,7 @@ What it does not know: HTTP (the router is called directly; the HTTP layer is th
 for both modes) or the verification itself. Note: with verification off, prefill still
 builds its manifest (digests and canaries); the difference measured is decode's check.
 
-    python -m kvfence.disagg.bench_e2e --num-requests 32 --input-len 256 --output-len 16 --rounds 8
+    python -m kvfence.bench.handoff_e2e --num-requests 32 --input-len 256 --output-len 16 --rounds 8
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvfence.disagg.bench_e2e", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvfence.bench.handoff_e2e", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=256)

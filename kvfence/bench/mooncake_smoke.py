@@ -6,7 +6,7 @@ MooncakeEndpoint.write_pages with pieces of several sizes, laid out so that they
 16 KiB pieces that are adjacent, so write_pages merges them. Every Mooncake result is checked by a SHA-256 of the
 receiver's buffer against the expected bytes.
 
-    python scripts/mooncake_smoke.py [--mib 256] [--repeat 3]
+    python -m kvfence.bench.mooncake_smoke [--mib 256] [--repeat 3]
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""The worker loop shared by prefill and decode: register, serve, register again.
+
+What it knows: what a worker and its control channel look like to the loop (`Worker`,
+`Channel`), what a worker says about itself at registration (`WorkerIdentity`, and the
+`Register` message `registration_for` builds around an engine), the model fingerprint
+every worker registers (a hash of config.json and of the weight files' bytes, so two
+different checkpoints of one architecture never pair), and the loop itself: register,
+then alternate between the control channel and one engine step, publishing load reports
+every few hundred ms (each says how many orders it covers), until told to shut down,
+stopped, or orphaned; a worker that loses its router drops what it holds and registers
+again.
+
+What it does not know: command-line flags or processes (`kvfence.disagg.worker_main`),
+what prefill or decode do with a message (their own modules), or HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvfence.disagg import protocol as P
+from kvfence.errors import CapacityConfigError, KvfenceError
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_TIMEOUT_S = 60.0  # how long a worker that lost its router tries to register again (--reconnect-timeout-s)
+
+
+class Worker(Protocol):
+    role: str
+
+    def registration(self) -> P.Register: ...
+    def handle(self, msg: P.Message) -> None: ...
+    def step(self) -> bool: ...  # True when it did work (the loop then polls without waiting)
+    @property
+    def busy(self) -> bool: ...
+    # optional: `poll_interval_s -> float | None`, a shorter wait than the idle one while not busy;
+    # `set_waker(fn)`, given the channel's `wake` so other threads can end the loop's wait
+    def stats(self) -> dict[str, Any]: ...
+    def attach(self, send: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+class Channel(Protocol):
+    def send(self, msg: P.Message) -> None: ...
+    def recv(self, timeout: float | None = 0.0) -> P.Message | None: ...
+    def close(self) -> None: ...
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Hash of config.json and every weight file's bytes (xxh3_64 streamed; ~10 GB/s)."""
+    import xxhash
+
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    h.update((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        x = xxhash.xxh3_64()
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 24):
+                x.update(block)
+        h.update(f.name.encode() + b":" + x.digest())
+    return h.hexdigest()[:16]
+
+
+# -- the loop ---------------------------------------------------------------------------------------------
+
+
+def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
+    """Send the registration and wait for the router's answer; a refusal raises with its reason."""
+    from kvfence.disagg.router import HEARTBEAT, REREGISTER
+
+    worker.attach(channel.send)
+    channel.send(worker.registration())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = channel.recv(timeout=0.5)
+        if msg is None:
+            continue
+        if isinstance(msg, P.RegisterReply):
+            if msg.reason.startswith(REREGISTER):  # an answer to a message queued before our Register: the
+                continue  # Register itself comes after it on the same connection, so it needs no resending
+            if not msg.accepted:
+                raise CapacityConfigError(f"router refused this {worker.role} worker: {msg.reason}")
+            if msg.reason == HEARTBEAT:  # a keepalive of a router that still knows us from before
+                continue
+            return
+        if isinstance(msg, P.Shutdown):
+            raise KvfenceError(f"router shut down before accepting this {worker.role} worker")
+        logger.warning("%s: ignoring %s before registration", worker.role, msg.kind)
+    raise KvfenceError(f"{worker.role}: no answer from the router within {timeout:.0f}s")
+
+
+def run_worker(
+    worker: Worker,
+    channel: Channel,
+    stop: threading.Event | None = None,
+    stats_interval_s: float = 0.25,
+    idle_wait_s: float = 0.01,
+    orphan_check: bool = False,
+    router_timeout_s: float | None = None,
+    reconnect_s: float = RECONNECT_TIMEOUT_S,
+) -> None:
+    """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies.
+
+    With `router_timeout_s`, a router silent that long (it sends keepalives) is lost: the
+    worker drops every request it holds (freeing their pages) and registers again with
+    whatever router answers at the same address within `reconnect_s`, else raises
+    KvfenceError (the process exits non-zero and its launcher reports it). A router
+    that does not know this worker (it restarted, or declared it dead) asks it to
+    register again; the worker does the same.
+    """
+    from kvfence.disagg.router import REREGISTER
+
+    stop = stop or threading.Event()
+    worker.attach(channel.send)
+    set_waker, wake = getattr(worker, "set_waker", None), getattr(channel, "wake", None)
+    if set_waker is not None and wake is not None:
+        set_waker(wake)  # transport threads end the loop's wait when a transfer moves on
+    parent = os.getppid()
+    last_stats = 0.0
+    heard = time.monotonic()
+    orders = 0  # orders handled since this worker registered: its load reports say which ones they cover
+    try:
+        while not stop.is_set():
+            wait = 0.0 if worker.busy else min(idle_wait_s, getattr(worker, "poll_interval_s", None) or idle_wait_s)
+            msg = channel.recv(timeout=wait)
+            lost = ""
+            while msg is not None:
+                heard = time.monotonic()
+                if isinstance(msg, P.Shutdown):
+                    return
+                if isinstance(msg, P.RegisterReply) and msg.reason.startswith(REREGISTER):
+                    lost = msg.reason
+                elif not isinstance(msg, P.RegisterReply):
+                    worker.handle(msg)
+                    orders += isinstance(msg, (P.PrefillOrder, P.DecodePrepare))
+                msg = channel.recv(timeout=0.0)
+            if router_timeout_s is not None and not lost and time.monotonic() - heard > router_timeout_s:
+                lost = f"no message from the router for {router_timeout_s:.0f}s"
+            if lost:
+                if router_timeout_s is None:
+                    raise KvfenceError(f"{worker.role}: the router no longer knows this worker ({lost})")
+                dropped = drop_requests(worker, f"router lost: {lost}")
+                logger.error("%s: %s; dropped %d request(s), registering again", worker.role, lost, dropped)
+                try:
+                    register(worker, channel, timeout=reconnect_s)
+                except KvfenceError as e:
+                    raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
+                logger.info("%s: registered again", worker.role)
+                heard, orders, last_stats = time.monotonic(), 0, 0.0
+            worker.step()
+            now = time.monotonic()
+            if now - last_stats >= stats_interval_s:
+                last_stats = now
+                channel.send(P.WorkerStats(worker.role, {**worker.stats(), "orders_seen": orders}))
+                if orphan_check and os.getppid() != parent:
+                    logger.error("%s: parent process %d is gone; exiting", worker.role, parent)
+                    return
+    finally:
+        worker.close()
+
+
+def held_request_ids(worker: Any) -> list[str]:
+    """Every request a prefill or decode worker holds (queued, running, handing off)."""
+    rids: list[str] = []
+    for name in ("orders", "handoffs", "incoming", "running"):
+        rids += list(getattr(worker, name, {}))
+    rids += [inc.prepare.request_id for inc in getattr(worker, "queued", ())]
+    return list(dict.fromkeys(rids))
+
+
+def drop_requests(worker: Any, reason: str) -> int:
+    """Abort every request the worker holds, as the router's Abort would (pages freed or quarantined)."""
+    rids = held_request_ids(worker)
+    for rid in rids:
+        worker.handle(P.Abort(rid, reason))
+    return len(rids)
+
+
+# -- what a worker registers with ---------------------------------------------------------------------
+
+
+class WorkerIdentity:
+    """What a worker says about itself at registration, besides its engine's numbers.
+
+    `context_length`: the deployment's context length when it exceeds what the engine runs with (the
+    engine is capped at its pool under --allow-context-above-pool); None: the engine's own."""
+
+    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings", "context_length")
+
+    def __init__(
+        self,
+        worker_id: str,
+        model_name: str,
+        model_fingerprint: str,
+        settings: dict[str, Any],
+        context_length: int | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.model_fingerprint = model_fingerprint
+        self.settings = settings
+        self.context_length = context_length
+
+
+def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_address: str = "") -> P.Register:
+    """The Register message of a worker built around `engine` (an LLMEngine)."""
+    from kvfence.kv.layout import dtype_name
+
+    r = engine.resolved
+    layout = engine.pool.layout
+    return P.Register(
+        role=role,
+        worker_id=identity.worker_id,
+        model_name=identity.model_name,
+        model_fingerprint=identity.model_fingerprint,
+        context_length=identity.context_length or r.context_length,
+        pool_tokens=r.pool_tokens,
+        page_size=r.page_size,
+        dtype=dtype_name(layout.dtype),
+        layout_fingerprint=layout.fingerprint,
+        layout=layout.describe(),
+        handoff_address=handoff_address,
+        settings={**identity.settings, "num_pages": r.num_pages, "bytes_per_page": r.bytes_per_page},
+        vocab_size=int(engine.vocab_size),
+    )

@@ -1,0 +1,49 @@
+"""The engine of one serving role (aggregated, prefill or decode), built from the parsed flags.
+
+What it knows: loading the model the flags name, and the start-up capacity rule every
+role obeys: a context length the role's KV pool cannot hold refuses to start, naming both
+numbers and the flags, unless --allow-context-above-pool turns the pool into a hard
+per-request limit. What it does not know: what the role does with its engine, or HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any, NamedTuple
+
+from kvfence.config import engine_config_from_args
+
+
+class RoleEngine(NamedTuple):
+    """A role's engine after the start-up capacity check, and the numbers the check found."""
+
+    engine: Any  # kvfence.engine.llm_engine.LLMEngine
+    context_length: int  # the deployment's context length (flag or model), which may exceed the pool
+    pool_tokens: int
+
+
+def build_role_engine(args: argparse.Namespace, model_dir: str, role: str) -> RoleEngine:
+    """The engine of one role (aggregated, prefill or decode), with the same start-up rule for every role.
+
+    A context length the role's KV pool cannot hold refuses to start, naming both numbers and the flags.
+    With --allow-context-above-pool the role starts with a warning and its engine runs with the pool as
+    its context length; the front end (the API, or the router in PD mode) refuses anything above the
+    pool with HTTP 400 naming it, before any engine sees the request.
+    """
+    import torch
+
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.models.loader import load_model
+    from kvfence.server.admission import role_capacity
+
+    config = engine_config_from_args(args, model_dir, seed=args.seed)
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.model.dtype]
+    loaded = load_model(model_dir, dtype=dtype, device=config.model.device, progress=sys.stderr.isatty())
+    context_length = config.context_length or int(loaded.context_length)
+    page_size = config.cache.page_size
+    num_pages = config.cache.num_pages_for(context_length)
+    pool_tokens = role_capacity(role, context_length, num_pages, page_size, args.allow_context_above_pool)
+    config = dataclasses.replace(config, context_length=min(context_length, pool_tokens))
+    return RoleEngine(LLMEngine(config, loaded=loaded), context_length, pool_tokens)
