@@ -65,7 +65,7 @@ def test_terminal_states_have_no_exit_and_illegal_transitions_raise() -> None:
     _, d_pool, _, receiver, _, config = setup()
     dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5))), PageAllocator(N), d_pool, receiver, config)
     with pytest.raises(IllegalTransition, match="waiting -> ready"):
-        dec._m.go(DecodeState.READY)
+        dec._m.advance(DecodeState.READY)
     assert dec.state == DecodeState.WAITING
     receiver.close()
 

@@ -43,6 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvfence.disagg.config_checks import require_positive
+from kvfence.disagg.lifecycle import IllegalTransition as IllegalTransition  # re-exported: raised by the machines here
+from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.faults import FaultInjector
 from kvfence.integrity.manifest import HandoffManifest, build_manifest, pages_for_tokens
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
@@ -52,10 +55,6 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
 
 logger = logging.getLogger(__name__)
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 class DecodeState(str, Enum):
@@ -103,21 +102,8 @@ class HandoffConfig:
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
     def __post_init__(self) -> None:
-        assert self.transfer_timeout_s > 0 and self.ack_timeout_s > 0 and self.quarantine_timeout_s > 0
-
-
-class _Machine:
-    def __init__(self, initial: Enum, table: dict, clock: Callable[[], float]) -> None:
-        self.state = initial
-        self._table = table
-        self._clock = clock
-        self.history: list[tuple[Enum, float]] = [(initial, clock())]
-
-    def go(self, new: Enum) -> None:
-        if new not in self._table[self.state]:
-            raise IllegalTransition(f"{self.state.value} -> {new.value} is not allowed")
-        self.state = new
-        self.history.append((new, self._clock()))
+        for name in ("transfer_timeout_s", "ack_timeout_s", "quarantine_timeout_s"):
+            require_positive(self, name)
 
 
 class DecodeHandoff:
@@ -134,14 +120,15 @@ class DecodeHandoff:
         transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        assert expect.num_tokens > 0, expect
+        if expect.num_tokens <= 0:
+            raise ValueError(f"decode handoff {expect.request_id}: expects {expect.num_tokens} tokens")
         self.expect = expect
         self.allocator, self.pool, self.receiver = allocator, pool, receiver
         self.config = config or HandoffConfig()
         self.metrics = metrics
         self.transfer_id = transfer_id
         self.clock = clock
-        self._m = _Machine(_D.WAITING, DECODE_TRANSITIONS, clock)
+        self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
         self.num_pages = pages_for_tokens(expect.num_tokens, pool.page_size)
         self.pages: list[int] = []
         self.slot: ReceiveSlot | None = None
@@ -160,10 +147,10 @@ class DecodeHandoff:
 
     @property
     def state(self) -> DecodeState:
-        return self._m.state  # type: ignore[return-value]
+        return self._m.state
 
     @property
-    def history(self) -> list[tuple[Enum, float]]:
+    def history(self) -> list[tuple[DecodeState, float]]:
         return self._m.history
 
     @property
@@ -195,7 +182,7 @@ class DecodeHandoff:
         slot, now = self.slot, self.clock()
         status = slot.status  # read once: the transport thread may move it on meanwhile
         if self.state == _D.WAITING and status != SlotStatus.WAITING:
-            self._m.go(_D.TRANSFERRING)
+            self._m.advance(_D.TRANSFERRING)
         if self.state in (_D.WAITING, _D.TRANSFERRING):
             if status == SlotStatus.COMPLETE:
                 self._verify()
@@ -219,7 +206,7 @@ class DecodeHandoff:
     def _verify(self) -> None:
         slot = self.slot
         assert slot is not None and slot.manifest is not None
-        self._m.go(_D.VERIFYING)
+        self._m.advance(_D.VERIFYING)
         t0 = self.clock()
         if self.config.verify:
             result = verify_handoff(slot.manifest, self.expect, self.pool.layout, self.pages, slot.coverage, self.pool)
@@ -228,7 +215,7 @@ class DecodeHandoff:
         verify_s = self.clock() - t0
         self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
         if result.ok:
-            self._m.go(_D.READY)
+            self._m.advance(_D.READY)
             self.released = True
             self.receiver.forget(self.request_id)
             self._emit(result, verify_s)
@@ -236,7 +223,7 @@ class DecodeHandoff:
             self._end(_D.FAILED, result, verify_s)
 
     def _end(self, state: DecodeState, result: VerifyResult, verify_s: float | None = None) -> None:
-        self._m.go(state)
+        self._m.advance(state)
         self._failed_at = self.clock()
         self.quarantined = self.allocator.quarantine(self.request_id)
         if self.config.strict and self.quarantined:
@@ -313,7 +300,8 @@ class PrefillHandoff:
         first_logprobs: list | None = None,
     ) -> None:
         """`first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
-        assert len(token_ids) > 0, "empty prompt"
+        if not token_ids:
+            raise ValueError(f"prefill handoff {request_id}: empty prompt")
         self.first_token, self.first_logprobs = first_token, first_logprobs
         self.request_id = request_id
         self.token_ids = list(token_ids)
@@ -322,7 +310,7 @@ class PrefillHandoff:
         self.faults = faults
         self.transfer_id = transfer_id or new_transfer_id()
         self.clock = clock
-        self._m = _Machine(_P.PREFILLING, PREFILL_TRANSITIONS, clock)
+        self._m = Lifecycle(f"prefill handoff {request_id}", _P.PREFILLING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
         self.reason = ""
@@ -334,10 +322,10 @@ class PrefillHandoff:
 
     @property
     def state(self) -> PrefillState:
-        return self._m.state  # type: ignore[return-value]
+        return self._m.state
 
     @property
-    def history(self) -> list[tuple[Enum, float]]:
+    def history(self) -> list[tuple[PrefillState, float]]:
         return self._m.history
 
     @property
@@ -361,7 +349,7 @@ class PrefillHandoff:
         except ValueError as e:
             self._fail(f"cannot build manifest: {e}")
             return None
-        self._m.go(_P.SENDING)
+        self._m.advance(_P.SENDING)
         self.handle = self.sender.send(self.address, self.manifest, pages)
         self._send_deadline = self.clock() + self.config.transfer_timeout_s
         self._ack_deadline = self._send_deadline + self.config.ack_timeout_s  # reset when `done` goes out
@@ -384,7 +372,7 @@ class PrefillHandoff:
         h, now = self.handle, self.clock()
         if h is not None and self.state == _P.SENDING:
             if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
-                self._m.go(_P.AWAITING_ACK)
+                self._m.advance(_P.AWAITING_ACK)
                 self._ack_deadline = now + self.config.ack_timeout_s
             elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
@@ -393,7 +381,7 @@ class PrefillHandoff:
                 self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
         if h is not None and self.state == _P.AWAITING_ACK:
             if h.status == SendStatus.VERIFIED:
-                self._m.go(_P.RELEASED)
+                self._m.advance(_P.RELEASED)
             elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
             elif self._ack_deadline is not None and now > self._ack_deadline:
@@ -409,7 +397,7 @@ class PrefillHandoff:
     def _fail(self, reason: str) -> None:
         if self.state not in (_P.RELEASED, _P.FAILED):
             self.reason = reason
-            self._m.go(_P.FAILED)
+            self._m.advance(_P.FAILED)
 
     def _release(self) -> None:
         pages = self.allocator.pages_of(self.request_id)
