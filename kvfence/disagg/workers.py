@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvfence.disagg import protocol as P
-from kvfence.errors import CapacityConfigError
+from kvfence.errors import CapacityConfigError, KvfenceError
 from kvfence.server.admission import role_capacity
 from kvfence.server.engine_client import Capacity
 
@@ -151,7 +151,10 @@ class WorkerTable:
     """The registered workers of one router (see the module docstring for the routing policy)."""
 
     def __init__(self, suspect_after_s: float = 1.0, transit_timeout_s: float = 10.0) -> None:
-        assert suspect_after_s > 0 and transit_timeout_s > 0
+        if not (suspect_after_s > 0 and transit_timeout_s > 0):
+            raise KvfenceError(
+                f"worker table: suspect_after_s {suspect_after_s} and transit_timeout_s {transit_timeout_s} must be > 0"
+            )
         self.suspect_after_s = suspect_after_s
         self.transit_timeout_s = transit_timeout_s  # an order no report covers after this long is forgotten
         self.identity: P.Register | None = None  # the first accepted worker: what every other must match
