@@ -1,11 +1,13 @@
 """The decode worker: reserves pages for the router's prompt length, verifies the KV that lands, then decodes.
 
-What it knows: the requests the router announced, each with the expectation the
-router computed (expected length, token hash) and its sampling params; one
+What it knows: the requests the router announced, one `_DecodeRequest` record each whose
+`DecodeRequestState` moves only along `DECODE_REQUEST_TRANSITIONS` (queued, handoff,
+running, quarantined, finished; docs/handoff.md, "Lifecycles"), each with the expectation
+the router computed (`tokens_expected`, token hash) and its sampling params; one
 `DecodeHandoff` per request (pages reserved through the engine, a receive slot on the
 data plane, verification before anything reads the pages); the first token prefill
 sampled (relayed by the router); which requests run in its engine's continuous batch,
-and the integrity record each one ends with. A request is admitted into the batch
+and the integrity record each one ends with. A request enters the batch
 only when its handoff is READY; a rejected or failed handoff fails only that request
 (`RequestFailed` with the reason and the record), its pages quarantined until the
 transfer is settled, then released.
@@ -64,7 +66,7 @@ class _EngineReservations:
     `allocate` becomes `engine.reserve` for the whole request: the router's expected
     prompt length plus max_tokens (capped at the context length). The handoff gets the
     first pages (the prompt's, which prefill fills); the rest stay with the request for
-    its output, so an admitted request never needs a page it cannot get and decode never
+    its output, so a request in the batch never needs a page it cannot get and decode never
     has to preempt (a verified request waiting for pages while holding its prompt's
     pages could otherwise deadlock the batch). `quarantine` becomes
     `engine.release(quarantine=True)`.
@@ -167,7 +169,7 @@ class DecodeWorker:
         self.faults = faults
         if receiver is None:
             if self.config.transport == "local":
-                raise KvfenceError("decode: an in-process (local) transport needs its receiver passed in")
+                raise KvfenceError("decode: the local (in-process) transfer backend needs its receiver passed in")
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeReceiver as receiver_cls
             else:
@@ -179,14 +181,14 @@ class DecodeWorker:
         self._pages = _EngineReservations(engine)
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
-            ack_timeout_s=self.config.deadline_s,
+            verdict_timeout_s=self.config.deadline_s,
             quarantine_timeout_s=self.config.deadline_s,
             verify=self.config.verify,
             strict=self.config.strict,
         )
         self.send_msg: Callable[[P.Message], None] | None = None  # set by `attach`
         self.requests: dict[str, _DecodeRequest] = {}  # every request not FINISHED, in arrival order
-        self._settled: list[str] = []  # admitted this step: HandoffSettled goes out after their first tokens
+        self._settled: list[str] = []  # entered the batch this step: HandoffSettled goes out after their first tokens
         self.counts: dict[str, int] = {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
@@ -234,12 +236,12 @@ class DecodeWorker:
             return
         try:
             params = P.params_from_wire(msg.params)
-            if msg.expected_len <= 0 or msg.expected_len != len(msg.prompt_token_ids):
+            if msg.tokens_expected <= 0 or msg.tokens_expected != len(msg.prompt_token_ids):
                 raise KvfenceError(
-                    f"router expects {msg.expected_len} tokens for a prompt of {len(msg.prompt_token_ids)}"
+                    f"router expects {msg.tokens_expected} tokens for a prompt of {len(msg.prompt_token_ids)}"
                 )
             handoff = DecodeHandoff(
-                Expectation(rid, msg.expected_len, msg.token_hash),
+                Expectation(rid, msg.tokens_expected, msg.token_hash),
                 self._pages,  # type: ignore[arg-type]
                 self.engine.pool,
                 self.receiver,
@@ -282,7 +284,7 @@ class DecodeWorker:
 
     def _reserve_tokens(self, req: _DecodeRequest) -> int:
         """Prompt + max_tokens, capped at the context length (the request can never hold more)."""
-        return min(req.prepare.expected_len + req.params.max_tokens, self.engine.resolved.context_length)
+        return min(req.prepare.tokens_expected + req.params.max_tokens, self.engine.resolved.context_length)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.requests.get(rid)
@@ -311,7 +313,7 @@ class DecodeWorker:
     # -- the step ---------------------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Work to do right now: requests in the engine, or a verified handoff that can be admitted."""
+        """Work to do right now: requests in the engine, or a verified handoff that can enter the batch."""
         if self.engine.has_unfinished_requests():
             return True
         return any(
@@ -359,7 +361,9 @@ class DecodeWorker:
             req.handoff.poll()
             if req.handoff.released:
                 self._finish(req)
-        self._send_tokens(self.engine.report_pending())  # just-admitted first tokens, before a forward
+        self._send_tokens(
+            self.engine.report_pending()
+        )  # first tokens of requests that just entered the batch, before a forward
         for rid in self._settled:  # now prefill may release their source pages
             self._out(P.HandoffSettled(rid, verified=True))
         self._settled.clear()
@@ -446,7 +450,8 @@ class DecodeWorker:
             torch.rand((), generator=req.generator)
 
     def _end(self, req: _DecodeRequest) -> None:
-        """A handoff that failed or was aborted: report it once; its pages stay QUARANTINED until released."""
+        """A handoff that failed or was aborted: report it once; its pages stay QUARANTINED until no write can land
+        (invariant 5, docs/handoff.md)."""
         rid, h = req.request_id, req.handoff
         if h.released:
             self._finish(req)

@@ -8,11 +8,11 @@ them (an illegal one raises), and what each side does on entering a state:
                  ├──────────────────────┴──error/timeout──────────────▶ FAILED (failed)
                  └──────────────────────┴──abort (either side)────────▶ ABORTED
 
-    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_ACK ──verified──▶ RELEASED
+    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_VERDICT ──verified──▶ RELEASED
                                       └─────────────────┴──error/abort/nack/deadline──▶ FAILED
 
 - Decode allocates the pages for the router's expected length (never prefill's claim),
-  registers them with its receiver, and admits the request only after
+  registers them with its receiver, and lets the request into the batch only after
   `integrity.verify` passes. A FAILED or ABORTED request's pages go to the allocator's
   quarantine; they are released (and poisoned again in strict mode) only once the
   receive slot is settled: no write of that transfer can still land. No deadline frees
@@ -23,7 +23,7 @@ them (an illegal one raises), and what each side does on entering a state:
   sender's last frame or its `fenced` frame says its writer is gone.
 - Prefill keeps its source pages until decode's verdict arrives or the send ended, and
   in both cases only once the send thread has stopped reading them (`sender_done`);
-  then it frees them (poisoned first in strict mode). When the ack deadline passes with
+  then it frees them (poisoned first in strict mode). When the verdict deadline passes with
   the send thread still inside a write, prefill cuts its connection so the write fails.
 - Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8, docs/handoff.md), counted in
   the `IntegrityMetrics` passed in.
@@ -69,7 +69,7 @@ class DecodeState(str, Enum):
 class PrefillState(str, Enum):
     PREFILLING = "prefilling"
     SENDING = "sending"
-    AWAITING_ACK = "awaiting_ack"
+    AWAITING_VERDICT = "awaiting_verdict"
     RELEASED = "released"
     FAILED = "failed"
 
@@ -85,8 +85,8 @@ DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
 }
 PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
     _P.PREFILLING: frozenset({_P.SENDING, _P.FAILED}),
-    _P.SENDING: frozenset({_P.AWAITING_ACK, _P.FAILED}),
-    _P.AWAITING_ACK: frozenset({_P.RELEASED, _P.FAILED}),
+    _P.SENDING: frozenset({_P.AWAITING_VERDICT, _P.FAILED}),
+    _P.AWAITING_VERDICT: frozenset({_P.RELEASED, _P.FAILED}),
     _P.RELEASED: frozenset(),
     _P.FAILED: frozenset(),
 }
@@ -95,14 +95,14 @@ PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 @dataclass(frozen=True)
 class HandoffConfig:
     transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
-    ack_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
+    verdict_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
     quarantine_timeout_s: float = 30.0  # decode: how long a failed request's transfer may take to settle before
     # decode cuts its connection (the pages stay quarantined until it has settled, however long that takes)
-    verify: bool = True  # False only to demonstrate what an unverified handoff admits
+    verify: bool = True  # False only to demonstrate what an unverified handoff lets through
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout_s", "ack_timeout_s", "quarantine_timeout_s"):
+        for name in ("transfer_timeout_s", "verdict_timeout_s", "quarantine_timeout_s"):
             require_positive(self, name)
 
 
@@ -120,8 +120,8 @@ class DecodeHandoff:
         transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if expect.num_tokens <= 0:
-            raise ValueError(f"decode handoff {expect.request_id}: expects {expect.num_tokens} tokens")
+        if expect.tokens_expected <= 0:
+            raise ValueError(f"decode handoff {expect.request_id}: expects {expect.tokens_expected} tokens")
         self.expect = expect
         self.allocator, self.pool, self.receiver = allocator, pool, receiver
         self.config = config or HandoffConfig()
@@ -129,7 +129,7 @@ class DecodeHandoff:
         self.transfer_id = transfer_id
         self.clock = clock
         self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
-        self.num_pages = pages_for_tokens(expect.num_tokens, pool.page_size)
+        self.num_pages = pages_for_tokens(expect.tokens_expected, pool.page_size)
         self.pages: list[int] = []
         self.slot: ReceiveSlot | None = None
         self.record: IntegrityRecord | None = None
@@ -210,7 +210,7 @@ class DecodeHandoff:
         t0 = self.clock()
         if self.config.verify:
             result = verify_handoff(slot.manifest, self.expect, self.pool.layout, self.pages, slot.coverage, self.pool)
-        else:  # demonstration mode: admit whatever landed
+        else:  # demonstration mode: accept whatever landed
             result = VerifyResult(True, None, "not verified (verification disabled)", 0, slot.manifest.num_tokens)
         verify_s = self.clock() - t0
         self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
@@ -270,7 +270,7 @@ class DecodeHandoff:
         self.record = IntegrityRecord.from_result(
             self.request_id,
             result,
-            tokens_expected=self.expect.num_tokens,
+            tokens_expected=self.expect.tokens_expected,
             pages=self.num_pages,
             layout_fingerprint=self.pool.layout.fingerprint,
             transfer_id=slot.transfer_id or "",
@@ -315,10 +315,10 @@ class PrefillHandoff:
         self.handle: SendHandle | None = None
         self.reason = ""
         self.released = False
-        self.severed = False  # the ack deadline passed with the send thread still running: its connection was cut
+        self.severed = False  # the verdict deadline passed with the send thread still running: its connection was cut
         self.released_pages: list[int] = []
         self._send_deadline = float("inf")
-        self._ack_deadline: float | None = None
+        self._verdict_deadline: float | None = None
 
     @property
     def state(self) -> PrefillState:
@@ -352,13 +352,13 @@ class PrefillHandoff:
         self._m.advance(_P.SENDING)
         self.handle = self.sender.send(self.address, self.manifest, pages)
         self._send_deadline = self.clock() + self.config.transfer_timeout_s
-        self._ack_deadline = self._send_deadline + self.config.ack_timeout_s  # reset when `done` goes out
+        self._verdict_deadline = self._send_deadline + self.config.verdict_timeout_s  # reset when `done` goes out
         return self.handle
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         if self.state == _P.PREFILLING:
             self._fail(reason)
-        elif self.state in (_P.SENDING, _P.AWAITING_ACK) and self.handle is not None:
+        elif self.state in (_P.SENDING, _P.AWAITING_VERDICT) and self.handle is not None:
             self.handle.abort(reason)
             self._fail(reason)
 
@@ -372,25 +372,25 @@ class PrefillHandoff:
         h, now = self.handle, self.clock()
         if h is not None and self.state == _P.SENDING:
             if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
-                self._m.advance(_P.AWAITING_ACK)
-                self._ack_deadline = now + self.config.ack_timeout_s
+                self._m.advance(_P.AWAITING_VERDICT)
+                self._verdict_deadline = now + self.config.verdict_timeout_s
             elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
             elif now > self._send_deadline:
                 h.abort("send deadline passed")
                 self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
-        if h is not None and self.state == _P.AWAITING_ACK:
+        if h is not None and self.state == _P.AWAITING_VERDICT:
             if h.status == SendStatus.VERIFIED:
                 self._m.advance(_P.RELEASED)
             elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
-            elif self._ack_deadline is not None and now > self._ack_deadline:
-                self._fail(f"no verdict from decode within {self.config.ack_timeout_s}s")
+            elif self._verdict_deadline is not None and now > self._verdict_deadline:
+                self._fail(f"no verdict from decode within {self.config.verdict_timeout_s}s")
         if self.state in (_P.RELEASED, _P.FAILED) and not self.released:
             if h is None or h.sender_done:  # no thread reads the source pages any more
                 self._release()
-            elif not self.severed and self._ack_deadline is not None and now > self._ack_deadline:
-                h.abort("ack deadline passed")
+            elif not self.severed and self._verdict_deadline is not None and now > self._verdict_deadline:
+                h.abort("verdict deadline passed")
                 self.severed = h.sever()  # a send blocked on a stalled connection fails; then we release
         return self.state
 

@@ -1,11 +1,13 @@
 """The prefill worker: runs prompts, sends their KV to decode, frees it only when that is safe.
 
-What it knows: the requests the router ordered (each runs in its engine as a
+What it knows: the requests the router ordered, one `_PrefillRequest` record each whose
+`PrefillRequestState` moves only along `PREFILL_REQUEST_TRANSITIONS` (computing, computed,
+handoff, finished; docs/handoff.md, "Lifecycles") (each runs in its engine as a
 `prefill_only` request: the prompt is computed, the first token sampled, and the pages
 kept under the request id), one `PrefillHandoff` per request once its prompt is done
 (build the manifest, send over the data plane to the address the router gave, hold
 the source pages until decode's verdict, an abort the send thread has acted on, or the
-ack deadline), and what to tell the router (`PrefillSent` with the first token and
+verdict deadline), and what to tell the router (`PrefillSent` with the first token and
 the log probabilities the request asked for — the first token's and the prompt's —
 or `RequestFailed` for failures of its own).
 
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrefillConfig:
     transport: str = "tcp"  # the transfer backend, one of TRANSFER_BACKENDS (field name kept: worker_main sets it)
-    deadline_s: float = 60.0  # send deadline, then ack deadline, for one handoff
+    deadline_s: float = 60.0  # send deadline, then verdict deadline, for one handoff
     strict: bool = False  # poison source pages before they are freed
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
@@ -122,7 +124,7 @@ class PrefillWorker:
         self.faults = faults
         if sender is None:
             if self.config.transport == "local":
-                raise KvfenceError("prefill: an in-process (local) transport needs its sender passed in")
+                raise KvfenceError("prefill: the local (in-process) transfer backend needs its sender passed in")
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeSender
 
@@ -135,7 +137,7 @@ class PrefillWorker:
         self._pages = _EnginePages(engine)
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
-            ack_timeout_s=self.config.deadline_s,
+            verdict_timeout_s=self.config.deadline_s,
             quarantine_timeout_s=self.config.deadline_s,
             strict=self.config.strict,
         )
@@ -173,7 +175,7 @@ class PrefillWorker:
         elif isinstance(msg, P.ReleaseSource):
             req = self.requests.get(msg.request_id)
             h = req.handoff if req is not None else None
-            if h is not None and h.state in (PrefillState.SENDING, PrefillState.AWAITING_ACK):
+            if h is not None and h.state in (PrefillState.SENDING, PrefillState.AWAITING_VERDICT):
                 h.settle(msg.verified, "" if msg.verified else "decode rejected the pages")
         elif not isinstance(msg, P.RegisterReply):
             logger.warning("prefill: unexpected %s", msg.kind)

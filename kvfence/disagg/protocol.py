@@ -1,7 +1,7 @@
 """Control-plane messages between the router and the prefill/decode workers.
 
 What it knows: every message the router and the workers exchange (registration, the
-per-request orders, progress, acks, aborts, streamed tokens), each a small frozen
+per-request orders, progress, verdicts, aborts, streamed tokens), each a small frozen
 dataclass with a `kind` tag, and how to turn one into JSON bytes and back. Two
 channels carry them: `QueueChannel` (threads in one process, for fast tests) and
 `ZmqChannel` (a DEALER socket per worker talking to the router's ROUTER socket over
@@ -16,7 +16,7 @@ What it does not know: KV bytes (those travel on the data plane, `kvfence.transf
 what a worker does with an order, or how the router schedules.
 
 Message flow of one request (router = R, prefill = P, decode = D):
-    R -> D  DecodePrepare(prompt ids, expected_len, token_hash, params, deadline)
+    R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, params, deadline)
     D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
     R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
     P -> R  PrefillSent(pages, manifest summary, first token and its logprobs, prompt logprobs)
@@ -86,12 +86,12 @@ class RegisterReply(Message):
 
 @dataclass(frozen=True)
 class DecodePrepare(Message):
-    """Router -> decode: reserve pages for `expected_len` tokens and wait for the handoff."""
+    """Router -> decode: reserve pages for `tokens_expected` tokens and wait for the handoff."""
 
     kind: ClassVar[str] = "decode_prepare"
     request_id: str
     prompt_token_ids: list[int]
-    expected_len: int  # computed by the router from the prompt it admitted, never by prefill
+    tokens_expected: int  # computed by the router from the prompt it admitted, never by prefill
     token_hash: str  # likewise
     params: dict[str, Any]  # SamplingParams fields
     deadline_s: float  # seconds from receipt until the handoff must have verified
@@ -118,7 +118,7 @@ class PrefillOrder(Message):
     params: dict[str, Any]
     handoff_address: str
     transfer_info: dict[str, Any]
-    deadline_s: float  # seconds until prefill frees its source pages even without an ack
+    deadline_s: float  # seconds until prefill frees its source pages even without a verdict
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The router: the front end's engine in disaggregated mode, routing each request to a prefill and a decode worker.
 
 What it knows: the workers that registered (a `WorkerTable`: the deployment's identity,
-each worker's health and reported load, the routing policy), each request in flight and
-where it stands (prefill running while decode reserves, tokens streaming) and which pair of
-workers serves it; the expected prompt length and token hash, which it computes itself
+each worker's health and reported load, the routing policy; registration and keepalives
+are `disagg.registration`), each request in flight as one `_Flight` record whose
+`FlightState` moves only along `FLIGHT_TRANSITIONS` (prefilling while decode reserves,
+decoding, failing, finished; docs/handoff.md, "Lifecycles") and which pair of workers
+serves it; the expected prompt length and token hash, which it computes itself
 from the ids the API layer admitted, so prefill never vouches for its own prompt. It
 implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
 admits a request only if some up worker of each role can hold it (the largest pool per
@@ -15,7 +17,8 @@ integrity record (JSON log line + the final chunk + the counters in
 `stats()`), and relays aborts and failures to the other worker of the pair.
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
-sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
+sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`,
+sent by `disagg.registration.Registrar`). A
 worker silent for `worker_timeout_s` is declared dead: the requests that still need it
 fail at once with an error naming it (the other worker of each pair is told to drop them
 and free their pages), and new requests go to the others; a role with no worker up gets
@@ -106,7 +109,7 @@ class FlightState(str, Enum):
 
 _F = FlightState
 FLIGHT_TRANSITIONS: dict[FlightState, frozenset[FlightState]] = {
-    # Tokens may finish a flight still PREFILLING: decode can admit on the manifest's first token before the
+    # Tokens may finish a flight still PREFILLING: decode can start decoding on the manifest's first token before the
     # router relays PrefillSent.
     _F.PREFILLING: frozenset({_F.DECODING, _F.FAILING, _F.FINISHED}),
     _F.DECODING: frozenset({_F.FAILING, _F.FINISHED}),
@@ -342,7 +345,7 @@ class Router:
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
-            tokens_expected=len(prompt),  # the router's own count of what it admitted
+            tokens_expected=len(prompt),  # the router's own count of what it admitted (invariant 2, docs/handoff.md)
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
@@ -383,7 +386,7 @@ class Router:
             P.DecodePrepare(
                 request_id=request_id,
                 prompt_token_ids=prompt,
-                expected_len=flight.tokens_expected,
+                tokens_expected=flight.tokens_expected,
                 token_hash=flight.token_hash,
                 params=P.params_to_wire(params),
                 deadline_s=self.config.handoff_deadline_s,
@@ -722,7 +725,8 @@ class Router:
         )
 
     def _finish(self, flight: _Flight, record: IntegrityRecord) -> dict[str, Any]:
-        """The one place a request's integrity record is logged and counted; returns its API form."""
+        """The one place a request's integrity record is logged and counted (invariant 8, docs/handoff.md); returns
+        its API form."""
         if flight.finished:
             assert flight.record is not None  # FINISHED is entered only here, with the record
             return flight.record.to_api()

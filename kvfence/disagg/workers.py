@@ -49,12 +49,12 @@ IDENTITY_FIELDS = (
     "model_fingerprint",
     "layout_fingerprint",
     "vocab_size",
-    "transport",
+    "transfer_backend",
 )
 
 
 def identity_value(reg: P.Register, name: str) -> Any:
-    if name == "transport":
+    if name == "transfer_backend":  # the workers still report it under the settings key "transport"
         return reg.settings.get("transport", "tcp")
     return getattr(reg, name)
 
@@ -88,7 +88,8 @@ def check_match(reg: P.Register, reference: P.Register) -> None:
 
 
 def check_registration(reg: P.Register, allow_context_above_pool: bool = False) -> None:
-    """A worker of an unknown role, a pool of partial pages, or a context its pool cannot hold is refused."""
+    """A worker of an unknown role, a pool of partial pages, or a context its pool cannot hold is refused (invariant
+    6, docs/handoff.md)."""
     if reg.role not in ROLES:
         raise CapacityConfigError(f"worker {reg.worker_id} registered with unknown role {reg.role!r}")
     if reg.page_size <= 0 or reg.pool_tokens <= 0 or reg.pool_tokens % reg.page_size:
