@@ -611,8 +611,7 @@ class Router:
         if isinstance(msg, P.PrefillSent):
             if wid != flight.prefill_id:
                 return
-            if flight.state is _F.PREFILLING:
-                flight.advance(_F.DECODING)
+            self._advance(flight, _F.DECODING, when=(_F.PREFILLING,))
             flight.prefill_sent = msg
             flight.prompt_logprobs = msg.prompt_logprobs
             # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
@@ -667,12 +666,24 @@ class Router:
             self.hub.send(prefill_id, P.Abort(rid, detail))
 
     def _fail_flight(self, flight: _Flight, role: str, detail: str, code: str = "generation_failed") -> None:
-        """End `flight` with an error chunk (via its queue) and tell both its workers to drop it."""
+        """End `flight` with an error chunk (via its queue) and tell both its workers to drop it (unless the event
+        loop finished it meanwhile)."""
+        if not self._advance(flight, _F.FAILING, when=(_F.PREFILLING, _F.DECODING)):
+            return
         self._abort_both(flight, f"{role}: {detail}")
-        flight.advance(_F.FAILING)
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, _Failure(flight.request_id, role, detail, code))
 
     # -- helpers --------------------------------------------------------------------------------------------
+    def _advance(self, flight: _Flight, new: FlightState, when: tuple[FlightState, ...]) -> bool:
+        """Move `flight` to `new` if it is in one of `when`, checked under the lock (the receiver thread and the
+        event loop both move flights); False when the other thread moved it on first. Any other step is still
+        checked against FLIGHT_TRANSITIONS."""
+        with self._lock:
+            if flight.state not in when:
+                return False
+            flight.advance(new)
+            return True
+
     def _abort_both(self, flight: _Flight, reason: str) -> None:
         for wid in (flight.decode_id, flight.prefill_id):
             if wid:
@@ -727,11 +738,12 @@ class Router:
     def _finish(self, flight: _Flight, record: IntegrityRecord) -> dict[str, Any]:
         """The one place a request's integrity record is logged and counted (invariant 8, docs/handoff.md); returns
         its API form."""
-        if flight.finished:
-            assert flight.record is not None  # FINISHED is entered only here, with the record
-            return flight.record.to_api()
-        flight.advance(_F.FINISHED)
-        flight.record = record
+        with self._lock:
+            if flight.finished:
+                assert flight.record is not None  # FINISHED is entered only here, with the record
+                return flight.record.to_api()
+            flight.advance(_F.FINISHED)
+            flight.record = record
         self.integrity_counts[record.status] += 1
         self.integrity_metrics.observe(record)
         with self._lock:
