@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from kvfence.disagg import protocol as P
-from kvfence.disagg.router import Router, RouterConfig, check_pair, check_registration
+from kvfence.disagg.registration import check_pair
+from kvfence.disagg.router import Router, RouterConfig
 from kvfence.disagg.worker_main import parse_faults
+from kvfence.disagg.workers import check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, KvfenceError
 

@@ -49,8 +49,8 @@ from typing import Any, NamedTuple
 from kvfence.disagg import protocol as P
 from kvfence.disagg.config_checks import require_positive
 from kvfence.disagg.lifecycle import Lifecycle
-from kvfence.disagg.registration import HEARTBEAT, REREGISTER, Registrar, check_pair
-from kvfence.disagg.workers import ROLES, WorkerTable, check_registration
+from kvfence.disagg.registration import HEARTBEAT, REREGISTER, Registrar
+from kvfence.disagg.workers import ROLES, WorkerTable
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError
 from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
@@ -64,9 +64,9 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 
 WORKER_LOST = P.WORKER_LOST
 
-# HEARTBEAT, REREGISTER, check_pair and check_registration live in disagg.registration / disagg.workers; they are
-# re-exported here for the modules that still import them from the router.
-__all__ = ["HEARTBEAT", "REREGISTER", "FlightState", "Router", "RouterConfig", "check_pair", "check_registration"]
+# HEARTBEAT and REREGISTER live in disagg.registration; re-exported here because disagg.worker_main imports them
+# from the router (for the lead: import them from disagg.registration and drop this).
+__all__ = ["HEARTBEAT", "REREGISTER", "FlightState", "Router", "RouterConfig"]
 
 
 @dataclass(frozen=True)
