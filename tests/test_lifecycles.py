@@ -85,3 +85,26 @@ def test_check_table_refuses_a_table_missing_a_state() -> None:
     partial = {k: v for k, v in PREFILL_REQUEST_TRANSITIONS.items() if k is not PrefillRequestState.COMPUTED}
     with pytest.raises(IllegalTransition, match="misses"):
         check_table(partial)  # type: ignore[arg-type]
+
+
+def test_a_flight_finished_by_the_event_loop_is_not_failed_again_by_the_receiver() -> None:
+    import asyncio
+
+    from kvfence.disagg import protocol as P
+    from kvfence.disagg.router import Router, _Flight
+    from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.integrity.record import IntegrityRecord
+
+    router = Router(P.QueueHub())
+    loop = asyncio.new_event_loop()
+    try:
+        flight = _Flight("r", [1, 2], SamplingParams(), 2, "h", loop, asyncio.Queue())
+        record = IntegrityRecord("r", "failed", "aborted", "client gone", 2, 0, 0, role="router")
+        router._finish(flight, record)
+        router._fail_flight(flight, "router", "handoff deadline")  # the receiver thread, a moment too late
+        assert flight.state is FlightState.FINISHED and flight.record is record
+        assert router.integrity_counts == {"failed": 1}
+        loop.run_until_complete(asyncio.sleep(0))
+        assert flight.queue.empty()  # no second ending queued for the client
+    finally:
+        loop.close()
