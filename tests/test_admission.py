@@ -1,4 +1,4 @@
-"""Admission control: per-request limits (context, each role's KV pool) and start-up capacity/pairing checks."""
+"""Admission control: per-request limits (context, each role's KV pool) and start-up capacity checks."""
 
 from __future__ import annotations
 
@@ -8,14 +8,7 @@ import httpx
 import pytest
 
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
-from kvfence.server.admission import (
-    Mismatch,
-    admit,
-    build_capacity,
-    check_role_settings,
-    compare_role_settings,
-    role_capacity,
-)
+from kvfence.server.admission import admit, build_capacity, role_capacity
 from kvfence.server.engine_client import Capacity
 from tests.test_api_fakes import MODEL, FakeEngine, serve
 
@@ -82,23 +75,6 @@ def test_allow_context_above_pool_warns_and_caps(caplog: pytest.LogCaptureFixtur
 def test_build_capacity_refuses_mixed_page_sizes() -> None:
     with pytest.raises(CapacityConfigError, match="page-size"):
         build_capacity(100, {"prefill": (100, 16), "decode": (100, 32)})
-
-
-def test_compare_role_settings_lists_every_mismatch() -> None:
-    base = {"context_length": 2048, "page_size": 16, "dtype": "float32", "model_fingerprint": "m1"}
-    prefill = {**base, "layout_fingerprint": "L1"}
-    assert compare_role_settings(prefill, dict(prefill)) == []
-    decode = {**base, "page_size": 32, "layout_fingerprint": "L2"}
-    assert compare_role_settings(prefill, decode) == [
-        Mismatch("page_size", 16, 32),
-        Mismatch("layout_fingerprint", "L1", "L2"),
-    ]
-    missing = dict(prefill)
-    del missing["dtype"]
-    assert compare_role_settings(prefill, missing) == [Mismatch("dtype", "float32", "<missing>")]
-    with pytest.raises(CapacityConfigError, match="page_size: prefill=16 decode=32.*layout_fingerprint"):
-        check_role_settings(prefill, decode)
-    check_role_settings(prefill, dict(prefill))
 
 
 def test_http_refusal_before_any_worker_sees_it() -> None:

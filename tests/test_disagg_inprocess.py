@@ -19,6 +19,7 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvfence.disagg import protocol as P
+from kvfence.disagg.prefill import PrefillRequestState
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -305,7 +306,7 @@ def test_router_refuses_token_ids_outside_the_vocabulary_before_sending_anything
 
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             asyncio.run(main())
-        assert dep.prefill.counts["prefilled"] == 0 and not dep.decode.incoming and not dep.decode.queued
+        assert dep.prefill.counts["prefilled"] == 0 and not dep.decode.requests
         assert dep.router.server_info()["vocab_size"] == vocab
 
 
@@ -375,10 +376,13 @@ def test_prefill_computes_while_decode_reserves_and_sends_only_once_decode_has(l
         t = threading.Thread(target=lambda: result.update(run(dep, [("o", prompt, greedy(5))])))
         t.start()
         deadline = time.monotonic() + 20
-        while "o" not in dep.prefill.computed:  # the prompt is done on prefill before decode reserved anything
+        while "o" not in dep.prefill.ids(
+            PrefillRequestState.COMPUTED
+        ):  # the prompt is done on prefill before decode reserved anything
             assert time.monotonic() < deadline and t.is_alive(), "prefill never finished the prompt"
             time.sleep(0.005)
-        assert held and not dep.prefill.handoffs  # nothing sent: decode has not said where, or that it expects it
+        # nothing sent: decode has not said where, or that it expects it
+        assert held and not dep.prefill.ids(PrefillRequestState.HANDOFF)
         assert dep.prefill_engine.allocator.num_free < dep.prefill_engine.allocator.num_pages  # its KV is held
         dep.decode.release_held()
         t.join(30)
@@ -397,7 +401,7 @@ def test_a_request_aborted_while_prefill_waits_for_decode_frees_prefills_pages(l
             gen = dep.router.generate("w", list(range(40, 90)), greedy(5))
             task = asyncio.ensure_future(gen.__anext__())
             deadline = time.monotonic() + 20
-            while "w" not in dep.prefill.computed:
+            while "w" not in dep.prefill.ids(PrefillRequestState.COMPUTED):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.005)
             task.cancel()  # the client goes away: the generator's own cleanup aborts both workers

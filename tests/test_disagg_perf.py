@@ -25,7 +25,7 @@ def test_batch_of_one_is_the_message_itself_and_of_none_is_nothing() -> None:
     assert P.batch([one]) is one
     assert P.batch([]) is None
     assert isinstance(P.batch([one, one]), P.Batch)
-    with pytest.raises(AssertionError):
+    with pytest.raises(P.WireError, match="do not nest"):
         P.Batch([P.Batch([one])])
 
 
@@ -73,7 +73,6 @@ def test_default_torch_threads_share_the_cores_between_roles(cpus: int, worker: 
 def test_decode_waits_instead_of_spinning_while_a_handoff_is_in_flight(tiny_llama_dir: Path) -> None:
     from kvfence.config import CacheConfig, EngineConfig, ModelConfig
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
-    from kvfence.disagg.router import params_to_dict
     from kvfence.disagg.worker import WorkerIdentity
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.sampling_params import SamplingParams
@@ -96,7 +95,7 @@ def test_decode_waits_instead_of_spinning_while_a_handoff_is_in_flight(tiny_llam
     assert not worker.busy and worker.poll_interval_s is None  # idle: the loop's own idle wait
     prompt = list(range(10, 50))
     sp = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
-    worker.handle(P.DecodePrepare("r1", prompt, len(prompt), token_hash(prompt), params_to_dict(sp), 30.0))
+    worker.handle(P.DecodePrepare("r1", prompt, len(prompt), token_hash(prompt), P.params_to_wire(sp), 30.0))
     assert isinstance(sent[-1], P.DecodeReserved)
     assert worker.step() is False  # nothing to compute until the KV lands
     assert not worker.busy and worker.poll_interval_s == 0.001  # a short wait, not a spin

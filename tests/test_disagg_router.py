@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from kvfence.disagg import protocol as P
-from kvfence.disagg.router import Router, RouterConfig, check_pair, check_registration, params_from_dict, params_to_dict
+from kvfence.disagg.registration import check_pair
+from kvfence.disagg.router import Router, RouterConfig
 from kvfence.disagg.worker_main import parse_faults
+from kvfence.disagg.workers import check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, KvfenceError
 
@@ -51,7 +53,10 @@ def test_messages_round_trip_through_json() -> None:
 
 def test_sampling_params_survive_the_wire() -> None:
     sp = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("xy",), stop_token_ids=(4,))
-    assert params_from_dict(P.decode(P.encode(P.PrefillOrder("r", [1], params_to_dict(sp), "a", {}, 1.0))).params) == sp
+    assert (
+        P.params_from_wire(P.decode(P.encode(P.PrefillOrder("r", [1], P.params_to_wire(sp), "a", {}, 1.0))).params)
+        == sp
+    )
 
 
 @pytest.mark.parametrize(

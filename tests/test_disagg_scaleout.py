@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+from kvfence.disagg.decode import DecodeRequestState
 from kvfence.disagg.router import WORKER_LOST, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -114,9 +115,9 @@ def test_a_decode_worker_that_stops_fails_only_its_requests(loaded: Any) -> None
 
         async def main() -> dict[str, list[GenerationChunk]]:
             tasks = {rid: asyncio.ensure_future(_collect(dep, rid, p, sp)) for rid, p, sp in reqs}
-            while len(dep.decodes[1].running) < 2:  # decode-1 holds requests mid-generation
+            while len(dep.decodes[1].ids(DecodeRequestState.RUNNING)) < 2:  # decode-1 holds requests mid-generation
                 await asyncio.sleep(0.005)
-            held = set(dep.decodes[1].running) | set(dep.decodes[1].incoming)
+            held = {*dep.decodes[1].ids(DecodeRequestState.RUNNING), *dep.decodes[1].ids(DecodeRequestState.HANDOFF)}
             await asyncio.to_thread(dep.stop_worker, "decode-1")  # as if its process vanished
             done = {rid: await t for rid, t in tasks.items()}
             return {"held": sorted(held), **done}  # type: ignore[dict-item]

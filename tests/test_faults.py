@@ -32,7 +32,7 @@ class Rig:
 
     def __init__(self, transport: str, faults: FaultInjector | None = None, config: HandoffConfig | None = None):
         self.faults = faults
-        self.config = config or HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5)
+        self.config = config or HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5)
         self.metrics = IntegrityMetrics()
         self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
         self.p_pool, self.d_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
@@ -169,7 +169,7 @@ def check_fault_case(rig: Any, make_pair: Any, fault: str, faults: FaultInjector
 def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: str) -> None:
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="bad", delay_s=0.02)
     rig = Rig(
-        transport, faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5, strict=True)
+        transport, faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5, strict=True)
     )
     try:
         baseline = rig.d_alloc.num_free
@@ -205,7 +205,7 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: st
 def test_without_verification_a_placeholder_or_stale_page_is_admitted(fault: str) -> None:
     """Demonstration only: verify=False admits the incident; decode's pages hold a previous request's KV."""
     faults = FaultInjector().enable(fault, request_id="victim", page=1)
-    rig = Rig("local", faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, verify=False))
+    rig = Rig("local", faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, verify=False))
     try:
         pre, dec, src = rig.pair("victim", 37, seed=5)
         before = {p: rig.d_pool.read_page(p) for p in dec.pages}  # the previous request's KV

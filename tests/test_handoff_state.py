@@ -45,7 +45,7 @@ def setup(one_sided: bool = False, **cfg):
     p_pool.tensors[0]["k"].normal_()
     receiver = LocalReceiver(fabric, "d", d_pool, one_sided=one_sided)
     sender = LocalSender(fabric, p_pool)
-    config = HandoffConfig(**{"transfer_timeout_s": 5, "ack_timeout_s": 5, "quarantine_timeout_s": 5, **cfg})
+    config = HandoffConfig(**{"transfer_timeout_s": 5, "verdict_timeout_s": 5, "quarantine_timeout_s": 5, **cfg})
     return fabric, d_pool, p_pool, receiver, sender, config
 
 
@@ -65,7 +65,7 @@ def test_terminal_states_have_no_exit_and_illegal_transitions_raise() -> None:
     _, d_pool, _, receiver, _, config = setup()
     dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5))), PageAllocator(N), d_pool, receiver, config)
     with pytest.raises(IllegalTransition, match="waiting -> ready"):
-        dec._m.go(DecodeState.READY)
+        dec._m.advance(DecodeState.READY)
     assert dec.state == DecodeState.WAITING
     receiver.close()
 
@@ -81,26 +81,26 @@ def test_prefill_keeps_source_pages_until_decode_verdict() -> None:
     assert pre.state == PrefillState.PREFILLING
     handle = pre.send()
     wait_for(lambda: handle.status == SendStatus.AWAITING_VERDICT and handle.sender_done)
-    assert pre.poll() == PrefillState.AWAITING_ACK
+    assert pre.poll() == PrefillState.AWAITING_VERDICT
     assert p_alloc.pages_of("r") == src, "source pages are held while decode has not verified"
     wait_for(lambda: dec.poll() == DecodeState.READY)  # once the receiver thread has applied `done`
     wait_for(lambda: pre.poll() == PrefillState.RELEASED and pre.released)
     assert sorted(pre.released_pages) == sorted(src) and p_alloc.num_free == N
-    assert [s for s, _ in pre.history] == ["prefilling", "sending", "awaiting_ack", "released"]
+    assert [s for s, _ in pre.history] == ["prefilling", "sending", "awaiting_verdict", "released"]
     assert [s for s, _ in dec.history] == ["waiting", "transferring", "verifying", "ready"]
     p_alloc.check()
     receiver.close()
 
 
-def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_ack_deadline() -> None:
-    _, d_pool, p_pool, receiver, sender, config = setup(ack_timeout_s=0.2)
+def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_verdict_deadline() -> None:
+    _, d_pool, p_pool, receiver, sender, config = setup(verdict_timeout_s=0.2)
     p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
     ids = list(range(6))
     p_alloc.allocate("r", 2)
     DecodeHandoff(Expectation("r", 6, token_hash(ids)), d_alloc, d_pool, receiver, config).start()  # never polled
     pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
     pre.send()
-    wait_for(lambda: pre.poll() == PrefillState.AWAITING_ACK)
+    wait_for(lambda: pre.poll() == PrefillState.AWAITING_VERDICT)
     assert p_alloc.num_free == N - 2
     wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released, timeout=3)
     assert "no verdict" in pre.reason and p_alloc.num_free == N

@@ -184,7 +184,7 @@ def test_verify_names_the_first_failing_check(breakage: str, reason: Reason) -> 
     elif breakage == "layout":
         layout = KVLayout(GQA.architecture, 3, GQA.buffers, GQA.page_size, GQA.dtype)
     elif breakage == "tokens":
-        exp = exp._replace(num_tokens=11)
+        exp = exp._replace(tokens_expected=11)
     elif breakage == "hash":
         exp = exp._replace(token_hash=token_hash([1]))
     elif breakage == "pages":

@@ -33,7 +33,7 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg import protocol as P
-from kvfence.disagg.router import Router, RouterConfig
+from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 
@@ -295,7 +295,9 @@ def test_kv_link_cut_mid_transfer_fails_the_request_and_frees_every_pool(hosts: 
     thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
     thread.start()
     wait_until(
-        lambda: router._flights.get("slow-cut") is not None and router._flights["slow-cut"].phase == "decoding",
+        lambda: (
+            router._flights.get("slow-cut") is not None and router._flights["slow-cut"].state is FlightState.DECODING
+        ),
         15,
         "the transfer to start",
     )

@@ -30,7 +30,7 @@ import pytest
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg import protocol as P
 from kvfence.disagg.launcher import free_port
-from kvfence.disagg.router import Router, RouterConfig
+from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.http import ApiError
@@ -139,9 +139,9 @@ def reference(model_dir: Path, prompt: list[int]) -> list[int]:
     return engine.generate([prompt], [GREEDY])[0].token_ids
 
 
-def flight_phase(router: Router, rid: str) -> str | None:
+def flight_state(router: Router, rid: str) -> FlightState | None:
     f = router._flights.get(rid)
-    return None if f is None else f.phase
+    return None if f is None else f.state
 
 
 def wait_for(cond: Any, timeout: float, what: str) -> None:
@@ -218,7 +218,7 @@ def test_slow_transfer_past_the_deadline_fails_only_that_request(
 @pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
 def test_decode_killed_mid_transfer(dep: Deployment, healthy_ref: tuple[list[int], list[int]]) -> None:
     c = Client(dep.router, "slow-decode-kill", SLOW_PROMPT)
-    wait_for(lambda: flight_phase(dep.router, c.rid) == "decoding", 15, "the transfer to start")
+    wait_for(lambda: flight_state(dep.router, c.rid) is FlightState.DECODING, 15, "the transfer to start")
     dep.procs["decode"].send_signal(signal.SIGKILL)
     dep.procs["decode"].wait(10)
     c.result(WORKER_TIMEOUT_S + 10)
@@ -243,7 +243,7 @@ def test_prefill_killed_mid_prefill(dep: Deployment, healthy_ref: tuple[list[int
     prefill.send_signal(signal.SIGSTOP)  # hold it inside the request: the order arrives, nothing comes back
     try:
         c = Client(dep.router, "stuck-in-prefill", [9] * 50)
-        wait_for(lambda: flight_phase(dep.router, c.rid) == "prefilling", 10, "the prefill order to go out")
+        wait_for(lambda: flight_state(dep.router, c.rid) is FlightState.PREFILLING, 10, "the prefill order to go out")
     finally:
         prefill.send_signal(signal.SIGKILL)
         prefill.wait(10)
@@ -294,7 +294,7 @@ def test_router_restart_workers_register_with_the_new_router(
     dep: Deployment, healthy_ref: tuple[list[int], list[int]]
 ) -> None:
     c = Client(dep.router, "slow-router-restart", SLOW_PROMPT)
-    wait_for(lambda: flight_phase(dep.router, c.rid) == "decoding", 15, "the transfer to start")
+    wait_for(lambda: flight_state(dep.router, c.rid) is FlightState.DECODING, 15, "the transfer to start")
     dep.router.close(notify_workers=False)  # as if it crashed: no Shutdown reaches the workers
     c.result(5)
     assert_fault_failed_cleanly(c)

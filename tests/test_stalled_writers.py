@@ -70,7 +70,7 @@ def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_ow
     d_pool, d_alloc = KVPool(LAYOUT, 2), PageAllocator(2)  # two pages: the next request must reuse them
     receiver = TcpReceiver(d_pool, io_timeout_s=600)  # the socket timeout stays out of it: only deadlines act
     now = [0.0]
-    config = HandoffConfig(transfer_timeout_s=1, ack_timeout_s=1, quarantine_timeout_s=1)
+    config = HandoffConfig(transfer_timeout_s=1, verdict_timeout_s=1, quarantine_timeout_s=1)
     ids_a = list(range(8))
     dec_a = DecodeHandoff(
         Expectation("a", 8, token_hash(ids_a)), d_alloc, d_pool, receiver, config, clock=lambda: now[0]
@@ -184,20 +184,22 @@ class Blackhole:
 BIG = KVLayout("LlamaForCausalLM", 4, (KVBufferSpec("k", (8, 64)), KVBufferSpec("v", (8, 64))), 16, torch.float32)
 
 
-def test_prefill_keeps_source_pages_while_a_blocked_send_still_reads_them_then_cuts_it_at_the_ack_deadline() -> None:
+def test_prefill_keeps_source_pages_while_a_blocked_send_still_reads_them_then_cuts_it_at_the_verdict_deadline() -> (
+    None
+):
     src = seeded_pool(64, seed=5, layout=BIG)  # 64 pages of 256 KiB: far more than the socket buffers hold
     alloc = PageAllocator(64)
     alloc.allocate("r", 64)
     hole = Blackhole()
     sender = TcpSender(src, TransferConfig(max_transfer_pages=64, max_inflight_bytes=1 << 40, io_timeout_s=600))
     now = [0.0]
-    config = HandoffConfig(transfer_timeout_s=1, ack_timeout_s=1)
+    config = HandoffConfig(transfer_timeout_s=1, verdict_timeout_s=1)
     pre = PrefillHandoff("r", list(range(64 * 16)), alloc, src, sender, hole.address, config, clock=lambda: now[0])
     handle = pre.send()
     hole.accept()
     time.sleep(0.3)
     assert handle.status == SendStatus.SENDING and not handle.sender_done  # blocked inside sendmsg
-    for _ in range(3):  # send deadline, then ack deadline: the send thread is still reading the pages
+    for _ in range(3):  # send deadline, then verdict deadline: the send thread is still reading the pages
         now[0] += 1.5
         pre.poll()
         assert pre.state == PrefillState.FAILED

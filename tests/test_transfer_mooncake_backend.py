@@ -122,7 +122,7 @@ class Rig:
         self.d_pool, self.p_pool, self.receiver, self.sender = pair.d_pool, pair.p_pool, pair.receiver, pair.sender
         self.sender.faults = self.receiver.core.faults = faults
         self.sender.config = FAULT_CONFIG
-        self.config = config or HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5)
+        self.config = config or HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5)
         self.metrics = IntegrityMetrics()
         self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
         seed_pool(self.d_pool, 99)
@@ -143,7 +143,9 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str
 
 def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -> None:
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="late-bad", delay_s=0.02)
-    rig = Rig(pair, faults, HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=5, strict=True))
+    rig = Rig(
+        pair, faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5, strict=True)
+    )
     bad_pre, bad_dec, _ = rig.pair_of("late-bad", 40, seed=3)
     bad_pre.send()
     drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None)
@@ -233,7 +235,7 @@ def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences
     deadline is short enough to free them: quarantine 600 s) until the sender's thread has ended and it says
     so with `fenced` over a new connection."""
     rig = _slow_rig(pair)
-    rig.config = HandoffConfig(transfer_timeout_s=30, ack_timeout_s=30, quarantine_timeout_s=600)
+    rig.config = HandoffConfig(transfer_timeout_s=30, verdict_timeout_s=30, quarantine_timeout_s=600)
     pre, dec, _ = rig.pair_of("cut", 40 * LAYOUT.page_size, seed=8)
     pre.send()
     drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
@@ -257,7 +259,7 @@ def _read_frame(s: socket.socket) -> dict:
 
 
 def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_the_sender_fences(pair: Pair) -> None:
-    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, ack_timeout_s=5, quarantine_timeout_s=0.3))
+    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=0.3))
     ids = list(range(16))
     seed_pool(rig.p_pool, 8)
     for rid, get_table in (("lost-after", True), ("lost-before", False)):
@@ -298,7 +300,7 @@ def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_th
 def test_handoff_between_two_processes(pair: Pair) -> None:
     """Decode (this process, the module's receiver) and prefill (a child process with its own engine)."""
     # the child imports torch and Mooncake before it sends: on a loaded 2-core machine that can take 10 s
-    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=60, ack_timeout_s=60, quarantine_timeout_s=60))
+    rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=60, verdict_timeout_s=60, quarantine_timeout_s=60))
     ids = list(range(500, 530))  # 30 tokens -> 4 pages of 8
     dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
     dec.start()

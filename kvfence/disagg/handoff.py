@@ -8,11 +8,11 @@ them (an illegal one raises), and what each side does on entering a state:
                  ├──────────────────────┴──error/timeout──────────────▶ FAILED (failed)
                  └──────────────────────┴──abort (either side)────────▶ ABORTED
 
-    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_ACK ──verified──▶ RELEASED
+    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_VERDICT ──verified──▶ RELEASED
                                       └─────────────────┴──error/abort/nack/deadline──▶ FAILED
 
 - Decode allocates the pages for the router's expected length (never prefill's claim),
-  registers them with its receiver, and admits the request only after
+  registers them with its receiver, and lets the request into the batch only after
   `integrity.verify` passes. A FAILED or ABORTED request's pages go to the allocator's
   quarantine; they are released (and poisoned again in strict mode) only once the
   receive slot is settled: no write of that transfer can still land. No deadline frees
@@ -23,7 +23,7 @@ them (an illegal one raises), and what each side does on entering a state:
   sender's last frame or its `fenced` frame says its writer is gone.
 - Prefill keeps its source pages until decode's verdict arrives or the send ended, and
   in both cases only once the send thread has stopped reading them (`sender_done`);
-  then it frees them (poisoned first in strict mode). When the ack deadline passes with
+  then it frees them (poisoned first in strict mode). When the verdict deadline passes with
   the send thread still inside a write, prefill cuts its connection so the write fails.
 - Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8, docs/handoff.md), counted in
   the `IntegrityMetrics` passed in.
@@ -43,6 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvfence.disagg.config_checks import require_positive
+from kvfence.disagg.lifecycle import IllegalTransition as IllegalTransition  # re-exported: raised by the machines here
+from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.faults import FaultInjector
 from kvfence.integrity.manifest import HandoffManifest, build_manifest, pages_for_tokens
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
@@ -52,10 +55,6 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
 
 logger = logging.getLogger(__name__)
-
-
-class IllegalTransition(RuntimeError):
-    pass
 
 
 class DecodeState(str, Enum):
@@ -70,7 +69,7 @@ class DecodeState(str, Enum):
 class PrefillState(str, Enum):
     PREFILLING = "prefilling"
     SENDING = "sending"
-    AWAITING_ACK = "awaiting_ack"
+    AWAITING_VERDICT = "awaiting_verdict"
     RELEASED = "released"
     FAILED = "failed"
 
@@ -86,8 +85,8 @@ DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
 }
 PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
     _P.PREFILLING: frozenset({_P.SENDING, _P.FAILED}),
-    _P.SENDING: frozenset({_P.AWAITING_ACK, _P.FAILED}),
-    _P.AWAITING_ACK: frozenset({_P.RELEASED, _P.FAILED}),
+    _P.SENDING: frozenset({_P.AWAITING_VERDICT, _P.FAILED}),
+    _P.AWAITING_VERDICT: frozenset({_P.RELEASED, _P.FAILED}),
     _P.RELEASED: frozenset(),
     _P.FAILED: frozenset(),
 }
@@ -96,28 +95,15 @@ PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 @dataclass(frozen=True)
 class HandoffConfig:
     transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
-    ack_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
+    verdict_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
     quarantine_timeout_s: float = 30.0  # decode: how long a failed request's transfer may take to settle before
     # decode cuts its connection (the pages stay quarantined until it has settled, however long that takes)
-    verify: bool = True  # False only to demonstrate what an unverified handoff admits
+    verify: bool = True  # False only to demonstrate what an unverified handoff lets through
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
     def __post_init__(self) -> None:
-        assert self.transfer_timeout_s > 0 and self.ack_timeout_s > 0 and self.quarantine_timeout_s > 0
-
-
-class _Machine:
-    def __init__(self, initial: Enum, table: dict, clock: Callable[[], float]) -> None:
-        self.state = initial
-        self._table = table
-        self._clock = clock
-        self.history: list[tuple[Enum, float]] = [(initial, clock())]
-
-    def go(self, new: Enum) -> None:
-        if new not in self._table[self.state]:
-            raise IllegalTransition(f"{self.state.value} -> {new.value} is not allowed")
-        self.state = new
-        self.history.append((new, self._clock()))
+        for name in ("transfer_timeout_s", "verdict_timeout_s", "quarantine_timeout_s"):
+            require_positive(self, name)
 
 
 class DecodeHandoff:
@@ -134,15 +120,16 @@ class DecodeHandoff:
         transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        assert expect.num_tokens > 0, expect
+        if expect.tokens_expected <= 0:
+            raise ValueError(f"decode handoff {expect.request_id}: expects {expect.tokens_expected} tokens")
         self.expect = expect
         self.allocator, self.pool, self.receiver = allocator, pool, receiver
         self.config = config or HandoffConfig()
         self.metrics = metrics
         self.transfer_id = transfer_id
         self.clock = clock
-        self._m = _Machine(_D.WAITING, DECODE_TRANSITIONS, clock)
-        self.num_pages = pages_for_tokens(expect.num_tokens, pool.page_size)
+        self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
+        self.num_pages = pages_for_tokens(expect.tokens_expected, pool.page_size)
         self.pages: list[int] = []
         self.slot: ReceiveSlot | None = None
         self.record: IntegrityRecord | None = None
@@ -160,10 +147,10 @@ class DecodeHandoff:
 
     @property
     def state(self) -> DecodeState:
-        return self._m.state  # type: ignore[return-value]
+        return self._m.state
 
     @property
-    def history(self) -> list[tuple[Enum, float]]:
+    def history(self) -> list[tuple[DecodeState, float]]:
         return self._m.history
 
     @property
@@ -195,7 +182,7 @@ class DecodeHandoff:
         slot, now = self.slot, self.clock()
         status = slot.status  # read once: the transport thread may move it on meanwhile
         if self.state == _D.WAITING and status != SlotStatus.WAITING:
-            self._m.go(_D.TRANSFERRING)
+            self._m.advance(_D.TRANSFERRING)
         if self.state in (_D.WAITING, _D.TRANSFERRING):
             if status == SlotStatus.COMPLETE:
                 self._verify()
@@ -219,16 +206,16 @@ class DecodeHandoff:
     def _verify(self) -> None:
         slot = self.slot
         assert slot is not None and slot.manifest is not None
-        self._m.go(_D.VERIFYING)
+        self._m.advance(_D.VERIFYING)
         t0 = self.clock()
         if self.config.verify:
             result = verify_handoff(slot.manifest, self.expect, self.pool.layout, self.pages, slot.coverage, self.pool)
-        else:  # demonstration mode: admit whatever landed
+        else:  # demonstration mode: accept whatever landed
             result = VerifyResult(True, None, "not verified (verification disabled)", 0, slot.manifest.num_tokens)
         verify_s = self.clock() - t0
         self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
         if result.ok:
-            self._m.go(_D.READY)
+            self._m.advance(_D.READY)
             self.released = True
             self.receiver.forget(self.request_id)
             self._emit(result, verify_s)
@@ -236,7 +223,7 @@ class DecodeHandoff:
             self._end(_D.FAILED, result, verify_s)
 
     def _end(self, state: DecodeState, result: VerifyResult, verify_s: float | None = None) -> None:
-        self._m.go(state)
+        self._m.advance(state)
         self._failed_at = self.clock()
         self.quarantined = self.allocator.quarantine(self.request_id)
         if self.config.strict and self.quarantined:
@@ -283,7 +270,7 @@ class DecodeHandoff:
         self.record = IntegrityRecord.from_result(
             self.request_id,
             result,
-            tokens_expected=self.expect.num_tokens,
+            tokens_expected=self.expect.tokens_expected,
             pages=self.num_pages,
             layout_fingerprint=self.pool.layout.fingerprint,
             transfer_id=slot.transfer_id or "",
@@ -313,7 +300,8 @@ class PrefillHandoff:
         first_logprobs: list | None = None,
     ) -> None:
         """`first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
-        assert len(token_ids) > 0, "empty prompt"
+        if not token_ids:
+            raise ValueError(f"prefill handoff {request_id}: empty prompt")
         self.first_token, self.first_logprobs = first_token, first_logprobs
         self.request_id = request_id
         self.token_ids = list(token_ids)
@@ -322,22 +310,22 @@ class PrefillHandoff:
         self.faults = faults
         self.transfer_id = transfer_id or new_transfer_id()
         self.clock = clock
-        self._m = _Machine(_P.PREFILLING, PREFILL_TRANSITIONS, clock)
+        self._m = Lifecycle(f"prefill handoff {request_id}", _P.PREFILLING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
         self.reason = ""
         self.released = False
-        self.severed = False  # the ack deadline passed with the send thread still running: its connection was cut
+        self.severed = False  # the verdict deadline passed with the send thread still running: its connection was cut
         self.released_pages: list[int] = []
         self._send_deadline = float("inf")
-        self._ack_deadline: float | None = None
+        self._verdict_deadline: float | None = None
 
     @property
     def state(self) -> PrefillState:
-        return self._m.state  # type: ignore[return-value]
+        return self._m.state
 
     @property
-    def history(self) -> list[tuple[Enum, float]]:
+    def history(self) -> list[tuple[PrefillState, float]]:
         return self._m.history
 
     @property
@@ -361,16 +349,16 @@ class PrefillHandoff:
         except ValueError as e:
             self._fail(f"cannot build manifest: {e}")
             return None
-        self._m.go(_P.SENDING)
+        self._m.advance(_P.SENDING)
         self.handle = self.sender.send(self.address, self.manifest, pages)
         self._send_deadline = self.clock() + self.config.transfer_timeout_s
-        self._ack_deadline = self._send_deadline + self.config.ack_timeout_s  # reset when `done` goes out
+        self._verdict_deadline = self._send_deadline + self.config.verdict_timeout_s  # reset when `done` goes out
         return self.handle
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         if self.state == _P.PREFILLING:
             self._fail(reason)
-        elif self.state in (_P.SENDING, _P.AWAITING_ACK) and self.handle is not None:
+        elif self.state in (_P.SENDING, _P.AWAITING_VERDICT) and self.handle is not None:
             self.handle.abort(reason)
             self._fail(reason)
 
@@ -384,32 +372,32 @@ class PrefillHandoff:
         h, now = self.handle, self.clock()
         if h is not None and self.state == _P.SENDING:
             if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
-                self._m.go(_P.AWAITING_ACK)
-                self._ack_deadline = now + self.config.ack_timeout_s
+                self._m.advance(_P.AWAITING_VERDICT)
+                self._verdict_deadline = now + self.config.verdict_timeout_s
             elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
             elif now > self._send_deadline:
                 h.abort("send deadline passed")
                 self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
-        if h is not None and self.state == _P.AWAITING_ACK:
+        if h is not None and self.state == _P.AWAITING_VERDICT:
             if h.status == SendStatus.VERIFIED:
-                self._m.go(_P.RELEASED)
+                self._m.advance(_P.RELEASED)
             elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
                 self._fail(f"{h.status.value}: {h.reason}")
-            elif self._ack_deadline is not None and now > self._ack_deadline:
-                self._fail(f"no verdict from decode within {self.config.ack_timeout_s}s")
+            elif self._verdict_deadline is not None and now > self._verdict_deadline:
+                self._fail(f"no verdict from decode within {self.config.verdict_timeout_s}s")
         if self.state in (_P.RELEASED, _P.FAILED) and not self.released:
             if h is None or h.sender_done:  # no thread reads the source pages any more
                 self._release()
-            elif not self.severed and self._ack_deadline is not None and now > self._ack_deadline:
-                h.abort("ack deadline passed")
+            elif not self.severed and self._verdict_deadline is not None and now > self._verdict_deadline:
+                h.abort("verdict deadline passed")
                 self.severed = h.sever()  # a send blocked on a stalled connection fails; then we release
         return self.state
 
     def _fail(self, reason: str) -> None:
         if self.state not in (_P.RELEASED, _P.FAILED):
             self.reason = reason
-            self._m.go(_P.FAILED)
+            self._m.advance(_P.FAILED)
 
     def _release(self) -> None:
         pages = self.allocator.pages_of(self.request_id)

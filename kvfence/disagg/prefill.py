@@ -1,11 +1,13 @@
 """The prefill worker: runs prompts, sends their KV to decode, frees it only when that is safe.
 
-What it knows: the requests the router ordered (each runs in its engine as a
+What it knows: the requests the router ordered, one `_PrefillRequest` record each whose
+`PrefillRequestState` moves only along `PREFILL_REQUEST_TRANSITIONS` (computing, computed,
+handoff, finished; docs/handoff.md, "Lifecycles") (each runs in its engine as a
 `prefill_only` request: the prompt is computed, the first token sampled, and the pages
 kept under the request id), one `PrefillHandoff` per request once its prompt is done
 (build the manifest, send over the data plane to the address the router gave, hold
 the source pages until decode's verdict, an abort the send thread has acted on, or the
-ack deadline), and what to tell the router (`PrefillSent` with the first token and
+verdict deadline), and what to tell the router (`PrefillSent` with the first token and
 the log probabilities the request asked for — the first token's and the prompt's —
 or `RequestFailed` for failures of its own).
 
@@ -17,36 +19,43 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from kvfence.disagg import protocol as P
+from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
-from kvfence.disagg.router import params_from_dict
+from kvfence.disagg.lifecycle import Lifecycle
+from kvfence.disagg.worker_engine import PrefillEngine
 from kvfence.engine.llm_engine import RequestOutput
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
-from kvfence.transfer.base import Sender, SendStatus, TransferConfig
+from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig
+
+if TYPE_CHECKING:
+    from kvfence.disagg.worker import WorkerIdentity
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    transport: str = "tcp"  # "tcp" | "mooncake" | "local" (in-process tests)
-    deadline_s: float = 60.0  # send deadline, then ack deadline, for one handoff
+    transport: str = "tcp"  # the transfer backend, one of TRANSFER_BACKENDS (field name kept: worker_main sets it)
+    deadline_s: float = 60.0  # send deadline, then verdict deadline, for one handoff
     strict: bool = False  # poison source pages before they are freed
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
-        assert self.transport in ("tcp", "mooncake", "local"), self.transport
-        assert self.deadline_s > 0, self.deadline_s
+        require_choice(self, "transport", TRANSFER_BACKENDS)
+        require_positive(self, "deadline_s")
 
 
 class _EnginePages:
     """The allocator verbs `PrefillHandoff` uses, routed through the engine so its held-request table stays right."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
 
     def pages_of(self, request_id: str) -> list[int]:
@@ -56,13 +65,55 @@ class _EnginePages:
         return self.engine.release(request_id)
 
 
+class PrefillRequestState(str, Enum):
+    """Where one request stands on the prefill worker (docs/handoff.md, "Lifecycles")."""
+
+    COMPUTING = "computing"  # the prompt runs in the engine (prefill_only); decode may reserve meanwhile
+    COMPUTED = "computed"  # prompt done, pages held; waiting for decode's DecodeReserved (where to send)
+    HANDOFF = "handoff"  # the `PrefillHandoff` sends and holds the source pages until it settled
+    FINISHED = "finished"  # gone from this worker (pages freed)
+
+
+_Q = PrefillRequestState
+PREFILL_REQUEST_TRANSITIONS: dict[PrefillRequestState, frozenset[PrefillRequestState]] = {
+    _Q.COMPUTING: frozenset({_Q.COMPUTED, _Q.HANDOFF, _Q.FINISHED}),  # HANDOFF at once when decode reserved first
+    _Q.COMPUTED: frozenset({_Q.HANDOFF, _Q.FINISHED}),
+    _Q.HANDOFF: frozenset({_Q.FINISHED}),
+    _Q.FINISHED: frozenset(),
+}
+
+
+@dataclass
+class _PrefillRequest:
+    """One request on the prefill worker, from PrefillOrder until its source pages are freed."""
+
+    order: P.PrefillOrder  # its handoff_address is filled in when decode's DecodeReserved arrives
+    computed: RequestOutput | None = None  # the prompt's output (first token, logprobs), once COMPUTED
+    handoff: PrefillHandoff | None = None  # from HANDOFF on
+    lifecycle: Lifecycle[PrefillRequestState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lifecycle = Lifecycle(f"prefill request {self.request_id}", _Q.COMPUTING, PREFILL_REQUEST_TRANSITIONS)
+
+    @property
+    def request_id(self) -> str:
+        return self.order.request_id
+
+    @property
+    def state(self) -> PrefillRequestState:
+        return self.lifecycle.state
+
+    def advance(self, new: PrefillRequestState) -> None:
+        self.lifecycle.advance(new)
+
+
 class PrefillWorker:
     role = "prefill"
 
     def __init__(
         self,
-        engine: Any,
-        identity: Any,
+        engine: PrefillEngine,
+        identity: WorkerIdentity,
         config: PrefillConfig | None = None,
         faults: FaultInjector | None = None,
         sender: Sender | None = None,
@@ -73,7 +124,7 @@ class PrefillWorker:
         self.faults = faults
         if sender is None:
             if self.config.transport == "local":
-                raise KvfenceError("prefill: an in-process (local) transport needs its sender passed in")
+                raise KvfenceError("prefill: the local (in-process) transfer backend needs its sender passed in")
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeSender
 
@@ -86,18 +137,27 @@ class PrefillWorker:
         self._pages = _EnginePages(engine)
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
-            ack_timeout_s=self.config.deadline_s,
+            verdict_timeout_s=self.config.deadline_s,
             quarantine_timeout_s=self.config.deadline_s,
             strict=self.config.strict,
         )
-        self.send_msg: Any = None  # set by `attach`
-        self.orders: dict[str, P.PrefillOrder] = {}  # prompt running in the engine, or computed and waiting
-        self.computed: dict[str, RequestOutput] = {}  # prompt done, pages held, until decode's DecodeReserved
-        self.handoffs: dict[str, PrefillHandoff] = {}  # prompt done, pages held until settled
+        self.send_msg: Callable[[P.Message], None] | None = None  # set by `attach`
+        self.requests: dict[str, _PrefillRequest] = {}  # every request not FINISHED, in arrival order
         self.counts: dict[str, int] = {"prefilled": 0, "released": 0, "failed": 0, "aborted": 0}
 
-    def attach(self, send: Any) -> None:
+    def attach(self, send: Callable[[P.Message], None]) -> None:
         self.send_msg = send
+
+    def ids(self, state: PrefillRequestState) -> list[str]:
+        """The requests in `state`, in arrival order."""
+        return [rid for rid, req in self.requests.items() if req.state is state]
+
+    def _in(self, state: PrefillRequestState) -> list[_PrefillRequest]:
+        return [req for req in self.requests.values() if req.state is state]
+
+    def _finish(self, req: _PrefillRequest) -> None:
+        req.advance(_Q.FINISHED)
+        del self.requests[req.request_id]
 
     def registration(self) -> P.Register:
         from kvfence.disagg.worker import registration_for
@@ -113,54 +173,56 @@ class PrefillWorker:
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id, msg.reason)
         elif isinstance(msg, P.ReleaseSource):
-            h = self.handoffs.get(msg.request_id)
-            if h is not None and h.state in (PrefillState.SENDING, PrefillState.AWAITING_ACK):
+            req = self.requests.get(msg.request_id)
+            h = req.handoff if req is not None else None
+            if h is not None and h.state in (PrefillState.SENDING, PrefillState.AWAITING_VERDICT):
                 h.settle(msg.verified, "" if msg.verified else "decode rejected the pages")
         elif not isinstance(msg, P.RegisterReply):
             logger.warning("prefill: unexpected %s", msg.kind)
 
     def _order(self, msg: P.PrefillOrder) -> None:
         rid = msg.request_id
-        if rid in self.orders or rid in self.handoffs:
+        if rid in self.requests:
             self._fail(rid, f"request id {rid!r} is already in use on prefill")
             return
         try:
             self.engine.add_request(
                 rid,
-                sampling_params=params_from_dict(msg.params),
+                sampling_params=P.params_from_wire(msg.params),
                 prompt_token_ids=msg.prompt_token_ids,
                 prefill_only=True,
             )
         except KvfenceError as e:
             self._fail(rid, str(e))
             return
-        self.orders[rid] = msg
+        self.requests[rid] = _PrefillRequest(msg)
 
     def _reserved(self, msg: P.DecodeReserved) -> None:
         """Decode reserved the pages: the order now knows where to send (at once, if the prompt is done)."""
-        order = self.orders.get(msg.request_id)
-        if order is None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.state not in (_Q.COMPUTING, _Q.COMPUTED):
             return  # aborted meanwhile
-        self.orders[msg.request_id] = dataclasses.replace(
-            order, handoff_address=msg.handoff_address, transfer_info=msg.transfer_info
-        )
-        done = self.computed.pop(msg.request_id, None)
-        if done is not None:
-            self._send(done)
+        req.order = dataclasses.replace(req.order, handoff_address=msg.handoff_address, transfer_info=msg.transfer_info)
+        if req.computed is not None:
+            self._send(req.computed)
 
     def _abort(self, rid: str, reason: str) -> None:
-        if self.computed.pop(rid, None) is not None:  # computed, waiting for decode: its pages are held
-            self.orders.pop(rid, None)
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if req.state is _Q.COMPUTED:  # computed, waiting for decode: its pages are held
+            self._finish(req)
             self.engine.release(rid)
             self.counts["aborted"] += 1
-        if self.orders.pop(rid, None) is not None:
+        elif req.state is _Q.COMPUTING:
+            self._finish(req)
             self.engine.abort_request(rid)  # frees its pages: nothing was sent yet
             self.counts["aborted"] += 1
-        h = self.handoffs.get(rid)
-        if h is not None:
+        elif req.handoff is not None:
+            h = req.handoff
             h.abort(reason)  # the send thread stops; pages are freed once it no longer reads them
             h.poll()
-            self._settle(rid, h)
+            self._settle(req)
 
     # -- the step ---------------------------------------------------------------------------------------------
     @property
@@ -175,25 +237,30 @@ class PrefillWorker:
                 if out.finish_reason == "prefill_done":
                     self._send(out)
                 elif out.finished:  # aborted inside the engine
-                    self.orders.pop(out.request_id, None)
-        for rid, h in list(self.handoffs.items()):
+                    req = self.requests.get(out.request_id)
+                    if req is not None and req.state is _Q.COMPUTING:
+                        self._finish(req)
+        for req in self._in(_Q.HANDOFF):
+            h = req.handoff
+            assert h is not None  # HANDOFF is entered with its handoff
             before = h.state
             h.poll()
             if h.state == PrefillState.FAILED and before != PrefillState.FAILED:
-                self._report_failure(rid, h)
-            self._settle(rid, h)
+                self._report_failure(req.request_id, h)
+            self._settle(req)
         return worked
 
     def _send(self, out: RequestOutput) -> None:
         rid, first_token = out.request_id, out.new_token_ids[-1]
-        order = self.orders.get(rid)
-        if order is None:  # aborted while its last chunk ran: give the pages back
+        req = self.requests.get(rid)
+        if req is None:  # aborted while its last chunk ran: give the pages back
             self.engine.release(rid)
             return
+        order = req.order
         if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has
-            self.computed[rid] = out
+            req.computed = out
+            req.advance(_Q.COMPUTED)
             return
-        del self.orders[rid]
         first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
         h = PrefillHandoff(
             rid,
@@ -207,14 +274,15 @@ class PrefillWorker:
             first_token=int(first_token),
             first_logprobs=first[0] if first else None,
         )
-        self.handoffs[rid] = h
+        req.handoff, req.computed = h, None
+        req.advance(_Q.HANDOFF)
         h.send()
         self.counts["prefilled"] += 1
         if h.state == PrefillState.FAILED:
             self._report_failure(rid, h)
-            self._settle(rid, h)
+            self._settle(req)
             return
-        assert h.manifest is not None
+        assert h.manifest is not None  # SENDING is entered with its manifest
         self._out(
             P.PrefillSent(
                 rid,
@@ -238,10 +306,10 @@ class PrefillWorker:
             self._out(P.RequestFailed(rid, self.role, f"KV handoff failed on prefill: {h.reason}", code=code))
         self.counts["failed"] += 1
 
-    def _settle(self, rid: str, h: PrefillHandoff) -> None:
-        if h.settled:
-            del self.handoffs[rid]
-            self.engine.release(rid)  # no-op for the pages (already freed); drops any held entry
+    def _settle(self, req: _PrefillRequest) -> None:
+        if req.handoff is not None and req.handoff.settled:
+            self._finish(req)
+            self.engine.release(req.request_id)  # no-op for the pages (already freed); drops any held entry
             self.counts["released"] += 1
 
     def _fail(self, rid: str, reason: str) -> None:
@@ -249,21 +317,25 @@ class PrefillWorker:
         self._out(P.RequestFailed(rid, self.role, reason))
 
     def _out(self, msg: P.Message) -> None:
-        assert self.send_msg is not None, "attach() a channel first"
+        if self.send_msg is None:
+            raise RuntimeError("prefill: attach() a channel before handling messages")
         self.send_msg(msg)
 
     # -- numbers ----------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return {
             **P.engine_pool_stats(self.engine),
-            "queued_prompt_tokens": sum(len(o.prompt_token_ids) for o in self.orders.values()),  # not prefilled yet
-            "handoffs_in_flight": len(self.handoffs),
+            # not handed off yet (computing, or computed and waiting for decode)
+            "queued_prompt_tokens": sum(
+                len(req.order.prompt_token_ids) for req in self.requests.values() if req.state is not _Q.HANDOFF
+            ),
+            "handoffs_in_flight": len(self._in(_Q.HANDOFF)),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
         }
 
     def idle(self) -> bool:
         """Nothing running and no pages held (tests wait for this before checking the pool)."""
-        return not self.orders and not self.handoffs and not self.engine.has_unfinished_requests()
+        return not self.requests and not self.engine.has_unfinished_requests()
 
     def close(self) -> None:
         try:

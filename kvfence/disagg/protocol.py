@@ -1,7 +1,7 @@
 """Control-plane messages between the router and the prefill/decode workers.
 
 What it knows: every message the router and the workers exchange (registration, the
-per-request orders, progress, acks, aborts, streamed tokens), each a small frozen
+per-request orders, progress, verdicts, aborts, streamed tokens), each a small frozen
 dataclass with a `kind` tag, and how to turn one into JSON bytes and back. Two
 channels carry them: `QueueChannel` (threads in one process, for fast tests) and
 `ZmqChannel` (a DEALER socket per worker talking to the router's ROUTER socket over
@@ -16,7 +16,7 @@ What it does not know: KV bytes (those travel on the data plane, `kvfence.transf
 what a worker does with an order, or how the router schedules.
 
 Message flow of one request (router = R, prefill = P, decode = D):
-    R -> D  DecodePrepare(prompt ids, expected_len, token_hash, params, deadline)
+    R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, params, deadline)
     D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
     R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
     P -> R  PrefillSent(pages, manifest summary, first token and its logprobs, prompt logprobs)
@@ -34,11 +34,20 @@ import json
 import queue
 import socket
 import threading
+import types
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints
 
 from kvfence.engine.sampler import TokenLogprobs
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.errors import KvfenceError
+
+
+class WireError(KvfenceError, ValueError):
+    """A control message that cannot be decoded: not JSON, an unknown kind, a missing/unknown field or a field of
+    the wrong type. Raised explicitly (never `assert`, which `python -O` removes)."""
+
 
 # -- messages ---------------------------------------------------------------------------------------------
 
@@ -77,12 +86,12 @@ class RegisterReply(Message):
 
 @dataclass(frozen=True)
 class DecodePrepare(Message):
-    """Router -> decode: reserve pages for `expected_len` tokens and wait for the handoff."""
+    """Router -> decode: reserve pages for `tokens_expected` tokens and wait for the handoff."""
 
     kind: ClassVar[str] = "decode_prepare"
     request_id: str
     prompt_token_ids: list[int]
-    expected_len: int  # computed by the router from the prompt it admitted, never by prefill
+    tokens_expected: int  # computed by the router from the prompt it admitted, never by prefill
     token_hash: str  # likewise
     params: dict[str, Any]  # SamplingParams fields
     deadline_s: float  # seconds from receipt until the handoff must have verified
@@ -109,7 +118,7 @@ class PrefillOrder(Message):
     params: dict[str, Any]
     handoff_address: str
     transfer_info: dict[str, Any]
-    deadline_s: float  # seconds until prefill frees its source pages even without an ack
+    deadline_s: float  # seconds until prefill frees its source pages even without a verdict
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,21 @@ def logprobs_from_wire(data: list[Any] | None) -> list[TokenLogprobs | None] | N
     ]
 
 
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """Sampling params as the JSON object `DecodePrepare.params` / `PrefillOrder.params` carry."""
+    return params.to_dict()
+
+
+def params_from_wire(data: dict[str, Any]) -> SamplingParams:
+    """The inverse of `params_to_wire`; a payload that does not make valid params raises `WireError`."""
+    if not isinstance(data, dict):
+        raise WireError(f"sampling params: expected a JSON object, got {type(data).__name__}")
+    try:
+        return SamplingParams.from_dict(data)
+    except (KvfenceError, TypeError, ValueError) as e:
+        raise WireError(f"sampling params: {e}") from None
+
+
 def engine_pool_stats(engine: Any) -> dict[str, Any]:
     """The engine half of a worker's WorkerStats payload: its KV pool and request queues."""
     s = engine.stats()
@@ -247,7 +271,8 @@ class Batch(Message):
     messages: list[Message]
 
     def __post_init__(self) -> None:
-        assert not any(isinstance(m, Batch) for m in self.messages), "batches do not nest"
+        if any(isinstance(m, Batch) for m in self.messages):
+            raise WireError("batches do not nest")
 
 
 def batch(messages: list[Message]) -> Message | None:
@@ -293,13 +318,63 @@ def _body(msg: Message) -> dict[str, Any]:
     return body
 
 
-def _message(body: dict[str, Any]) -> Message:
+def _json_types(hint: Any) -> tuple[type, ...] | None:
+    """The JSON-level types a field of annotation `hint` may hold (None: anything)."""
+    members = get_args(hint) if isinstance(hint, types.UnionType) or get_origin(hint) is Union else (hint,)
+    allowed: list[type] = []
+    for h in members:
+        base = get_origin(h) or h
+        if base is Any:
+            return None
+        if base is float:
+            allowed += [float, int]
+        elif base in (int, str, bool, list, dict, type(None)):
+            allowed.append(base)
+        else:
+            return None
+    return tuple(allowed)
+
+
+# kind -> (class, required field names, {field name: allowed JSON types})
+_SCHEMAS: dict[str, tuple[type[Message], frozenset[str], dict[str, tuple[type, ...] | None]]] = {}
+for _cls in _KINDS.values():
+    _hints = get_type_hints(_cls)
+    _fields = dataclasses.fields(_cls)
+    _SCHEMAS[_cls.kind] = (
+        _cls,
+        frozenset(
+            f.name
+            for f in _fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        ),
+        {f.name: _json_types(_hints[f.name]) for f in _fields},
+    )
+
+
+def _message(body: Any) -> Message:
+    if not isinstance(body, dict):
+        raise WireError(f"control message: expected a JSON object, got {type(body).__name__}")
     kind = body.pop("kind", None)
-    if kind not in _KINDS:
-        raise ValueError(f"unknown control message kind {kind!r}")
-    if kind == Batch.kind:
+    schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise WireError(f"unknown control message kind {kind!r}")
+    cls, required, types = schema
+    missing = required - body.keys()
+    if missing:
+        raise WireError(f"{kind}: missing field(s) {sorted(missing)}")
+    for name, value in body.items():
+        if name not in types:
+            raise WireError(f"{kind}: unknown field {name!r}")
+        allowed = types[name]
+        if allowed is not None and (
+            not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        ):
+            raise WireError(
+                f"{kind}.{name}: expected {'/'.join(t.__name__ for t in allowed)}, got {type(value).__name__}"
+            )
+    if cls is Batch:
         return Batch([_message(b) for b in body["messages"]])
-    return _KINDS[kind](**body)
+    return cls(**body)
 
 
 def encode(msg: Message) -> bytes:
@@ -307,7 +382,12 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(data: bytes) -> Message:
-    return _message(json.loads(data))
+    """The message `data` encodes; anything else raises `WireError` naming what is wrong."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(f"control message is not JSON: {e}") from None
+    return _message(body)
 
 
 class _Unbatcher:
@@ -330,6 +410,14 @@ class _Unbatcher:
 # Worker end: `send(msg)`, `recv(timeout) -> msg | None`, `close()`; used by one thread (the worker loop).
 # Router end ("hub"): `send(worker_id, msg)` from any thread, `recv(timeout) -> (worker_id, msg) | None`
 # from one thread (the router's receiver), `close()`.
+
+
+class Hub(Protocol):
+    """The router end of the channels to every worker (`QueueHub`, `ZmqHub`)."""
+
+    def send(self, worker_id: str, msg: Message) -> None: ...
+    def recv(self, timeout: float | None = 0.0) -> tuple[str, Message] | None: ...
+    def close(self) -> None: ...
 
 
 _WAKE = b""  # a QueueChannel inbox entry that is no message: `wake()` was called

@@ -1,9 +1,11 @@
 """The router: the front end's engine in disaggregated mode, routing each request to a prefill and a decode worker.
 
 What it knows: the workers that registered (a `WorkerTable`: the deployment's identity,
-each worker's health and reported load, the routing policy), each request in flight and
-where it stands (prefill running while decode reserves, tokens streaming) and which pair of
-workers serves it; the expected prompt length and token hash, which it computes itself
+each worker's health and reported load, the routing policy; registration and keepalives
+are `disagg.registration`), each request in flight as one `_Flight` record whose
+`FlightState` moves only along `FLIGHT_TRANSITIONS` (prefilling while decode reserves,
+decoding, failing, finished; docs/handoff.md, "Lifecycles") and which pair of workers
+serves it; the expected prompt length and token hash, which it computes itself
 from the ids the API layer admitted, so prefill never vouches for its own prompt. It
 implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
 admits a request only if some up worker of each role can hold it (the largest pool per
@@ -15,7 +17,8 @@ integrity record (JSON log line + the final chunk + the counters in
 `stats()`), and relays aborts and failures to the other worker of the pair.
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
-sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`). A
+sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`,
+sent by `disagg.registration.Registrar`). A
 worker silent for `worker_timeout_s` is declared dead: the requests that still need it
 fail at once with an error naming it (the other worker of each pair is told to drop them
 and free their pages), and new requests go to the others; a role with no worker up gets
@@ -40,12 +43,16 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from enum import Enum
+from typing import Any, NamedTuple
 
 from kvfence.disagg import protocol as P
-from kvfence.disagg.workers import ROLES, WorkerTable, check_match, check_registration
+from kvfence.disagg.config_checks import require_positive
+from kvfence.disagg.lifecycle import Lifecycle
+from kvfence.disagg.registration import Registrar
+from kvfence.disagg.workers import ROLES, WorkerTable
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.errors import CapacityConfigError, InvalidRequestError
+from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError
 from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason
@@ -55,18 +62,9 @@ from kvfence.server.engine_client import Capacity, GenerationChunk
 logger = logging.getLogger(__name__)
 integrity_logger = logging.getLogger("kvfence.integrity")
 
-HEARTBEAT = "heartbeat"  # reason of the router's keepalive RegisterReply
-REREGISTER = "re-register"  # prefix of the reason telling an unknown worker to register again
 WORKER_LOST = P.WORKER_LOST
 MAX_BACKLOG = 1024  # messages handled per pass before deadlines and worker health are checked
 
-__all__ = ["Router", "RouterConfig", "check_pair", "check_registration", "params_from_dict", "params_to_dict"]
-
-
-class Hub(Protocol):
-    def send(self, worker_id: str, msg: P.Message) -> None: ...
-    def recv(self, timeout: float | None = 0.0) -> tuple[str, P.Message] | None: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,49 +81,92 @@ class RouterConfig:
     model_name: str | None = None  # name served to clients; default: the workers' model name
 
     def __post_init__(self) -> None:
-        assert self.handoff_deadline_s > 0 and self.request_timeout_s > 0 and self.register_timeout_s > 0
-        assert self.worker_timeout_s > self.heartbeat_interval_s > 0 and self.suspect_after_s > 0
-        assert self.wait_prefill_workers >= 1 and self.wait_decode_workers >= 1
+        for name in ("handoff_deadline_s", "request_timeout_s", "register_timeout_s", "suspect_after_s"):
+            require_positive(self, name)
+        if not self.worker_timeout_s > self.heartbeat_interval_s > 0:
+            raise KvfenceError(
+                f"router: need worker_timeout_s ({self.worker_timeout_s}) > heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}) > 0"
+            )
+        if self.wait_prefill_workers < 1 or self.wait_decode_workers < 1:
+            raise KvfenceError(
+                f"router: wait for at least one worker of each role (prefill {self.wait_prefill_workers}, "
+                f"decode {self.wait_decode_workers})"
+            )
 
 
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return params.to_dict()
+class FlightState(str, Enum):
+    """Where one request stands in the router (docs/handoff.md, "Lifecycles")."""
+
+    PREFILLING = "prefilling"  # ordered to both workers: decode reserves while prefill computes
+    DECODING = "decoding"  # prefill sent the KV (PrefillSent): decode verifies, then streams tokens
+    FAILING = "failing"  # failed by the router (deadline, worker lost, shutdown): the error is on its way to the
+    # client; no more worker news matters
+    FINISHED = "finished"  # its one integrity record is written (the final chunk, an error, or an abort)
 
 
-def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams.from_dict(d)
-
-
-def check_pair(prefill: P.Register, decode: P.Register) -> None:
-    """Refuse a prefill/decode pair that cannot exchange KV; the message names every difference and both values."""
-    check_match(decode, prefill)
+_F = FlightState
+FLIGHT_TRANSITIONS: dict[FlightState, frozenset[FlightState]] = {
+    # Tokens may finish a flight still PREFILLING: decode can start decoding on the manifest's first token before the
+    # router relays PrefillSent.
+    _F.PREFILLING: frozenset({_F.DECODING, _F.FAILING, _F.FINISHED}),
+    _F.DECODING: frozenset({_F.FAILING, _F.FINISHED}),
+    _F.FAILING: frozenset({_F.FINISHED}),
+    _F.FINISHED: frozenset(),
+}
 
 
 @dataclass
 class _Flight:
-    """One request on its way through the router."""
+    """One request on its way through the router: its state, the pair serving it and, at the end, its record."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    expected_len: int
+    tokens_expected: int
     token_hash: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[P.Message]
     started: float = field(default_factory=time.monotonic)
-    phase: str = "prefilling"  # prefilling (decode reserves meanwhile) -> decoding -> done
     decode_id: str = ""  # the workers serving this request: decode chosen at admission,
     prefill_id: str = ""  # prefill once decode reserved its pages
-    done: bool = False
     num_output_tokens: int = 0
     prefill_sent: P.PrefillSent | None = None
     prompt_logprobs: list[Any] | None = None  # prefill's scores of the prompt (wire form), for the first chunk
-    record: IntegrityRecord | None = None  # the integrity record, once finished
+    record: IntegrityRecord | None = None  # the integrity record, once FINISHED
     decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
+    lifecycle: Lifecycle[FlightState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lifecycle = Lifecycle(f"flight {self.request_id}", _F.PREFILLING, FLIGHT_TRANSITIONS)
+
+    @property
+    def state(self) -> FlightState:
+        return self.lifecycle.state
+
+    def advance(self, new: FlightState) -> None:
+        self.lifecycle.advance(new)
+
+    @property
+    def live(self) -> bool:
+        """Still waiting on its workers (neither failed by the router nor finished)."""
+        return self.state in (_F.PREFILLING, _F.DECODING)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is _F.FINISHED
 
     @property
     def pair(self) -> str:
         return f"prefill {self.prefill_id or '-'} -> decode {self.decode_id}"
+
+
+class _Source(NamedTuple):
+    """Prefill's source pages of a request, held until decode's HandoffSettled (may outlive the flight)."""
+
+    prefill_id: str
+    decode_id: str
+    since: float
 
 
 @dataclass(frozen=True)
@@ -142,14 +183,14 @@ class _Failure(P.Message):
 class Router:
     """EngineClient over N prefill and M decode workers, reached through a `Hub`."""
 
-    def __init__(self, hub: Hub, config: RouterConfig | None = None) -> None:
+    def __init__(self, hub: P.Hub, config: RouterConfig | None = None) -> None:
         self.hub = hub
         self.config = config or RouterConfig()
         self.workers = WorkerTable(
             suspect_after_s=self.config.suspect_after_s, transit_timeout_s=self.config.worker_timeout_s
         )
         self._flights: dict[str, _Flight] = {}
-        self._sources: dict[str, tuple[str, str, float]] = {}  # rid -> (prefill, decode, since) until it settles
+        self._sources: dict[str, _Source] = {}  # rid -> prefill's held source pages, until the handoff settles
         self._lock = threading.RLock()  # flights, sources and the worker table
         self.integrity_counts: Counter[str] = Counter()
         self.transfer_counts: Counter[str] = Counter()
@@ -158,10 +199,15 @@ class Router:
         self._receiver: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
-        self._told_reregister: dict[str, float] = {}  # worker id -> when we last asked it to register again
-        self._last_heartbeat = 0.0
+        self.registrar = Registrar(
+            hub,
+            self.workers,
+            self._lock,
+            self.config.allow_context_above_pool,
+            self.config.heartbeat_interval_s,
+            self.config.worker_timeout_s,
+        )
         self.worker_deaths: Counter[str] = Counter()  # role -> workers declared dead
-        self.refusals: list[str] = []  # why workers were refused (last few), for the start-up error and tests
 
     # -- start-up -------------------------------------------------------------------------------------------
     def wait_for_workers(self, timeout: float | None = None) -> None:
@@ -179,7 +225,8 @@ class Router:
             if left <= 0:
                 missing = [r for r in ROLES if self.workers.count(r) == 0]
                 if missing:
-                    refused = f" (refused: {' | '.join(self.refusals[-4:])})" if self.refusals else ""
+                    refusals = self.registrar.refusals
+                    refused = f" (refused: {' | '.join(refusals[-4:])})" if refusals else ""
                     raise CapacityConfigError(
                         f"router: no {' and no '.join(missing)} worker registered within {timeout:g}s{refused}"
                     )
@@ -229,7 +276,7 @@ class Router:
         if self._receiver is not None:
             self._receiver.join(timeout=5)
         with self._lock:
-            flights = [f for f in self._flights.values() if not f.done]
+            flights = [f for f in self._flights.values() if f.live]
         for flight in flights:
             self._fail_flight(flight, "router", "router shutting down")
         self.hub.close()
@@ -296,7 +343,7 @@ class Router:
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
-            expected_len=len(prompt),  # the router's own count of what it admitted
+            tokens_expected=len(prompt),  # the router's own count of what it admitted (invariant 2, docs/handoff.md)
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
@@ -314,10 +361,9 @@ class Router:
             assert decode is not None and prefill is not None
             self.workers.order(decode, now, pages=self.workers.pages_for(need))
             self.workers.order(prefill, now, tokens=len(prompt))
-            flight.decode_id, flight.prefill_id = decode.worker_id, prefill.worker_id
-            flight.phase = "prefilling"  # decode reserves while prefill computes
+            flight.decode_id, flight.prefill_id = decode.worker_id, prefill.worker_id  # PREFILLING from here
             self._flights[request_id] = flight
-            self._sources[request_id] = (prefill.worker_id, decode.worker_id, now)
+            self._sources[request_id] = _Source(prefill.worker_id, decode.worker_id, now)
         # Both at once: decode reserves pages for the router's expectation while prefill computes the prompt.
         # Prefill sends nothing before decode's DecodeReserved reaches it (relayed in _dispatch), so decode
         # never sees a transfer it has not reserved for. The order goes out first: the hub delivers each
@@ -327,7 +373,7 @@ class Router:
             P.PrefillOrder(
                 request_id=request_id,
                 prompt_token_ids=prompt,
-                params=params_to_dict(params),
+                params=P.params_to_wire(params),
                 handoff_address="",  # decode's DecodeReserved follows with it
                 transfer_info={},
                 deadline_s=self.config.handoff_deadline_s,
@@ -338,9 +384,9 @@ class Router:
             P.DecodePrepare(
                 request_id=request_id,
                 prompt_token_ids=prompt,
-                expected_len=flight.expected_len,
+                tokens_expected=flight.tokens_expected,
                 token_hash=flight.token_hash,
-                params=params_to_dict(params),
+                params=P.params_to_wire(params),
                 deadline_s=self.config.handoff_deadline_s,
             ),
         )
@@ -349,20 +395,22 @@ class Router:
                 try:
                     msg = await asyncio.wait_for(flight.queue.get(), timeout=self.config.request_timeout_s)
                 except asyncio.TimeoutError:
-                    detail = f"no progress from the workers for {self.config.request_timeout_s:.0f}s ({flight.phase})"
+                    detail = (
+                        f"no progress from the workers for {self.config.request_timeout_s:.0f}s ({flight.state.value})"
+                    )
                     self._abort_both(flight, detail)
                     yield self._error_chunk(flight, detail, self._router_record(flight, Reason.TIMEOUT, detail))
                     return
                 if isinstance(msg, P.Tokens):
                     if msg.integrity is not None:
-                        flight.decode_record = IntegrityRecord(**msg.integrity)
+                        flight.decode_record = self._wire_record(flight, msg.integrity)
                     flight.num_output_tokens += len(msg.token_ids)
                     chunk = GenerationChunk(
                         token_ids=list(msg.token_ids),
                         text=msg.text,
                         finished=msg.finished,
                         finish_reason=msg.finish_reason,
-                        num_prompt_tokens=flight.expected_len,
+                        num_prompt_tokens=flight.tokens_expected,
                         num_output_tokens=flight.num_output_tokens,
                         logprobs=P.logprobs_from_wire(msg.logprobs),  # type: ignore[arg-type]
                         prompt_logprobs=P.logprobs_from_wire(flight.prompt_logprobs),
@@ -379,7 +427,7 @@ class Router:
                     yield chunk
                 elif isinstance(msg, P.RequestFailed):
                     if msg.integrity is not None:
-                        record = IntegrityRecord(**msg.integrity)
+                        record = self._wire_record(flight, msg.integrity)
                     else:
                         reason = Reason.TIMEOUT if msg.reason.startswith("timeout") else Reason.TRANSFER_ERROR
                         record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
@@ -393,7 +441,7 @@ class Router:
                     yield self._error_chunk(flight, f"{msg.reason} ({flight.pair})", record, msg.code)
                     return
         finally:
-            if not flight.done:  # the client went away (generator closed or cancelled)
+            if not flight.finished:  # the client went away (generator closed or cancelled)
                 self._abort_both(flight, "client disconnected")
                 self._finish(flight, self._router_record(flight, Reason.ABORTED, "client disconnected"))
             with self._lock:
@@ -402,7 +450,7 @@ class Router:
     async def abort(self, request_id: str) -> None:
         with self._lock:
             flight = self._flights.get(request_id)
-        if flight is None or flight.done:
+        if flight is None or flight.finished:
             return
         self._abort_both(flight, "aborted by client")
         self._finish(flight, self._router_record(flight, Reason.ABORTED, "aborted by client"))
@@ -513,7 +561,7 @@ class Router:
 
     def _dispatch(self, wid: str, msg: P.Message) -> None:
         if isinstance(msg, P.Register):
-            self._register(wid, msg)
+            self.registrar.register(wid, msg, self._started, self._declare_dead)
             return
         now = time.monotonic()
         with self._lock:
@@ -521,10 +569,7 @@ class Router:
             if entry is not None:
                 self.workers.heard(wid, now)
         if entry is None:  # a worker we do not know (we restarted) or declared dead: it must register again
-            if now - self._told_reregister.get(wid, 0.0) > 1.0:
-                self._told_reregister[wid] = now
-                reason = f"{REREGISTER}: this router does not know worker {wid}; register again"
-                self.hub.send(wid, P.RegisterReply(accepted=False, reason=reason))
+            self.registrar.unknown(wid, now)
             return
         if isinstance(msg, P.WorkerStats):
             with self._lock:
@@ -534,12 +579,12 @@ class Router:
             self.transfer_counts["ok" if msg.verified else "failed"] += 1
             with self._lock:
                 source = self._sources.get(msg.request_id)
-                if source is not None and source[1] == wid:
+                if source is not None and source.decode_id == wid:
                     del self._sources[msg.request_id]
                 else:
                     source = None
             if source is not None:
-                self.hub.send(source[0], P.ReleaseSource(msg.request_id, msg.verified))
+                self.hub.send(source.prefill_id, P.ReleaseSource(msg.request_id, msg.verified))
             return
         rid = getattr(msg, "request_id", None)
         with self._lock:
@@ -550,13 +595,16 @@ class Router:
             return
         if isinstance(msg, P.RequestFailed):
             # tell the other side first, whatever the client is doing
-            pair = (flight.prefill_id, flight.decode_id) if flight is not None else (source or ("", ""))[:2]
+            if flight is not None:
+                pair = (flight.prefill_id, flight.decode_id)
+            else:
+                pair = (source.prefill_id, source.decode_id) if source is not None else ("", "")
             other = pair[1] if wid == pair[0] else pair[0]
             if other:
                 self.hub.send(other, P.Abort(msg.request_id, f"{msg.role} failed: {msg.reason}"))
             with self._lock:
                 self._sources.pop(msg.request_id, None)
-        if flight is None or flight.done:
+        if flight is None or flight.finished:
             if isinstance(msg, P.DecodeReserved):  # reserved for a request that is gone: give it back
                 self.hub.send(wid, P.Abort(msg.request_id, "request gone before prefill"))
             return
@@ -567,7 +615,7 @@ class Router:
         if isinstance(msg, P.PrefillSent):
             if wid != flight.prefill_id:
                 return
-            flight.phase = "decoding"
+            self._advance(flight, _F.DECODING, when=(_F.PREFILLING,))
             flight.prefill_sent = msg
             flight.prompt_logprobs = msg.prompt_logprobs
             # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
@@ -581,30 +629,21 @@ class Router:
         now = time.monotonic()
         limit = self.config.handoff_deadline_s + 5.0  # workers get the first chance to report
         with self._lock:
-            late = [
-                f for f in self._flights.values() if not f.done and f.phase != "decoding" and now - f.started > limit
-            ]
-            for rid, (_, _, since) in list(self._sources.items()):
-                if now - since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
+            late = [f for f in self._flights.values() if f.state is _F.PREFILLING and now - f.started > limit]
+            for rid, src in list(self._sources.items()):
+                if now - src.since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
                     del self._sources[rid]
         for flight in late:
-            reason = f"KV handoff did not complete within {self.config.handoff_deadline_s:.0f}s (phase {flight.phase})"
+            reason = (
+                f"KV handoff did not complete within {self.config.handoff_deadline_s:.0f}s (state {flight.state.value})"
+            )
             self._fail_flight(flight, "router", reason, code="timeout")
 
     # -- worker health --------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
         """Keepalives out; a worker silent for `worker_timeout_s` is declared dead."""
-        now = time.monotonic()
-        with self._lock:
-            up = self.workers.up()
-        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
-            self._last_heartbeat = now
-            for e in up:
-                self.hub.send(e.worker_id, P.RegisterReply(accepted=True, reason=HEARTBEAT))
-        for e in up:
-            silent = now - e.last_seen
-            if silent > self.config.worker_timeout_s:
-                self._declare_dead(e.worker_id, f"{e.role} worker {e.worker_id} lost: no message for {silent:.1f}s")
+        for wid, detail in self.registrar.keepalive(time.monotonic()):
+            self._declare_dead(wid, detail)
 
     def _declare_dead(self, wid: str, detail: str) -> None:
         """Fail every request that still needs worker `wid`; new requests go to the other workers."""
@@ -612,9 +651,9 @@ class Router:
             entry = self.workers.mark_down(wid, detail)
             if entry is None:
                 return
-            flights = [f for f in self._flights.values() if not f.done and f.phase != "done"]
-            orphans = [(rid, p) for rid, (p, d, _) in self._sources.items() if d == wid]
-            for rid in [rid for rid, (p, d, _) in self._sources.items() if wid in (p, d)]:
+            flights = [f for f in self._flights.values() if f.live]
+            orphans = [(rid, src.prefill_id) for rid, src in self._sources.items() if src.decode_id == wid]
+            for rid in [rid for rid, src in self._sources.items() if wid in (src.prefill_id, src.decode_id)]:
                 del self._sources[rid]
         role = entry.role
         self.worker_deaths[role] += 1
@@ -623,7 +662,7 @@ class Router:
             needs = (
                 flight.decode_id == wid
                 if role == "decode"
-                else flight.phase == "prefilling" and flight.prefill_id == wid
+                else flight.state is _F.PREFILLING and flight.prefill_id == wid
             )
             if needs:
                 self._fail_flight(flight, role, detail, code=WORKER_LOST)
@@ -631,45 +670,24 @@ class Router:
             self.hub.send(prefill_id, P.Abort(rid, detail))
 
     def _fail_flight(self, flight: _Flight, role: str, detail: str, code: str = "generation_failed") -> None:
-        """End `flight` with an error chunk (via its queue) and tell both its workers to drop it."""
+        """End `flight` with an error chunk (via its queue) and tell both its workers to drop it (unless the event
+        loop finished it meanwhile)."""
+        if not self._advance(flight, _F.FAILING, when=(_F.PREFILLING, _F.DECODING)):
+            return
         self._abort_both(flight, f"{role}: {detail}")
-        flight.phase = "done"
         flight.loop.call_soon_threadsafe(flight.queue.put_nowait, _Failure(flight.request_id, role, detail, code))
 
-    def _register(self, wid: str, msg: P.Register) -> None:
-        """A worker registering: at start, a replacement, a new one, or a known one coming back."""
-        if msg.worker_id != wid:
-            self._refuse(wid, msg, f"worker registered as {msg.worker_id!r} over the connection of {wid!r}")
-            return
-        try:
-            with self._lock:
-                self.workers.check(msg, self.config.allow_context_above_pool)
-        except CapacityConfigError as e:
-            self._refuse(wid, msg, str(e))
-            return
-        with self._lock:
-            old = self.workers.get(wid)
-        if old is not None:  # the same worker again: it restarted or lost its router, and dropped its requests
-            self._declare_dead(wid, f"{msg.role} worker {wid} registered again (it restarted or lost its router)")
-        with self._lock:
-            self.workers.add(msg, time.monotonic())
-            self._told_reregister.pop(wid, None)
-        self.hub.send(wid, P.RegisterReply(accepted=True))
-        logger.info(
-            "router: %s worker %s registered (pool %d tokens, data plane %s)%s",
-            msg.role,
-            wid,
-            msg.pool_tokens,
-            msg.handoff_address or "-",
-            " and takes traffic" if self._started else "",
-        )
-
-    def _refuse(self, wid: str, msg: P.Register, reason: str) -> None:
-        logger.warning("router: refused %s worker %s: %s", msg.role, wid, reason)
-        self.refusals = [*self.refusals[-15:], f"{wid}: {reason}"]
-        self.hub.send(wid, P.RegisterReply(accepted=False, reason=reason))
-
     # -- helpers --------------------------------------------------------------------------------------------
+    def _advance(self, flight: _Flight, new: FlightState, when: tuple[FlightState, ...]) -> bool:
+        """Move `flight` to `new` if it is in one of `when`, checked under the lock (the receiver thread and the
+        event loop both move flights); False when the other thread moved it on first. Any other step is still
+        checked against FLIGHT_TRANSITIONS."""
+        with self._lock:
+            if flight.state not in when:
+                return False
+            flight.advance(new)
+            return True
+
     def _abort_both(self, flight: _Flight, reason: str) -> None:
         for wid in (flight.decode_id, flight.prefill_id):
             if wid:
@@ -691,12 +709,20 @@ class Router:
             status="failed",
             reason=reason.value,
             detail=detail,
-            tokens_expected=flight.expected_len,
+            tokens_expected=flight.tokens_expected,
             tokens_covered=0,
             pages=0,
             layout_fingerprint=identity.layout_fingerprint if identity is not None else "",
             role="router",
         )
+
+    def _wire_record(self, flight: _Flight, data: dict[str, Any]) -> IntegrityRecord:
+        """A worker's record of the handoff; one that does not parse becomes a failed record saying so."""
+        try:
+            return IntegrityRecord.from_dict(data)
+        except ValueError as e:
+            logger.error("router: %s: malformed integrity record from a worker: %s", flight.request_id, e)
+            return self._router_record(flight, Reason.TRANSFER_ERROR, f"malformed integrity record from a worker: {e}")
 
     def _error_chunk(
         self, flight: _Flight, message: str, record: IntegrityRecord, code: str = "generation_failed"
@@ -706,7 +732,7 @@ class Router:
             text="",
             finished=True,
             finish_reason="error",
-            num_prompt_tokens=flight.expected_len,
+            num_prompt_tokens=flight.tokens_expected,
             num_output_tokens=flight.num_output_tokens,
             integrity=self._finish(flight, record),
             error=message,
@@ -714,13 +740,14 @@ class Router:
         )
 
     def _finish(self, flight: _Flight, record: IntegrityRecord) -> dict[str, Any]:
-        """The one place a request's integrity record is logged and counted; returns its API form."""
-        if flight.done:
-            assert flight.record is not None
-            return flight.record.to_api()
-        flight.done = True
-        flight.phase = "done"
-        flight.record = record
+        """The one place a request's integrity record is logged and counted (invariant 8, docs/handoff.md); returns
+        its API form."""
+        with self._lock:
+            if flight.finished:
+                assert flight.record is not None  # FINISHED is entered only here, with the record
+                return flight.record.to_api()
+            flight.advance(_F.FINISHED)
+            flight.record = record
         self.integrity_counts[record.status] += 1
         self.integrity_metrics.observe(record)
         with self._lock:

@@ -74,7 +74,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
     """Send the registration and wait for the router's answer; a refusal raises with its reason."""
-    from kvfence.disagg.router import HEARTBEAT, REREGISTER
+    from kvfence.disagg.registration import HEARTBEAT, REREGISTER
 
     worker.attach(channel.send)
     channel.send(worker.registration())
@@ -116,7 +116,7 @@ def run_worker(
     that does not know this worker (it restarted, or declared it dead) asks it to
     register again; the worker does the same.
     """
-    from kvfence.disagg.router import REREGISTER
+    from kvfence.disagg.registration import REREGISTER
 
     stop = stop or threading.Event()
     worker.attach(channel.send)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvfence.disagg import protocol as P
-from kvfence.errors import CapacityConfigError
+from kvfence.errors import CapacityConfigError, KvfenceError
 from kvfence.roles import WORKER_ROLES
 from kvfence.server.admission import role_capacity
 from kvfence.server.engine_client import Capacity
@@ -50,12 +50,12 @@ IDENTITY_FIELDS = (
     "model_fingerprint",
     "layout_fingerprint",
     "vocab_size",
-    "transport",
+    "transfer_backend",
 )
 
 
 def identity_value(reg: P.Register, name: str) -> Any:
-    if name == "transport":
+    if name == "transfer_backend":  # the workers still report it under the settings key "transport"
         return reg.settings.get("transport", "tcp")
     return getattr(reg, name)
 
@@ -89,7 +89,8 @@ def check_match(reg: P.Register, reference: P.Register) -> None:
 
 
 def check_registration(reg: P.Register, allow_context_above_pool: bool = False) -> None:
-    """A worker of an unknown role, a pool of partial pages, or a context its pool cannot hold is refused."""
+    """A worker of an unknown role, a pool of partial pages, or a context its pool cannot hold is refused (invariant
+    6, docs/handoff.md)."""
     if reg.role not in ROLES:
         raise CapacityConfigError(f"worker {reg.worker_id} registered with unknown role {reg.role!r}")
     if reg.page_size <= 0 or reg.pool_tokens <= 0 or reg.pool_tokens % reg.page_size:
@@ -152,7 +153,10 @@ class WorkerTable:
     """The registered workers of one router (see the module docstring for the routing policy)."""
 
     def __init__(self, suspect_after_s: float = 1.0, transit_timeout_s: float = 10.0) -> None:
-        assert suspect_after_s > 0 and transit_timeout_s > 0
+        if not (suspect_after_s > 0 and transit_timeout_s > 0):
+            raise KvfenceError(
+                f"worker table: suspect_after_s {suspect_after_s} and transit_timeout_s {transit_timeout_s} must be > 0"
+            )
         self.suspect_after_s = suspect_after_s
         self.transit_timeout_s = transit_timeout_s  # an order no report covers after this long is forgotten
         self.identity: P.Register | None = None  # the first accepted worker: what every other must match

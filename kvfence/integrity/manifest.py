@@ -73,10 +73,15 @@ class HandoffManifest:
     first_logprobs: list | None = None  # its scores in the control plane's wire form, when the request asked
 
     def __post_init__(self) -> None:
-        assert self.num_tokens >= 0 and self.num_pages >= 0 and self.page_size > 0
-        assert self.first_token is None or self.first_token >= 0, self.first_token
-        assert len(self.page_digests) == self.num_pages, (len(self.page_digests), self.num_pages)
-        assert len(self.canaries) == self.num_pages, (len(self.canaries), self.num_pages)
+        # explicit checks, not asserts: a manifest arrives over the wire and `python -O` drops asserts
+        if self.num_tokens < 0 or self.num_pages < 0 or self.page_size <= 0:
+            raise ValueError(f"num_tokens {self.num_tokens}, num_pages {self.num_pages}, page_size {self.page_size}")
+        if self.first_token is not None and self.first_token < 0:
+            raise ValueError(f"first_token {self.first_token} is negative")
+        if len(self.page_digests) != self.num_pages or len(self.canaries) != self.num_pages:
+            raise ValueError(
+                f"{len(self.page_digests)} page digests and {len(self.canaries)} canaries for {self.num_pages} pages"
+            )
 
     def to_bytes(self) -> bytes:
         d = {
@@ -127,7 +132,7 @@ class HandoffManifest:
                 first_token=None if d.get("first_token") is None else int(d["first_token"]),
                 first_logprobs=None if d.get("first_logprobs") is None else list(d["first_logprobs"]),
             )
-        except (KeyError, TypeError, ValueError, AssertionError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from e
         return m
 

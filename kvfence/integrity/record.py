@@ -14,7 +14,8 @@ What it does not know: how the handoff went; `disagg.handoff` fills it in.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -23,6 +24,10 @@ from kvfence.integrity.verify import VERIFY_REASONS, Reason, VerifyResult
 
 STATUSES = ("verified", "rejected", "failed", "unverified", "local")
 LOCAL_DETAIL = "aggregated mode: the prompt's KV was computed in the process that decodes it; no handoff to verify"
+
+
+def _required(f: Field[Any]) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 def status_for(result: VerifyResult | None, verified: bool = True) -> str:
@@ -50,8 +55,21 @@ class IntegrityRecord:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: transfer, verify, total
 
     def __post_init__(self) -> None:
-        assert self.status in STATUSES, self.status
-        assert (self.status in ("verified", "unverified", "local")) == (self.reason is None), (self.status, self.reason)
+        if self.status not in STATUSES:
+            raise ValueError(f"integrity record: status {self.status!r} is not one of {STATUSES}")
+        if (self.status in ("verified", "unverified", "local")) != (self.reason is None):
+            raise ValueError(f"integrity record: status {self.status!r} does not go with reason {self.reason!r}")
+
+    @classmethod
+    def from_dict(cls, data: object) -> IntegrityRecord:
+        """The inverse of `to_dict` (a record that came over the wire); anything else raises ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"integrity record: expected a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown, missing = set(data) - names, {f.name for f in fields(cls) if f.name not in data and _required(f)}
+        if unknown or missing:
+            raise ValueError(f"integrity record: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        return cls(**data)
 
     @classmethod
     def local(cls, request_id: str, tokens_expected: int, layout_fingerprint: str) -> IntegrityRecord:

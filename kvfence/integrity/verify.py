@@ -74,7 +74,7 @@ class Expectation(NamedTuple):
     """What the router says the request is; never taken from prefill."""
 
     request_id: str
-    num_tokens: int
+    tokens_expected: int  # the router's count of the prompt it admitted (the manifest's `num_tokens` is prefill's)
     token_hash: str
 
 
@@ -164,25 +164,25 @@ def verify_handoff(
         )
     if m.digest_algorithm != DIGEST_ALGORITHM:
         return _fail(Reason.LAYOUT_MISMATCH, f"digest algorithm {m.digest_algorithm!r}, decode uses {DIGEST_ALGORITHM}")
-    if m.num_tokens != expect.num_tokens:
+    if m.num_tokens != expect.tokens_expected:
         return _fail(
             Reason.TOKEN_COUNT_MISMATCH,
-            f"manifest covers {m.num_tokens} tokens, router expects {expect.num_tokens}",
+            f"manifest covers {m.num_tokens} tokens, router expects {expect.tokens_expected}",
         )
     if m.token_hash != expect.token_hash:
         return _fail(Reason.TOKEN_HASH_MISMATCH, f"manifest token hash {m.token_hash}, router's is {expect.token_hash}")
-    need = pages_for_tokens(expect.num_tokens, ps)
+    need = pages_for_tokens(expect.tokens_expected, ps)
     if not (m.num_pages == need == len(dest_pages) == coverage.num_pages):
         return _fail(
             Reason.PAGE_COUNT_MISMATCH,
-            f"{expect.num_tokens} tokens need {need} pages of {ps}; manifest has {m.num_pages}, "
+            f"{expect.tokens_expected} tokens need {need} pages of {ps}; manifest has {m.num_pages}, "
             f"decode allocated {len(dest_pages)}, coverage tracks {coverage.num_pages}",
         )
     if not coverage.complete:
         return _fail(
             Reason.COVERAGE_GAP,
             coverage.describe_gaps(),
-            tokens_covered=min(expect.num_tokens, coverage.num_covered * ps),
+            tokens_covered=min(expect.tokens_expected, coverage.num_covered * ps),
         )
     pb = PageBytes(pool)
     for i, page in enumerate(dest_pages):
@@ -192,7 +192,7 @@ def verify_handoff(
                 Reason.DIGEST_MISMATCH,
                 f"logical page {i} (decode page {page}): digest {got:016x}, manifest {m.page_digests[i]:016x}",
                 pages_checked=i + 1,
-                tokens_covered=min(expect.num_tokens, i * ps),
+                tokens_covered=min(expect.tokens_expected, i * ps),
             )
     if check_canary:
         bad = check_canaries(pool, dest_pages, expect.request_id, m.canaries, m.canary_samples)
@@ -201,6 +201,6 @@ def verify_handoff(
                 Reason.CANARY_MISMATCH,
                 f"{len(bad)} page(s) with broken canaries (logical {bad[:8]})",
                 pages_checked=len(dest_pages),
-                tokens_covered=min(expect.num_tokens, bad[0] * ps),
+                tokens_covered=min(expect.tokens_expected, bad[0] * ps),
             )
-    return VerifyResult(True, None, "verified", len(dest_pages), expect.num_tokens)
+    return VerifyResult(True, None, "verified", len(dest_pages), expect.tokens_expected)

@@ -6,8 +6,9 @@ must hold the prompt and every other role's pool must hold prompt + max_tokens;
 otherwise the request is refused with `ContextLengthExceededError` naming the numbers.
 A refusal is an error, never a shortened or substitute prompt. At start-up: a role
 whose context length exceeds its KV pool refuses to start (unless the operator
-explicitly allows it, which turns the pool size into a hard per-request limit), and
-the settings of a prefill and a decode worker must agree before they are paired.
+explicitly allows it, which turns the pool size into a hard per-request limit).
+Whether a prefill and a decode worker may be paired is not admission: the router checks
+it when a worker registers (`disagg.registration.check_pair`, `disagg.workers.check_match`).
 
 What it does not know: tokenization, HTTP, or how pools are allocated at run time
 (a request that fits the pool may still wait for pages; that is the scheduler's job).
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, NamedTuple
 
 from kvfence.config import check_capacity
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
@@ -124,37 +124,3 @@ def build_capacity(
         for role, (num_pages, page_size) in pools.items()
     }
     return Capacity(context_length=context_length, max_total_tokens=totals, page_size=page_sizes.pop())
-
-
-# ---- pairing a prefill worker with a decode worker ----------------------------------------------------------------
-
-# What must be identical on both sides of a KV handoff; each is a top-level key of a worker's server_info().
-MATCHING_SETTINGS = ("context_length", "page_size", "dtype", "model_fingerprint", "layout_fingerprint")
-_MISSING = "<missing>"
-
-
-class Mismatch(NamedTuple):
-    setting: str
-    prefill: Any
-    decode: Any
-
-
-def compare_role_settings(prefill_info: Mapping[str, Any], decode_info: Mapping[str, Any]) -> list[Mismatch]:
-    """Every setting that differs between a prefill and a decode worker (a missing one counts)."""
-    out: list[Mismatch] = []
-    for key in MATCHING_SETTINGS:
-        p, d = prefill_info.get(key, _MISSING), decode_info.get(key, _MISSING)
-        if p == _MISSING or d == _MISSING or p != d:
-            out.append(Mismatch(key, p, d))
-    return out
-
-
-def check_role_settings(prefill_info: Mapping[str, Any], decode_info: Mapping[str, Any]) -> None:
-    """Refuse to pair workers whose settings differ; the message lists every difference."""
-    mismatches = compare_role_settings(prefill_info, decode_info)
-    if mismatches:
-        detail = "; ".join(f"{m.setting}: prefill={m.prefill!r} decode={m.decode!r}" for m in mismatches)
-        raise CapacityConfigError(
-            f"prefill and decode workers disagree, refusing to pair them ({detail}); "
-            "start both with the same --model, --context-length, --page-size and dtype"
-        )

@@ -49,7 +49,7 @@ from starlette.requests import Request
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from kvfence.errors import KvfenceError
-from kvfence.server import protocol as p
+from kvfence.server import openai_schema as p
 from kvfence.server import sampling
 from kvfence.server.admission import admit
 from kvfence.server.engine_client import EngineClient, GenerationChunk

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvfence.engine.sampler import TokenLogprobs
+    from kvfence.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ class EngineClient(Protocol):
 
     def capacity(self) -> Capacity: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[GenerationChunk]:
-        """Stream chunks until one with finished=True. `params` is kvfence.engine.sampling_params.SamplingParams."""
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks until one with finished=True."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence.errors import InvalidRequestError, KvfenceError
-from kvfence.server import protocol as p
+from kvfence.server import openai_schema as p
 from kvfence.server.metrics import Metrics
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info")

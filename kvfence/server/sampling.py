@@ -19,7 +19,7 @@ from typing import Any
 
 from kvfence.engine.sampling_params import SamplingParams, StructuredOutputs
 from kvfence.errors import InvalidRequestError
-from kvfence.server import protocol as p
+from kvfence.server import openai_schema as p
 
 # field -> (its neutral value, why it is refused); a request with any other value gets a 400
 _REFUSED: dict[str, tuple[Any, str]] = {

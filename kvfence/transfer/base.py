@@ -68,6 +68,11 @@ def new_transfer_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+# The transfer backends (`--transfer-backend`): how page bytes reach decode. "local" is threads and queues in one
+# process (tests only, no flag).
+TRANSFER_BACKENDS = ("tcp", "mooncake", "local")
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """Sender-side bounds (invariant 7, docs/handoff.md) and deadlines."""
@@ -79,9 +84,10 @@ class TransferConfig:
     io_timeout_s: float = 10.0  # a socket that moves no byte for this long in the middle of a frame is dropped
 
     def __post_init__(self) -> None:
-        assert self.max_transfer_pages > 0, self.max_transfer_pages
-        assert self.max_inflight_bytes > 0, self.max_inflight_bytes
-        assert self.send_timeout_s > 0 and self.connect_timeout_s > 0 and self.io_timeout_s > 0
+        for name in ("max_transfer_pages", "max_inflight_bytes", "send_timeout_s", "connect_timeout_s", "io_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:  # explicit, not assert: these come from CLI flags and `python -O` drops asserts
+                raise KvfenceError(f"transfer: {name} must be > 0, got {value!r}")
 
 
 class Link(Protocol):

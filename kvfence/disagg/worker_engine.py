@@ -1,0 +1,68 @@
+"""The engine a disaggregated worker drives: the verbs prefill and decode call, as Protocols.
+
+What it knows: which parts of `kvfence.engine.llm_engine.LLMEngine` each worker role
+uses (its KV pool and allocator, the resolved sizes, stepping, releasing and aborting
+requests; prefill adds prompt-only requests, decode reserves pages and adds requests
+whose prompt KV arrived by handoff). `LLMEngine` satisfies both; tests may pass fakes.
+
+What it does not know: how the engine schedules or runs the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvfence.config import ResolvedEngineConfig
+    from kvfence.engine.llm_engine import EngineStats, RequestOutput
+    from kvfence.engine.sampler import TokenLogprobs
+    from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.kv.allocator import PageAllocator
+    from kvfence.kv.pool import KVPool
+
+
+class WorkerEngine(Protocol):
+    """What both roles use."""
+
+    pool: KVPool
+    allocator: PageAllocator
+    resolved: ResolvedEngineConfig
+
+    def stats(self) -> EngineStats: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def abort_request(self, request_id: str) -> bool: ...
+    def release(self, request_id: str, quarantine: bool = False) -> list[int]: ...
+
+
+class PrefillEngine(WorkerEngine, Protocol):
+    """Prefill: prompts run `prefill_only` and keep their pages until `release`."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        prefill_only: bool = False,
+    ) -> None: ...
+
+
+class DecodeEngine(WorkerEngine, Protocol):
+    """Decode: reserve pages for the router's length, then add the request once its KV verified."""
+
+    scheduler: Any  # read only to advance a seeded request's generator past prefill's draw
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None: ...
+    def report_pending(self) -> list[RequestOutput]: ...
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        sampling_params: SamplingParams,
+        page_table: Sequence[int] | None = None,
+        first_logprobs: TokenLogprobs | None = None,
+    ) -> None: ...
