@@ -17,7 +17,7 @@ from kvfence.server.admission import (
     role_capacity,
 )
 from kvfence.server.engine_client import Capacity
-from tests.test_api_fakes import MODEL, FakeEngine, serve
+from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 PD = Capacity(context_length=1000, max_total_tokens={"prefill": 600, "decode": 800}, page_size=16)
 
