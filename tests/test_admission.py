@@ -10,7 +10,7 @@ import pytest
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
 from kvfence.server.admission import admit, build_capacity, role_capacity
 from kvfence.server.engine_client import Capacity
-from tests.test_api_fakes import MODEL, FakeEngine, serve
+from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 PD = Capacity(context_length=1000, max_total_tokens={"prefill": 600, "decode": 800}, page_size=16)
 

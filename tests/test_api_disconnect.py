@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.test_api_fakes import MODEL, FakeEngine, serve
+from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:  # noqa: ANN001

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvfence.errors import InvalidRequestError
-from tests.test_api_fakes import MODEL, FakeEngine, serve
+from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 MAX_BODY = 64 * 1024  # small cap so the oversized cases stay cheap
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_api_fakes import MODEL, FakeEngine, serve
+from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints, driven by the official `openai` client against uvicorn on a free port.
 
-The engine behind the server is tests/test_api_fakes.FakeEngine, so expected texts are
+The engine behind the server is tests/helpers/api_fakes.FakeEngine, so expected texts are
 computed exactly; the real engine is exercised in test_api_engine.py.
 """
 
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_api_fakes import MODEL, ByteTokenizer, FakeEngine, expected_text, serve
+from tests.helpers.api_fakes import MODEL, ByteTokenizer, FakeEngine, expected_text, serve
 
 TOK = ByteTokenizer()
 

@@ -8,12 +8,7 @@ Oracles: transformers' log_softmax on the same tiny random Llama for every logpr
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,14 +22,14 @@ import torch
 from kvfence.cli import build_parser
 from kvfence.commands.serve import build_aggregated
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.api import ApiSettings, build_app
 from kvfence.server.launch import ServerThread
 from tests.helpers.inprocess import InProcessDeployment
-from tests.test_structured_output import SCHEMA
+from tests.helpers.schemas import SCHEMA
+from tests.helpers.serve import kvfence_serve
 
 FLAGS = ["--page-size", "4", "--max-total-tokens", "1024", "--context-length", "256", "--served-model-name", "tiny"]
 MODES = ["aggregated", "disaggregated"]
@@ -355,33 +350,6 @@ def test_processed_logprobs_mode_reports_the_distribution_sampled_from(tiny_llam
 
 
 # -- a real `kvfence serve` process -----------------------------------------------------------------------------
-
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-@contextlib.contextmanager
-def kvfence_serve(model_dir: Path, log_path: Path, *flags: str) -> Iterator[str]:
-    """`kvfence serve` (disaggregated unless flags say --role aggregated) on a free port; yields its URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvfence", "serve", "--model", str(model_dir), "--port", str(port)]
-    cmd += ["--served-model-name", "tiny", "--log-level", "warning", *flags]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while True:
-                assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            yield url
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
 
 
 @pytest.mark.slow  # ~30 s per mode: fresh interpreters import torch and load the model

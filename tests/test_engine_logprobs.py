@@ -3,7 +3,7 @@
 Oracle: log_softmax of transformers' own float32 logits over the whole sequence (prompt + what
 the engine generated). Prompt logprobs are checked across chunked prefill and preemption;
 penalised greedy generation is checked against a loop that applies the reference processors
-of tests/test_sampler.py to transformers' logits one step at a time.
+of tests/helpers/reference_sampler.py to transformers' logits one step at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvfence.engine.llm_engine import Completion, LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from tests.test_sampler import reference_processed
+from tests.helpers.reference_sampler import reference_processed
 
 K = 5
 

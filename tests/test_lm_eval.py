@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_api_openai_params import OFFLINE, kvfence_serve
+from tests.helpers.serve import OFFLINE, kvfence_serve
 
 pytest.importorskip("lm_eval")
 

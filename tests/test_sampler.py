@@ -1,10 +1,9 @@
 """Sampler: greedy, temperature, top-k, top-p, seeds that do not depend on the batch; logits processors and
-logprobs against a plain-Python reference of vLLM's semantics written here."""
+logprobs against the plain-Python reference of vLLM's semantics in tests/helpers/reference_sampler.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from kvfence.engine.sampler import History, Sampler
 from kvfence.engine.sampling_params import SamplingParams, StructuredOutputs
 from kvfence.errors import InvalidRequestError
+from tests.helpers.reference_sampler import log_softmax, reference_processed
 
 V = 50
 
@@ -132,31 +132,7 @@ def test_stop_accepts_a_single_string_and_lists() -> None:
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
 
 
-# --- logits processors and logprobs (vLLM semantics), against a reference written here ---------------------
-
-
-def reference_processed(
-    row: list[float], prompt: list[int], output: list[int], p: SamplingParams, eos: tuple[int, ...]
-) -> list[float]:
-    """vLLM's order, one token at a time in plain Python: min_tokens, logit_bias, repetition (prompt + output),
-    then frequency (per output occurrence) and presence (once per output token)."""
-    x = list(row)
-    if len(output) < p.min_tokens:
-        for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
-            x[t] = float("-inf")
-    for t, b in p.logit_bias:
-        x[t] += b
-    for t in set(prompt) | set(output):
-        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    for t in set(output):
-        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
-    return x
-
-
-def log_softmax(x: list[float]) -> list[float]:
-    m = max(v for v in x if v != float("-inf"))
-    z = math.log(sum(math.exp(v - m) for v in x if v != float("-inf"))) + m
-    return [v - z for v in x]
+# --- logits processors and logprobs (vLLM semantics), against tests/helpers/reference_sampler.py
 
 
 PENALTY_CASES = [

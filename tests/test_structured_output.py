@@ -16,19 +16,7 @@ from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams, StructuredOutputs
 from kvfence.errors import InvalidRequestError
-
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "name": {"type": "string", "maxLength": 8},
-        "ok": {"type": "boolean"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-    },
-    "required": ["id", "name", "ok", "color", "tags"],
-    "additionalProperties": False,
-}
+from tests.helpers.schemas import SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,8 @@ from kvfence.transfer.mooncake_engine import (
     lane_queue_limit,
     mooncake_available,
 )
+from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
 from tests.helpers.kv import frame, seed_pool
-from tests.test_faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16

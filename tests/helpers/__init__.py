@@ -1,1 +1,2 @@
-"""Scaffolding shared by the tests (pools with known bytes, polling, wire frames); no test lives here."""
+"""Scaffolding shared by the tests (pools with known bytes, polling, wire frames, a fake engine and tokenizer,
+a `kvfence serve` process, a reference sampler, the fault matrix, a JSON schema); no test lives here."""
