@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.prefill import PrefillRequestState
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine

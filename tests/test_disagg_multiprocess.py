@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.launcher import LaunchConfig, Launcher, free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.worker_main import torch_threads_for
 
 

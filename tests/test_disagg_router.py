@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.registration import check_pair
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.disagg.worker_main import parse_faults

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.decode import DecodeConfig
 from kvfence.disagg.handoff import HandoffConfig
 from kvfence.disagg.prefill import PrefillConfig

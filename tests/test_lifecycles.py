@@ -90,7 +90,7 @@ def test_check_table_refuses_a_table_missing_a_state() -> None:
 def test_a_flight_finished_by_the_event_loop_is_not_failed_again_by_the_receiver() -> None:
     import asyncio
 
-    from kvfence.disagg import protocol as P
+    from kvfence.disagg import messages as P
     from kvfence.disagg.router import Router, _Flight
     from kvfence.engine.sampling_params import SamplingParams
     from kvfence.integrity.record import IntegrityRecord

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
 from kvfence.disagg.lifecycle import Lifecycle

@@ -32,7 +32,7 @@ Both objects are driven by a worker loop calling the non-blocking `poll()`; noth
 here starts a thread. Timeouts come from `HandoffConfig`; the clock is injectable.
 
 What it does not know: scheduling, models or the router; messages to the router are
-the worker's business (`disagg.protocol`).
+the worker's business (`disagg.messages`).
 """
 
 from __future__ import annotations

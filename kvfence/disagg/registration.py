@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.workers import WorkerTable, check_match
 from kvfence.errors import CapacityConfigError
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_positive
 from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.disagg.registration import Registrar

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.errors import CapacityConfigError, KvfenceError
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.worker import Worker, WorkerIdentity, model_fingerprint, register, run_worker
 from kvfence.errors import KvfenceError
 from kvfence.roles import DECODE, PREFILL, ROUTER

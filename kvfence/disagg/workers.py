@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.errors import CapacityConfigError, KvfenceError
 from kvfence.roles import WORKER_ROLES
 from kvfence.server.admission import role_capacity

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvfence.disagg import protocol as P
+from kvfence.disagg import messages as P
 from kvfence.disagg.decode import DecodeConfig, DecodeWorker
 from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
 from kvfence.disagg.router import Router, RouterConfig
