@@ -1,0 +1,155 @@
+"""Decode attention as one C++ kernel that reads the paged KV pool in place (opt-in, CPU, float32).
+
+What it knows: for a decode batch (one query token per sequence) it computes, per (sequence, KV
+head), the scores of that head's G = H / Hkv query heads against every key of the sequence's
+context, read slot by slot from the flat pool views through the batch's page table, an exact
+two-pass softmax (max, then exp and sum, in float32) and the weighted sum of the values. There
+is no contiguous copy of the context (no gather, no per-step append), and each (sequence, KV
+head) is computed by the same loop whatever its batch-mates are, so a row's output does not
+depend on the batch. Work is split over (sequence, KV head) with `at::parallel_for`.
+
+The kernel is compiled on first use with torch's C++ extension builder (g++ and ninja needed;
+about a minute on two cores, then cached under torch's extensions directory), which is why it is
+opt-in (`EngineConfig.decode_attention = "native"`, `--decode-attention native`): the default
+engine and the test suite never pay for the build.
+
+What it does not know: prefill, masks other than "the first kv_len keys", dtypes other than
+float32, or devices other than the CPU; callers keep the torch path for those.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// sum over d of a[d] * b[d]; 16 independent partial sums so the compiler vectorises without reassociating
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += a[d + j] * b[d + j];
+  }
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_pool: [S, Hkv, D]; v_pool: [S, Hkv, Dv]; pages: [B, P] int64; lens: [B] int64 -> [B, H, Dv]
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     torch::Tensor pages, torch::Tensor lens, int64_t page_size, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
+              "native decode attention runs on float32");
+  TORCH_CHECK(pages.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "pages and lens must be int64");
+  q = q.contiguous();
+  k_pool = k_pool.contiguous();
+  v_pool = v_pool.contiguous();
+  pages = pages.contiguous();
+  lens = lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_pool.size(1), Dv = v_pool.size(2), P = pages.size(1);
+  TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
+  const int64_t G = H / Hkv;
+  auto out = torch::empty({B, H, Dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
+  }
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(G * Dv);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / Hkv, hk = unit % Hkv;
+      const int64_t L = ln[b];
+      scores.resize(G * L);
+      const float* qb = qp + (b * H + hk * G) * D;  // the G query heads that read KV head hk
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = pg[b * P + t / page_size] * page_size + t % page_size;
+        const float* kt = kp + (slot * Hkv + hk) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qb + g * D, kt, D) * sc;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        float m = s[0];
+        for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+        float total = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = std::exp(s[t] - m);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = pg[b * P + t / page_size] * page_size + t % page_size;
+        const float* vt = vp + (slot * Hkv + hk) * Dv;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * L + t];
+          float* a = acc.data() + g * Dv;
+          for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        std::copy(acc.begin() + g * Dv, acc.begin() + (g + 1) * Dv, op + (b * H + hk * G + g) * Dv);
+      }
+    }
+  });
+  return out;
+}
+"""
+
+
+class NativeAttentionUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here (no compiler, no ninja, a build error)."""
+
+
+@functools.cache
+def load() -> Any:
+    """Build (first use) or load the extension; returns its `paged_decode_attention` function."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            name="kvfence_paged_decode_attention_v1",
+            cpp_sources=[_SOURCE],
+            functions=["paged_decode_attention"],
+            extra_cflags=["-O3", "-march=native"],
+            verbose=False,
+        )
+    except Exception as e:  # the builder raises RuntimeError, OSError, subprocess errors, ImportError
+        raise NativeAttentionUnavailable(f"cannot build the native decode attention kernel: {e}") from e
+    return module.paged_decode_attention
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] flat pool views (this step's K/V stored);
+    kv_pages: [B, P] pages of each context; kv_lens: [B] context lengths -> [B, H, Dv]."""
+    return load()(q, k_cache, v_cache, kv_pages, kv_lens, int(page_size), float(scale))
