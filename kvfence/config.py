@@ -19,7 +19,7 @@ from typing import Any
 from kvfence.errors import CapacityConfigError, KvfenceError
 
 _DTYPES = ("float32", "float16", "bfloat16")
-DECODE_ATTENTION_BACKENDS = ("torch", "native")
+KERNEL_BACKENDS = ("torch", "native")
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -39,17 +39,15 @@ class ModelConfig:
     model_dir: str
     dtype: str = "float32"  # weights and KV pool dtype
     device: str = "cpu"
-    # "torch": decode attention in torch ops over contiguous context copies; "native": one C++ kernel
-    # that reads the paged pool in place (models.native_attention; built on first use, CPU float32 only)
-    decode_attention: str = "torch"
+    # "torch": torch ops only; "native": C++ kernels for decode attention (reads the paged pool in place)
+    # and RMSNorm (models.native_kernels; built on first use, CPU float32 only)
+    kernels: str = "torch"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ConfigError("model_dir must be a non-empty path")
-        if self.decode_attention not in DECODE_ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"decode_attention must be one of {', '.join(DECODE_ATTENTION_BACKENDS)}, got {self.decode_attention!r}"
-            )
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernels!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
 
@@ -156,10 +154,11 @@ def add_engine_arguments(parser: Any) -> None:
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=list(_DTYPES), help="weights and KV cache dtype")
     g.add_argument("--device", default=ModelConfig.device, help=f"torch device (default: {ModelConfig.device})")
     g.add_argument(
-        "--decode-attention",
+        "--kernels",
         default="torch",
-        choices=list(DECODE_ATTENTION_BACKENDS),
-        help="decode attention: torch ops, or a C++ kernel over the paged pool, compiled on first use (default: torch)",
+        choices=list(KERNEL_BACKENDS),
+        help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm), built on first use; "
+        "CPU float32 only (default: torch)",
     )
     g.add_argument(
         "--page-size",
@@ -207,7 +206,7 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
             model_dir=model_dir,
             dtype=args.dtype,
             device=args.device,
-            decode_attention=getattr(args, "decode_attention", "torch"),
+            kernels=getattr(args, "kernels", "torch"),
         ),
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
         scheduler=SchedulerConfig(

@@ -157,10 +157,10 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
         eos_token_ids: tuple[int, ...] = (),
-        decode_attention: str = "torch",
+        kernels: str = "torch",
     ) -> None:
         self.model = model
-        self.native_decode = decode_attention == "native"  # decode attention reads the pool in place
+        self.native_decode = kernels == "native"  # decode attention reads the pool in place
         self.pool = pool
         self.page_size = pool.page_size
         self.device = torch.device(device)

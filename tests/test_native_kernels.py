@@ -1,5 +1,6 @@
-"""The opt-in C++ decode attention (models.native_attention): it equals torch attention over the same pages,
-a row does not depend on its batch-mates, and an engine running it gives transformers' greedy tokens.
+"""The opt-in C++ kernels (models.native_kernels): decode attention equals torch attention over the same
+pages, a row does not depend on its batch-mates, RMSNorm equals torch's, and an engine running them gives
+transformers' greedy tokens.
 
 Building the kernel takes a minute or more on two cores, so the tests that need it are slow.
 """
@@ -52,24 +53,24 @@ def _reference(
 
 @pytest.mark.slow
 def test_kernel_equals_torch_attention_over_scattered_pages() -> None:
-    from kvfence.models.native_attention import paged_decode_attention
+    from kvfence.models.native_kernels import paged_kernels
 
     q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23])
-    got = paged_decode_attention(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
+    got = paged_kernels(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
     assert not got.isnan().any()  # NaN slots past each context are never read
     torch.testing.assert_close(got, _reference(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_kernel_row_does_not_depend_on_batch_mates() -> None:
-    from kvfence.models.native_attention import paged_decode_attention
+    from kvfence.models.native_kernels import paged_kernels
 
     q, k, v, pages, lens = _case([5, 33, 17, 64])
     scale = q.shape[-1] ** -0.5
-    batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)
+    batched = paged_kernels(q, k, v, pages, lens, PAGE, scale)
     for b in range(q.shape[0]):
         P = -(-int(lens[b]) // PAGE)
-        alone = paged_decode_attention(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
+        alone = paged_kernels(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
         assert torch.equal(alone[0], batched[b])  # bitwise
 
 
@@ -80,14 +81,14 @@ def loaded(tiny_llama_dir: Path) -> Any:
 
 def _engine(loaded: Any, backend: str, dtype: str = "float32") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(str(loaded.model_dir), dtype=dtype, decode_attention=backend),
+        model=ModelConfig(str(loaded.model_dir), dtype=dtype, kernels=backend),
         cache=CacheConfig(page_size=PAGE),
     )
     return LLMEngine(config, loaded=loaded)
 
 
 @pytest.mark.slow
-def test_engine_with_native_decode_attention_matches_transformers(loaded: Any, tiny_llama_dir: Path) -> None:
+def test_engine_with_native_kernels_matches_transformers(loaded: Any, tiny_llama_dir: Path) -> None:
     import transformers
     from transformers import GenerationConfig
 
@@ -102,13 +103,23 @@ def test_engine_with_native_decode_attention_matches_transformers(loaded: Any, t
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = [c.token_ids for c in engine.generate(prompts, params)]
     assert got == want
+    assert engine.runner.model.native and engine.runner.context_cache.num_rebuilds == 0  # the native paths ran
 
 
-def test_native_decode_attention_refuses_other_dtypes(loaded: Any) -> None:
+def test_native_kernels_refuses_other_dtypes(loaded: Any) -> None:
     with pytest.raises(ConfigError, match="float32"):
         _engine(loaded, "native", dtype="bfloat16")
 
 
-def test_unknown_decode_attention_backend_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="decode_attention"):
-        ModelConfig("some/dir", decode_attention="flash")
+def test_unknown_kernels_backend_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="kernels"):
+        ModelConfig("some/dir", kernels="flash")
+
+
+@pytest.mark.slow
+def test_rms_norm_kernel_matches_torch_rms_norm() -> None:
+    from kvfence.models.native_kernels import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 200, generator=g) * 3, torch.randn(200, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (200,), w, 1e-6))
