@@ -6,7 +6,7 @@ of the ops of a few steps (self CPU time). Used for docs/benchmarks.md "Engine s
 
 What it does not know: anything about the server; it is a measuring script, not a test.
 
-usage: python scripts/profile_step.py [--model DIR] [--batch 1] [--steps 40] [--threads 2] [--rows 18]
+usage: python scripts/profile_step.py [--model DIR] [--batch 1] [--steps 40] [--threads 1] [--kernels native]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=18)
-    ap.add_argument("--compile", action="store_true", help="EngineConfig compile_decode=True, if it exists")
+    ap.add_argument("--kernels", default="torch", choices=["torch", "native"], help="ModelConfig.kernels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -34,9 +34,10 @@ def main() -> None:
     from kvfence.engine.sampling_params import SamplingParams
 
     model_dir = resolve_model_dir(args.model)
-    kwargs = {"compile_decode": True} if args.compile else {}
     engine = LLMEngine(
-        EngineConfig(model=ModelConfig(model_dir=model_dir), cache=CacheConfig(max_total_tokens=65536), **kwargs)
+        EngineConfig(
+            model=ModelConfig(model_dir=model_dir, kernels=args.kernels), cache=CacheConfig(max_total_tokens=65536)
+        )
     )
     g = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
@@ -72,7 +73,7 @@ def main() -> None:
     total = time.perf_counter() - t0
     phases["update+outputs"] = total - phases["schedule"] - phases["execute"]
     engine.scheduler.schedule, engine.runner.execute = sched_fn, exec_fn
-    print(f"model {model_dir}; batch {args.batch}; threads {args.threads}; {args.steps} decode steps")
+    print(f"model {model_dir}; kernels {args.kernels}; batch {args.batch}; threads {args.threads}; {args.steps} steps")
     print(f"step: {1e3 * total / args.steps:.3f} ms")
     for k, v in phases.items():
         print(f"  {k:16s} {1e3 * v / args.steps:.3f} ms")
