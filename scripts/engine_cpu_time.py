@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", default="torch,native", help="comma-separated kernels values")
+    ap.add_argument("--configs", default="torch,native_attn,native", help="comma-separated: torch, native_attn, native")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -53,24 +53,24 @@ def _reference(
 
 @pytest.mark.slow
 def test_kernel_equals_torch_attention_over_scattered_pages() -> None:
-    from kvfence.models.native_kernels import paged_kernels
+    from kvfence.models.native_kernels import paged_decode_attention
 
     q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23])
-    got = paged_kernels(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
+    got = paged_decode_attention(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
     assert not got.isnan().any()  # NaN slots past each context are never read
     torch.testing.assert_close(got, _reference(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_kernel_row_does_not_depend_on_batch_mates() -> None:
-    from kvfence.models.native_kernels import paged_kernels
+    from kvfence.models.native_kernels import paged_decode_attention
 
     q, k, v, pages, lens = _case([5, 33, 17, 64])
     scale = q.shape[-1] ** -0.5
-    batched = paged_kernels(q, k, v, pages, lens, PAGE, scale)
+    batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)
     for b in range(q.shape[0]):
         P = -(-int(lens[b]) // PAGE)
-        alone = paged_kernels(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
+        alone = paged_decode_attention(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
         assert torch.equal(alone[0], batched[b])  # bitwise
 
 

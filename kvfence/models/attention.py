@@ -68,11 +68,11 @@ def paged_attention(
             out[rows] = paged_attention(q[rows], k_cache, v_cache, part, scale)
         return out
     if fb.native_decode and fb.kv_pages is not None and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
-        from kvfence.models.native_kernels import paged_kernels
+        from kvfence.models.native_kernels import paged_decode_attention
 
-        return paged_kernels(q, k_cache, v_cache, fb.kv_pages, fb.kv_lens, fb.page_size, scale)
+        return paged_decode_attention(q, k_cache, v_cache, fb.kv_pages, fb.kv_lens, fb.page_size, scale)
     if fb.is_decode and fb.context_cache is not None and fb.mask_mode in ("none", "bias"):
-        return _kernels(q, k_cache, v_cache, fb, scale)
+        return _decode_attention(q, k_cache, v_cache, fb, scale)
     if fb.context_cache is not None:
         k = fb.context_cache.context(k_cache, fb)  # [B, Hkv, K, D]
         v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
@@ -112,7 +112,7 @@ def paged_attention(
     return out.transpose(1, 2)[fb.q_valid].to(q.dtype)  # [T, H, Dv]
 
 
-def _kernels(
+def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """One query per sequence over the context cache's copies, as two batched matmuls.

@@ -51,7 +51,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }  // namespace
 
 // q: [B, H, D]; k_pool: [S, Hkv, D]; v_pool: [S, Hkv, Dv]; pages: [B, P] int64; lens: [B] int64 -> [B, H, Dv]
-torch::Tensor paged_kernels(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      torch::Tensor pages, torch::Tensor lens, int64_t page_size, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
               "native decode attention runs on float32");
@@ -150,14 +150,14 @@ class NativeKernelsUnavailable(RuntimeError):
 
 @functools.cache
 def load() -> Any:
-    """Build (first use) or load the extension module (`paged_kernels`, `rms_norm`)."""
+    """Build (first use) or load the extension module (`paged_decode_attention`, `rms_norm`)."""
     try:
         from torch.utils.cpp_extension import load_inline
 
         module = load_inline(
-            name="kvfence_native_kernels_v2",
+            name="kvfence_native_kernels_v3",
             cpp_sources=[_SOURCE],
-            functions=["paged_kernels", "rms_norm"],
+            functions=["paged_decode_attention", "rms_norm"],
             extra_cflags=["-O3", "-march=native"],
             verbose=False,
         )
@@ -166,7 +166,7 @@ def load() -> Any:
     return module
 
 
-def paged_kernels(
+def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -177,7 +177,7 @@ def paged_kernels(
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] flat pool views (this step's K/V stored);
     kv_pages: [B, P] pages of each context; kv_lens: [B] context lengths -> [B, H, Dv]."""
-    return load().paged_kernels(q, k_cache, v_cache, kv_pages, kv_lens, int(page_size), float(scale))
+    return load().paged_decode_attention(q, k_cache, v_cache, kv_pages, kv_lens, int(page_size), float(scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
