@@ -19,6 +19,7 @@ from typing import Any
 from kvfence.errors import CapacityConfigError, KvfenceError
 
 _DTYPES = ("float32", "float16", "bfloat16")
+KERNEL_BACKENDS = ("torch", "native")
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -38,10 +39,15 @@ class ModelConfig:
     model_dir: str
     dtype: str = "float32"  # weights and KV pool dtype
     device: str = "cpu"
+    # "torch": torch ops only; "native": C++ kernels for decode attention (reads the paged pool in place)
+    # and RMSNorm (models.native_kernels; built on first use, CPU float32 only)
+    kernels: str = "torch"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
             raise ConfigError("model_dir must be a non-empty path")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernels!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
 
@@ -148,6 +154,13 @@ def add_engine_arguments(parser: Any) -> None:
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=list(_DTYPES), help="weights and KV cache dtype")
     g.add_argument("--device", default=ModelConfig.device, help=f"torch device (default: {ModelConfig.device})")
     g.add_argument(
+        "--kernels",
+        default="torch",
+        choices=list(KERNEL_BACKENDS),
+        help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm), built on first use; "
+        "CPU float32 only (default: torch)",
+    )
+    g.add_argument(
         "--page-size",
         type=int,
         default=CacheConfig.page_size,
@@ -189,7 +202,12 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
     """An EngineConfig from the flags of `add_engine_arguments` (model_dir already resolved)."""
     chunk = args.chunked_prefill_size
     return EngineConfig(
-        model=ModelConfig(model_dir=model_dir, dtype=args.dtype, device=args.device),
+        model=ModelConfig(
+            model_dir=model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            kernels=getattr(args, "kernels", "torch"),
+        ),
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -52,6 +52,9 @@ class ForwardBatch:
     # The runner's per-layer copy of a steady decode batch's context (see engine.runner.DecodeContextCache):
     # context_cache.context(flat_pool_view, fb) -> [B, Hkv, K, D]. None: attention gathers from the pool.
     context_cache: Any = None
+    # Decode attention by models.native_kernels (one C++ kernel reading the pool through kv_pages)
+    # instead of torch ops; set by the runner when the engine was started with kernels "native".
+    native_decode: bool = False
     # A batch mixing one-token rows (decode) with longer chunks (prefill) also comes split in two:
     # (rows of T, the same sequences laid out alone), so attention need not pad every decode row
     # to the longest chunk. Empty for an unmixed batch.

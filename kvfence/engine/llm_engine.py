@@ -90,6 +90,21 @@ class EngineStats:
     num_preemptions: int
 
 
+def _check_native_kernels(config: EngineConfig) -> None:
+    """kernels "native" run on CPU float32 pools only, and need building (done here, once per machine)."""
+    from kvfence.models.native_kernels import NativeKernelsUnavailable, load
+
+    if torch.device(config.model.device).type != "cpu" or config.model.dtype != "float32":
+        raise ConfigError(
+            f"--kernels native runs on the CPU in float32; got device {config.model.device!r}, "
+            f"dtype {config.model.dtype!r}"
+        )
+    try:
+        load()
+    except NativeKernelsUnavailable as e:
+        raise ConfigError(f"--kernels native: {e}") from e
+
+
 class _OutputState:
     """Per-request output bookkeeping: tokens already sent, full text, text already sent."""
 
@@ -137,7 +152,17 @@ class LLMEngine:
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
-        self.runner = ModelRunner(loaded.model, self.pool, device=config.model.device, eos_token_ids=tuple(eos))
+        if config.model.kernels == "native":
+            _check_native_kernels(config)
+        self.runner = ModelRunner(
+            loaded.model,
+            self.pool,
+            device=config.model.device,
+            eos_token_ids=tuple(eos),
+            kernels=config.model.kernels,
+        )
+        if hasattr(loaded.model, "use_native_kernels"):  # a model shared by engines follows the last one built
+            loaded.model.use_native_kernels(config.model.kernels == "native")
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)

@@ -157,8 +157,10 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
         eos_token_ids: tuple[int, ...] = (),
+        kernels: str = "torch",
     ) -> None:
         self.model = model
+        self.native_decode = kernels == "native"  # decode attention reads the pool in place
         self.pool = pool
         self.page_size = pool.page_size
         self.device = torch.device(device)
@@ -176,7 +178,9 @@ class ModelRunner:
             mode = "all" if spans[-1][1] else ("last" if c.sample else "none")
             chunks.append(SeqChunk(ids, c.start, req.page_table, mode))
         fb = build_forward_batch(chunks, self.page_size, self.device)
-        if not fb.is_decode:
+        if self.native_decode and fb.is_decode:
+            fb = dataclasses.replace(fb, native_decode=True)  # no context copies to keep
+        elif not fb.is_decode:
             self.context_cache.invalidate()
         elif self.context_cache.prepare(tuple(c.request for c in output.chunks), fb):
             fb = dataclasses.replace(fb, context_cache=self.context_cache)

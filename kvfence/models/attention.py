@@ -67,6 +67,10 @@ def paged_attention(
         for rows, part in fb.parts:
             out[rows] = paged_attention(q[rows], k_cache, v_cache, part, scale)
         return out
+    if fb.native_decode and fb.kv_pages is not None and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+        from kvfence.models.native_kernels import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, fb.kv_pages, fb.kv_lens, fb.page_size, scale)
     if fb.is_decode and fb.context_cache is not None and fb.mask_mode in ("none", "bias"):
         return _decode_attention(q, k_cache, v_cache, fb, scale)
     if fb.context_cache is not None:

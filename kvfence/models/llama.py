@@ -156,6 +156,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return xf if weight is None else weight * xf
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
+    """x: [T, E] -> rms_norm(x, weight, eps), by the C++ kernel (models.native_kernels) when `native` and it applies."""
+    if native and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+        from kvfence.models.native_kernels import rms_norm as native_rms_norm
+
+        return native_rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block; q/k/v and gate/up are single fused matrices."""
 
@@ -183,6 +192,7 @@ class DecoderLayer(nn.Module):
         self.down_b = _param(E, dtype=dtype) if mlp_bias else None
         self.I = I
         self.packed: dict[str, torch.Tensor | None] = {}  # weight name -> oneDNN-blocked copy (models.linear)
+        self.native = False  # RMSNorm by models.native_kernels (set by LlamaForCausalLM.use_native_kernels)
 
     def pack_weights(self, enabled: bool = True) -> None:
         """Refresh the blocked copies of the four projection weights from the loaded values (or drop them)."""
@@ -202,7 +212,7 @@ class DecoderLayer(nn.Module):
         # x: [T, E]; cos/sin: [T, 1, D] (sin with the first half negated); k_cache/v_cache: [S, Hkv, D]
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
-        h = rms_norm(x, self.input_norm, self.eps)
+        h = _norm(x, self.input_norm, self.eps, self.native)
         qkv = linear(h, self.qkv_w, self.qkv_b, self.packed.get("qkv_w"))  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
@@ -217,7 +227,7 @@ class DecoderLayer(nn.Module):
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
         x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b, self.packed.get("o_w"))
-        h = rms_norm(x, self.post_norm, self.eps)
+        h = _norm(x, self.post_norm, self.eps, self.native)
         gu = linear(h, self.gate_up_w, self.gate_up_b, self.packed.get("gate_up_w"))  # [T, 2I]
         act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
         return linear_add(x, act, self.down_w, self.down_b, self.packed.get("down_w"))
@@ -263,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by load_weights
         self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
         self._rope_sin: torch.Tensor | None = None
+        self.native = False  # final RMSNorm by models.native_kernels
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -343,6 +354,12 @@ class LlamaForCausalLM(nn.Module):
             layer.pack_weights(enabled)
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
+    def use_native_kernels(self, enabled: bool = True) -> None:
+        """Run every RMSNorm through models.native_kernels (float32 CPU rows), or back through torch."""
+        self.native = enabled
+        for layer in self.layers:
+            layer.native = enabled
+
     # --- forward -------------------------------------------------------------------------------------
 
     def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
-        x = rms_norm(x, self.norm, self.eps)
+        x = _norm(x, self.norm, self.eps, self.native)
         return linear(x, self.lm_head, None, self.lm_head_packed).float()  # [N, vocab]
 
 

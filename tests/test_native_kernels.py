@@ -1,0 +1,125 @@
+"""The opt-in C++ kernels (models.native_kernels): decode attention equals torch attention over the same
+pages, a row does not depend on its batch-mates, RMSNorm equals torch's, and an engine running them gives
+transformers' greedy tokens.
+
+Building the kernel takes a minute or more on two cores, so the tests that need it are slow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfence.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.sampling_params import SamplingParams
+from kvfence.models.loader import load_model
+
+PAGE = 8
+
+
+def _case(lens: list[int], H: int = 4, Hkv: int = 2, D: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q [B, H, D], NaN-filled pools [S, Hkv, D] with each context written on shuffled pages, pages [B, P], lens [B]."""
+    g = torch.Generator().manual_seed(seed)
+    B, P = len(lens), -(-max(lens) // PAGE)
+    num_pages = B * P + 3
+    k = torch.full((num_pages * PAGE, Hkv, D), float("nan"))
+    v = torch.full((num_pages * PAGE, Hkv, D), float("nan"))
+    pages = torch.randperm(num_pages, generator=g)[: B * P].view(B, P)
+    for b, n in enumerate(lens):
+        slots = (pages[b][:, None] * PAGE + torch.arange(PAGE)).view(-1)[:n]
+        k[slots] = torch.randn(n, Hkv, D, generator=g)
+        v[slots] = torch.randn(n, Hkv, D, generator=g)
+    q = torch.randn(B, H, D, generator=g)
+    return q, k, v, pages, torch.tensor(lens)
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    out = []
+    for b in range(B):
+        slots = (pages[b][:, None] * PAGE + torch.arange(PAGE)).view(-1)[: int(lens[b])]
+        kb, vb = k[slots].transpose(0, 1), v[slots].transpose(0, 1)  # [Hkv, L, D]
+        qb = q[b].view(Hkv, H // Hkv, D)  # [Hkv, G, D]
+        out.append((torch.softmax(qb @ kb.transpose(1, 2) * D**-0.5, -1) @ vb).reshape(H, D))
+    return torch.stack(out)  # [B, H, D]
+
+
+@pytest.mark.slow
+def test_kernel_equals_torch_attention_over_scattered_pages() -> None:
+    from kvfence.models.native_kernels import paged_decode_attention
+
+    q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23])
+    got = paged_decode_attention(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
+    assert not got.isnan().any()  # NaN slots past each context are never read
+    torch.testing.assert_close(got, _reference(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_kernel_row_does_not_depend_on_batch_mates() -> None:
+    from kvfence.models.native_kernels import paged_decode_attention
+
+    q, k, v, pages, lens = _case([5, 33, 17, 64])
+    scale = q.shape[-1] ** -0.5
+    batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)
+    for b in range(q.shape[0]):
+        P = -(-int(lens[b]) // PAGE)
+        alone = paged_decode_attention(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
+        assert torch.equal(alone[0], batched[b])  # bitwise
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir: Path) -> Any:
+    return load_model(tiny_llama_dir, progress=False)
+
+
+def _engine(loaded: Any, backend: str, dtype: str = "float32") -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(str(loaded.model_dir), dtype=dtype, kernels=backend),
+        cache=CacheConfig(page_size=PAGE),
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+@pytest.mark.slow
+def test_engine_with_native_kernels_matches_transformers(loaded: Any, tiny_llama_dir: Path) -> None:
+    import transformers
+    from transformers import GenerationConfig
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 64, 9)]
+    gc = GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), generation_config=gc)[0, len(p) :].tolist() for p in prompts]
+    engine = _engine(loaded, "native")
+    engine.pool.poison(range(engine.pool.num_pages))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert got == want
+    assert engine.runner.model.native and engine.runner.context_cache.num_rebuilds == 0  # the native paths ran
+
+
+def test_native_kernels_refuses_other_dtypes(loaded: Any) -> None:
+    with pytest.raises(ConfigError, match="float32"):
+        _engine(loaded, "native", dtype="bfloat16")
+
+
+def test_unknown_kernels_backend_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="kernels"):
+        ModelConfig("some/dir", kernels="flash")
+
+
+@pytest.mark.slow
+def test_rms_norm_kernel_matches_torch_rms_norm() -> None:
+    from kvfence.models.native_kernels import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 200, generator=g) * 3, torch.randn(200, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (200,), w, 1e-6))
