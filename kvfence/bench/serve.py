@@ -20,7 +20,10 @@ It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`:
 serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`; and
 `disagg-1x1`, `disagg-2x1`, `disagg-1x2`, `disagg-2x2`: that many prefill x decode workers)
 on free loopback ports, one at a time so two servers never compete for the CPUs, and says
-which target failed and why.
+which target failed and why. `--launch llama.cpp` starts a llama-server instead (one slot
+per request in flight, continuous batching, the --model converted to GGUF F32; built by
+`kvfence bench llama-cpp-setup`, see bench/llama_cpp.py), and is skipped, saying so, when
+there is no build.
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -189,7 +192,8 @@ LAUNCH_ARGS: dict[str, tuple[str, ...]] = {
         for p, d in ((1, 1), (2, 1), (1, 2), (2, 2))
     },
 }
-LAUNCH_KINDS = tuple(LAUNCH_ARGS)
+LLAMA_CPP_KIND = "llama.cpp"  # not a kvfence deployment: a llama-server on the model's GGUF
+LAUNCH_KINDS = (*LAUNCH_ARGS, LLAMA_CPP_KIND)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -705,6 +709,7 @@ def run_bench(
     server_args: Sequence[str] = (),
     ready_timeout_s: float = 300.0,
     log: Any = None,
+    llama_cpp_threads: int = 2,
 ) -> tuple[list[TargetRun], list[tuple[str, str]]]:
     """Benchmark every given URL, then every kind in `launch` (started and stopped one at a time).
 
@@ -723,7 +728,16 @@ def run_bench(
     for label, url, kind in targets:
         server: LaunchedServer | None = None
         try:
-            if url is None:
+            if url is None and kind == LLAMA_CPP_KIND:
+                say(f"[{label}] starting llama-server ...")
+                server = _launch_llama_cpp(cfg, model_dir, ready_timeout_s, llama_cpp_threads, say)
+                if server is None:
+                    from kvfence.bench import llama_cpp
+
+                    skipped.append((label, llama_cpp.missing_message(llama_cpp.build_location())))
+                    continue
+                url = server.url
+            elif url is None:
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
                 server = launch_server(kind, model=model_dir, server_args=server_args, ready_timeout_s=ready_timeout_s)
                 url = server.url
@@ -742,6 +756,31 @@ def run_bench(
             if server is not None:
                 server.stop()
     return runs, skipped
+
+
+def _launch_llama_cpp(
+    cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, threads: int, say: Any
+) -> LaunchedServer | None:
+    """llama-server on the GGUF of `model_dir` (default: the built-in model), or None without a build."""
+    from kvfence.bench import llama_cpp
+    from kvfence.config import resolve_model_dir
+
+    build = llama_cpp.find_build()
+    if build is None:
+        say(llama_cpp.missing_message(llama_cpp.build_location()))
+        return None
+    model_path = resolve_model_dir(model_dir, say)
+    gguf = llama_cpp.ensure_gguf(model_path, build, say)
+    slots = min(cfg.max_concurrency or cfg.num_prompts, cfg.num_prompts, 256)
+    return llama_cpp.launch_server(
+        build,
+        gguf,
+        parallel=slots,
+        context_per_slot=cfg.input_len.high + cfg.output_len.high + 16,
+        threads=threads,
+        alias=Path(model_path).name,
+        ready_timeout_s=ready_timeout_s,
+    )
 
 
 async def _facts(url: str, model: str | None) -> ServerFacts:
@@ -802,6 +841,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_launch_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory, to keep special tokens out of random prompts")
+    p.add_argument(
+        "--llama-cpp-threads", type=int, default=2, metavar="N", help="threads of a launched llama.cpp (default: 2)"
+    )
     p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
     p.add_argument(
         "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second; inf = all at once"
@@ -826,6 +868,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.url and not args.launch:
         raise KvfenceError("give at least one --url or --launch")
+    if args.llama_cpp_threads < 1:
+        raise KvfenceError(f"--llama-cpp-threads must be positive, got {args.llama_cpp_threads}")
     try:
         cfg = BenchConfig(
             num_prompts=args.num_prompts,
@@ -856,6 +900,7 @@ def _run(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         server_args=shlex.split(args.server_args),
         ready_timeout_s=args.launch_timeout,
+        llama_cpp_threads=args.llama_cpp_threads,
     )
     print(format_table(runs, skipped))
     if args.json_path:
