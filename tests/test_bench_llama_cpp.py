@@ -77,7 +77,9 @@ def test_setup_does_nothing_when_already_built(kvfence_cache_dir: Path, monkeypa
         build.binary(target).write_text("#!/bin/sh\n")
         build.binary(target).chmod(0o755)
     assert lc.find_build() is None  # binaries without the stamp of a finished setup do not count
-    build.stamp.write_text("{}")
+    build.stamp("llama-batched-bench").write_text("{}")
+    assert lc.find_build(targets=["llama-batched-bench"]) == build and lc.find_build() is None
+    build.stamp("llama-server").write_text("{}")
 
     def no_subprocess(*a: object, **k: object) -> None:
         raise AssertionError("setup ran a command although the build is there")

@@ -6,7 +6,9 @@ What it knows:
     cmake (Release, GGML_NATIVE=ON, CPU only, `nice`, -j2) into
     <cache>/llama.cpp/<version>/ (<cache> as kvfence.models.default.cache_dir), of which
     only `llama-batched-bench` and `llama-server` are built. `kvfence bench llama-cpp-setup`
-    does that once (a second run finds the BUILT stamp and does nothing); llama.cpp's code
+    does that once, one target after the other, each stamped BUILT-<target> when it is done
+    (a second run finds the stamps and does nothing; the offline timing can start as soon
+    as llama-batched-bench is there, the greedy-token check needs llama-server); llama.cpp's code
     is never in this repository.
   - how to convert a kvfence model directory (config.json + safetensors + tokenizer.json)
     to a GGUF F32 with that tree's own convert_hf_to_gguf.py and its vendored gguf-py,
@@ -82,9 +84,8 @@ class LlamaCppBuild:
     def build_dir(self) -> Path:
         return self.root / "build"
 
-    @property
-    def stamp(self) -> Path:
-        return self.root / "BUILT"
+    def stamp(self, target: str) -> Path:
+        return self.root / f"BUILT-{target}"
 
     def binary(self, target: str) -> Path:
         return self.build_dir / "bin" / target
@@ -101,8 +102,12 @@ class LlamaCppBuild:
     def converter(self) -> Path:
         return self.source_dir / "convert_hf_to_gguf.py"
 
-    def is_built(self) -> bool:
-        return self.stamp.is_file() and all(os.access(self.binary(t), os.X_OK) for t in TARGETS)
+    def has(self, target: str) -> bool:
+        """`target` was built by a setup that finished it (stamped) and is still there."""
+        return self.stamp(target).is_file() and os.access(self.binary(target), os.X_OK)
+
+    def is_built(self, targets: Sequence[str] = TARGETS) -> bool:
+        return all(self.has(t) for t in targets)
 
 
 def build_location(version: str = LLAMA_CPP_PYTHON_VERSION, cache: Path | None = None) -> LlamaCppBuild:
@@ -120,9 +125,10 @@ def missing_message(build: LlamaCppBuild) -> str:
     )
 
 
-def find_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> LlamaCppBuild | None:
+def find_build(version: str = LLAMA_CPP_PYTHON_VERSION, targets: Sequence[str] = TARGETS) -> LlamaCppBuild | None:
+    """The build, if `targets` are built (stamped) in it."""
     build = build_location(version)
-    return build if build.is_built() else None
+    return build if build.is_built(targets) else None
 
 
 def _run_logged(cmd: Sequence[str], log_path: Path, cwd: Path | None = None) -> None:
@@ -171,16 +177,18 @@ def setup(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Callable[
             raise RuntimeError(f"the source package has no vendored llama.cpp at {build.source_dir}")
     nice = ["nice"] if shutil.which("nice") else []
     say(f"configuring and building {', '.join(TARGETS)} in {build.build_dir} (log {log_path}; this takes a while)")
-    _run_logged([*nice, "cmake", "-S", str(build.source_dir), "-B", str(build.build_dir), *CMAKE_FLAGS], log_path)
-    _run_logged(
-        [*nice, "cmake", "--build", str(build.build_dir), "--config", "Release", f"-j{jobs}", "--target", *TARGETS],
-        log_path,
-    )
-    missing = [t for t in TARGETS if not os.access(build.binary(t), os.X_OK)]
-    if missing:
-        raise RuntimeError(f"the build finished without {missing} in {build.build_dir / 'bin'}")
-    build.stamp.write_text(json.dumps({"version": version, "cmake_flags": CMAKE_FLAGS}, indent=1) + "\n")
-    say(f"llama.cpp built: {build.batched_bench} and {build.server}")
+    if not (build.build_dir / "CMakeCache.txt").is_file():
+        _run_logged([*nice, "cmake", "-S", str(build.source_dir), "-B", str(build.build_dir), *CMAKE_FLAGS], log_path)
+    for target in TARGETS:  # one at a time, so the first is usable while the second builds
+        if build.has(target):
+            continue
+        cmd = [*nice, "cmake", "--build", str(build.build_dir), "--config", "Release", f"-j{jobs}", "--target", target]
+        _run_logged(cmd, log_path)
+        if not os.access(build.binary(target), os.X_OK):
+            raise RuntimeError(f"the build finished without {build.binary(target)}")
+        stamp = {"version": version, "target": target, "cmake_flags": CMAKE_FLAGS}
+        build.stamp(target).write_text(json.dumps(stamp, indent=1) + "\n")
+        say(f"built {build.binary(target)}")
     return build
 
 
@@ -230,6 +238,10 @@ def ensure_gguf(model_dir: str | os.PathLike[str], build: LlamaCppBuild, say: Ca
         return out
     if not build.converter.is_file():
         raise RuntimeError(f"no converter at {build.converter}; run `{SETUP_COMMAND}`")
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:  # the converter imports it for every Llama
+        raise RuntimeError("llama.cpp's converter needs sentencepiece: pip install 'kvfence[bench]'")
     say(f"converting {model_dir} to GGUF F32 with {build.converter.name} -> {out.name}")
     tmp = out.with_name(out.name + ".tmp")
     cmd = [

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvfence.bench.llama_cpp import SETUP_COMMAND
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
 from kvfence.models.linear import onednn_available
@@ -301,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
         log("greedy tokens from llama-server for the agreement check")
         eog = frozenset(getattr(engine.tokenizer, "eos_token_ids", ()) or ())
         try:
+            if not llama[0].has("llama-server"):
+                raise RuntimeError(f"llama-server is not built yet (`{SETUP_COMMAND}`)")
             best["llama.cpp"].same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
         except RuntimeError as e:
             best["llama.cpp"].same = "not checked"
@@ -320,7 +323,7 @@ def _llama_cpp_setup(args: argparse.Namespace, model_dir: str, output_len: int, 
         raise KvfenceError(f"--baselines llama.cpp compares float32 (GGUF F32), not --dtype {args.dtype}")
     if output_len < 2:
         raise KvfenceError("--baselines llama.cpp needs --output-len >= 2 (it times decode apart)")
-    build = llama_cpp.find_build()
+    build = llama_cpp.find_build(targets=["llama-batched-bench"])  # llama-server only for the agreement check
     if build is None:
         print(llama_cpp.missing_message(llama_cpp.build_location()), flush=True)
         return None

@@ -765,7 +765,7 @@ def _launch_llama_cpp(
     from kvfence.bench import llama_cpp
     from kvfence.config import resolve_model_dir
 
-    build = llama_cpp.find_build()
+    build = llama_cpp.find_build(targets=["llama-server"])
     if build is None:
         say(llama_cpp.missing_message(llama_cpp.build_location()))
         return None
