@@ -158,3 +158,27 @@ def test_real_llama_cpp_agrees_with_kvfence_on_the_tiny_model(make_model) -> Non
     assert lc.agreement(ours.outputs, theirs, frozenset(engine.tokenizer.eos_token_ids)).same == 4
     assert tokenized == engine.tokenizer.encode(text, add_special_tokens=False)  # the "gpt-2" pre-tokenizer fits
     assert os.access(build.server, os.X_OK)
+
+
+def test_offline_reports_a_failed_llama_cpp_repeat_and_keeps_going(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvfence.bench import offline
+
+    class NoServer:
+        def has(self, target: str) -> bool:
+            return False
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("llama-batched-bench exited 0 with 0 result rows:\nlast log line")
+
+    monkeypatch.setattr(lc, "find_build", lambda **k: NoServer())
+    monkeypatch.setattr(lc, "ensure_gguf", lambda *a: tiny_llama_dir / "m.gguf")
+    monkeypatch.setattr(offline, "run_llama_cpp", fails)
+    argv = ["bench", "offline", "--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "4"]
+    assert main([*argv, "--output-len", "3", "--repeats", "2", "--baselines", "llama.cpp"]) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp, repeat 1: llama-batched-bench exited 0 with 0 result rows: | last log line" in out
+    assert "llama.cpp, repeat 2:" in out
+    rows = [line.split()[0] for line in out.splitlines() if re.match(r"(kvfence|llama\.cpp)\s+\d", line)]
+    assert rows == ["kvfence"]
