@@ -14,6 +14,7 @@ engine resolves those), nor anything about HTTP, routing or transfers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvfence.errors import CapacityConfigError, KvfenceError
@@ -220,10 +221,19 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
 
 
 def resolve_model_dir(model: str | None, log: Any = None) -> str:
-    """--model, or the built-in default model (built on first use, which `log` is told about)."""
+    """--model, or the built-in default model (built on first use, which `log` is told about).
+
+    A --model that is not a path but names a preset of kvfence.models.default (e.g.
+    kvfence-llama-100m) is that preset, built in the cache on first use.
+    """
+    from kvfence.models.default import PRESETS, cache_dir, default_model_dir, ensure_default_model, ensure_preset_model
+
     if model is not None:
+        if model in PRESETS and not Path(model).exists():
+            if log is not None and not (cache_dir() / "models" / model / "config.json").is_file():
+                log(f"building model preset {model} in {cache_dir() / 'models' / model} (first use only)")
+            return str(ensure_preset_model(model))
         return model
-    from kvfence.models.default import default_model_dir, ensure_default_model
 
     if log is not None and not (default_model_dir() / "config.json").is_file():
         log(f"building the built-in default model in {default_model_dir()} (first use only)")

@@ -195,3 +195,28 @@ def test_stale_default_model_from_an_older_shape_is_rebuilt(kvfence_cache_dir: P
     config = json.loads((d / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (256, 4)
     assert sorted(p.name for p in d.parent.iterdir()) == [DEFAULT_MODEL_NAME]  # old copy and tmp dirs removed
+
+
+def test_unknown_preset_is_refused_with_the_list() -> None:
+    with pytest.raises(ValueError, match="kvfence-llama-100m"):
+        default.ensure_preset_model("no-such-model")
+
+
+def test_a_preset_name_as_model_builds_that_preset_once(kvfence_cache_dir: Path, monkeypatch) -> None:
+    from kvfence.config import resolve_model_dir
+
+    overrides = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    monkeypatch.setitem(default.PRESETS, "tiny-preset", ({**overrides, "num_key_value_heads": 1}, 2048))
+    said: list[str] = []
+    d = Path(resolve_model_dir("tiny-preset", said.append))
+    assert d == cache_dir() / "models" / "tiny-preset" and len(said) == 1
+    assert json.loads((d / "config.json").read_text())["hidden_size"] == 32
+    assert resolve_model_dir("tiny-preset", said.append) == str(d) and len(said) == 1  # built once
+
+
+def test_larger_tokenizer_vocabularies_are_reached_exactly() -> None:
+    words = default._pseudo_words(500)
+    assert len(set(words)) == 500 and words == default._pseudo_words(500)
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_str(default._tokenizer_json(4096)).get_vocab_size() == 4096

@@ -5,4 +5,4 @@ lists them. A module that is not there (yet) is skipped. What it does not know: 
 any benchmark measures.
 """
 
-BENCHMARKS: list[str] = ["offline", "serve", "soak", "handoff", "logscan"]
+BENCHMARKS: list[str] = ["offline", "serve", "soak", "handoff", "logscan", "llama_cpp"]

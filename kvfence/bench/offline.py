@@ -11,9 +11,20 @@ them end to end through
                     KV cache sized for the workload;
   - unpacked:       our engine again, its projections on F.linear (MKL) instead of
                     oneDNN-packed weights (models.linear): what the kernel choice is worth;
+  - llama.cpp:      llama-batched-bench on the model's GGUF F32 (fp32 KV cache, the same
+                    threads): N prompts of the same length processed as one batch, then
+                    output-len - 1 decode steps of N tokens (the first output token comes
+                    from the prompt pass on both sides); see bench/llama_cpp.py;
 then print output and total (prompt + output) tokens per second, the ratio of ours
 to each baseline, and how many requests produced the same greedy tokens as ours.
 Each system first runs a small warm-up that is not timed.
+
+With the llama.cpp baseline, prompt processing and decode are also reported apart.
+llama-batched-bench times its two phases itself. For kvfence, each repeat first times a
+prompt-only run of the same requests (max_tokens=1: prefill and the first token), then
+the full run; decode time = full - prompt-only, over N x (output-len - 1) tokens. The
+greedy tokens llama.cpp is compared on come from a llama-server started after the timed
+runs (token-id prompts, temperature 0), up to the first end-of-generation token.
 
 What it does not know: serving (see `bench serve`); these are offline numbers.
 """
@@ -30,11 +41,12 @@ from typing import Any
 
 import torch
 
+from kvfence.bench.llama_cpp import SETUP_COMMAND
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
 from kvfence.models.linear import onednn_available
 
-BASELINES = ("generate", "generate_batch", "unpacked")
+BASELINES = ("generate", "generate_batch", "unpacked", "llama.cpp")
 
 
 @dataclass
@@ -45,6 +57,19 @@ class Result:
     prompt_tokens: int
     output_tokens: int
     outputs: list[list[int]]
+    prefill_seconds: float | None = None  # prompt processing (+ first token), when measured apart
+    same: str | None = None  # "k/N" agreement judged elsewhere (llama.cpp), instead of comparing `outputs`
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens after the first of each request, over the time after prompt processing."""
+        if self.prefill_seconds is None or self.seconds <= self.prefill_seconds:
+            return None
+        return (self.output_tokens - self.num_requests) / (self.seconds - self.prefill_seconds)
+
+    @property
+    def prefill_tps(self) -> float | None:
+        return None if self.prefill_seconds is None else self.prompt_tokens / self.prefill_seconds
 
     @property
     def output_tps(self) -> float:
@@ -70,6 +95,69 @@ def run_kvfence(engine: Any, prompts: list[list[int]], output_len: int, system: 
     dt = time.perf_counter() - t0
     outs = [c.token_ids for c in done]
     return Result(system, dt, len(prompts), sum(map(len, prompts)), sum(map(len, outs)), outs)
+
+
+def run_kvfence_phased(engine: Any, prompts: list[list[int]], output_len: int) -> Result:
+    """run_kvfence, preceded by a timed prompt-only run of the same requests (max_tokens=1)."""
+    from kvfence.engine.sampling_params import SamplingParams
+
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    engine.generate([p[:8] for p in prompts[:2]], first)
+    t0 = time.perf_counter()
+    engine.generate(prompts, first)
+    prefill = time.perf_counter() - t0
+    res = run_kvfence(engine, prompts, output_len)
+    res.prefill_seconds = prefill
+    return res
+
+
+def run_llama_cpp(build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int) -> Result:
+    """llama-batched-bench with this workload's shape (its own random prompts; the tokens are not kept)."""
+    from kvfence.bench.llama_cpp import run_batched_bench
+
+    n, i = len(prompts), len(prompts[0])
+    row = run_batched_bench(build, gguf, n, i, output_len - 1, threads)
+    return Result("llama.cpp", row.t, n, n * i, n * output_len, [], prefill_seconds=row.t_pp)
+
+
+def _llama_cpp_agreement(
+    build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int, ours: Result, eog: frozenset[int]
+) -> str:
+    from kvfence.bench import llama_cpp
+
+    ctx = len(prompts[0]) + output_len + 8
+    with llama_cpp.launch_server(build, gguf, parallel=1, context_per_slot=ctx, threads=threads) as server:
+        theirs = llama_cpp.greedy_tokens(server.url, prompts, output_len)
+    a = llama_cpp.agreement(ours.outputs, theirs, eog)
+    return f"{a.same}/{a.total}"
+
+
+def format_phases(results: list[Result], ours: Result) -> str:
+    """Prompt processing and decode tok/s of the systems that measured them apart, and ours / each."""
+    rows = [("system", "prompt tok/s", "decode tok/s", "ours / this (prompt)", "ours / this (decode)")]
+    for r in results:
+        if r.prefill_tps is None:
+            continue
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}x" if a and b else "-"
+
+        rows.append(
+            (
+                r.system,
+                f"{r.prefill_tps:,.1f}",
+                "-" if r.decode_tps is None else f"{r.decode_tps:,.1f}",
+                "-" if r is ours else ratio(ours.prefill_tps, r.prefill_tps),
+                "-" if r is ours else ratio(ours.decode_tps, r.decode_tps),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _hf_model(model_dir: str, dtype: torch.dtype, attn: str) -> Any:
@@ -122,7 +210,7 @@ def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int,
 def format_table(results: list[Result], ours: Result) -> str:
     rows = [("system", "requests", "seconds", "output tok/s", "total tok/s", "ours / this", "same tokens")]
     for r in results:
-        same = sum(a == b for a, b in zip(r.outputs, ours.outputs, strict=True))
+        same = r.same or f"{sum(a == b for a, b in zip(r.outputs, ours.outputs, strict=True))}/{r.num_requests}"
         rows.append(
             (
                 r.system,
@@ -131,7 +219,7 @@ def format_table(results: list[Result], ours: Result) -> str:
                 f"{r.output_tps:,.1f}",
                 f"{r.total_tps:,.1f}",
                 "-" if r is ours else f"{ours.output_tps / r.output_tps:.2f}x",
-                "-" if r is ours else f"{same}/{r.num_requests}",
+                "-" if r is ours else same,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -177,7 +265,14 @@ def run(args: argparse.Namespace) -> int:
         f"best of {args.repeats} interleaved runs"
     )
     pad_id = 0
-    systems: list[tuple[str, Callable[[], Result]]] = [("kvfence", lambda: run_kvfence(engine, prompts, o))]
+    llama: tuple[Any, Any] | None = None  # (build, gguf) when the llama.cpp baseline runs
+    if "llama.cpp" in baselines:
+        llama = _llama_cpp_setup(args, model_dir, o, log)
+    threads = torch.get_num_threads()
+    if llama is None:
+        systems: list[tuple[str, Callable[[], Result]]] = [("kvfence", lambda: run_kvfence(engine, prompts, o))]
+    else:
+        systems = [("kvfence", lambda: run_kvfence_phased(engine, prompts, o))]
     if "generate" in baselines:
         hf = _hf_model(model_dir, dtype, "sdpa")
         systems.append(("transformers generate", lambda: run_hf_generate(hf, prompts, o, pad_id)))
@@ -191,17 +286,60 @@ def run(args: argparse.Namespace) -> int:
     if "generate_batch" in baselines:
         hf_cb = _hf_model(model_dir, dtype, "sdpa")
         systems.append(("transformers generate_batch", lambda: run_hf_generate_batch(hf_cb, prompts, o, pad_id)))
+    if llama is not None:
+        build, gguf = llama
+        systems.append(("llama.cpp", lambda: run_llama_cpp(build, gguf, prompts, o, threads)))
     best: dict[str, Result] = {}
     for r in range(args.repeats):  # interleaved, so a noisy neighbour hurts every system alike; best of repeats
         for name, fn in systems:
             log(f"repeat {r + 1}/{args.repeats}: {name}")
-            res = fn()
+            try:
+                res = fn()
+            except RuntimeError as e:  # an external tool (llama.cpp) failing costs its repeat, not the run
+                if name != "llama.cpp":
+                    raise
+                print(f"{name}, repeat {r + 1}: {e}".replace("\n", " | "), flush=True)
+                continue
             if name not in best or res.seconds < best[name].seconds:
                 best[name] = res
-    results = [best[name] for name, _ in systems]
+    results = [best[name] for name, _ in systems if name in best]
     ours = results[0]
+    if llama is not None and "llama.cpp" not in best:
+        llama = None
+    if llama is not None:
+        log("greedy tokens from llama-server for the agreement check")
+        eog = frozenset(getattr(engine.tokenizer, "eos_token_ids", ()) or ())
+        try:
+            if not llama[0].has("llama-server"):
+                raise RuntimeError(f"llama-server is not built yet (`{SETUP_COMMAND}`)")
+            best["llama.cpp"].same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
+        except RuntimeError as e:
+            best["llama.cpp"].same = "not checked"
+            print(f"llama.cpp agreement not checked: {e}".splitlines()[0], flush=True)
     print(format_table(results, ours))
+    if llama is not None:
+        print()
+        print(format_phases(results, ours))
     return 0
+
+
+def _llama_cpp_setup(args: argparse.Namespace, model_dir: str, output_len: int, log: Any) -> tuple[Any, Any] | None:
+    """(build, gguf) for the llama.cpp baseline, or None after saying why it cannot run."""
+    from kvfence.bench import llama_cpp
+
+    if args.dtype != "float32":
+        raise KvfenceError(f"--baselines llama.cpp compares float32 (GGUF F32), not --dtype {args.dtype}")
+    if output_len < 2:
+        raise KvfenceError("--baselines llama.cpp needs --output-len >= 2 (it times decode apart)")
+    build = llama_cpp.find_build(targets=["llama-batched-bench"])  # llama-server only for the agreement check
+    if build is None:
+        print(llama_cpp.missing_message(llama_cpp.build_location()), flush=True)
+        return None
+    try:
+        return build, llama_cpp.ensure_gguf(model_dir, build, log)
+    except RuntimeError as e:
+        print(f"llama.cpp baseline skipped: {e}", flush=True)
+        return None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -221,7 +359,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--baselines",
         default="generate,generate_batch",
         metavar="LIST",
-        help="comma-separated: generate, generate_batch, unpacked, or none (default: generate,generate_batch)",
+        help="comma-separated: generate, generate_batch, unpacked, llama.cpp (needs `kvfence bench "
+        "llama-cpp-setup`), or none (default: generate,generate_batch)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--repeats", type=int, default=2, metavar="R", help="runs per system, interleaved; best is kept")

@@ -20,7 +20,10 @@ It can also start kvfence servers itself (`--launch agg,disagg,disagg-noverify`:
 serve --role aggregated`, plain `kvfence serve`, and the latter with `--no-verify`; and
 `disagg-1x1`, `disagg-2x1`, `disagg-1x2`, `disagg-2x2`: that many prefill x decode workers)
 on free loopback ports (`kvfence.bench.launch`), one at a time so two servers never compete
-for the CPUs, and says which target failed and why.
+for the CPUs, and says which target failed and why. `--launch llama.cpp` starts a llama-server
+instead (one slot per request in flight, continuous batching, the --model converted to GGUF
+F32; built by `kvfence bench llama-cpp-setup`, see bench/llama_cpp.py), and is skipped, saying
+so, when there is no build.
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -47,6 +50,9 @@ import httpx
 
 from kvfence.bench.client import RequestResult, ServerFacts, check_target, read_server_facts, send_completion
 from kvfence.bench.launch import LAUNCH_KINDS, LaunchedServer, add_launch_arguments, launch_server, vocab_size_of
+
+LLAMA_CPP_KIND = "llama.cpp"  # not a kvfence deployment: a llama-server on the model's GGUF
+SERVE_KINDS = (*LAUNCH_KINDS, LLAMA_CPP_KIND)  # what `bench serve --launch` accepts
 
 MAX_PROMPTS = 5000  # hard cap on requests per target
 MAX_DURATION_S = 3600.0  # hard cap on one target's run
@@ -530,6 +536,7 @@ def run_bench(
     server_args: Sequence[str] = (),
     ready_timeout_s: float = 300.0,
     log: Any = None,
+    llama_cpp_threads: int = 2,
 ) -> tuple[list[TargetRun], list[tuple[str, str]]]:
     """Benchmark every given URL, then every kind in `launch` (started and stopped one at a time).
 
@@ -548,7 +555,16 @@ def run_bench(
     for label, url, kind in targets:
         server: LaunchedServer | None = None
         try:
-            if url is None:
+            if url is None and kind == LLAMA_CPP_KIND:
+                say(f"[{label}] starting llama-server ...")
+                server = _launch_llama_cpp(cfg, model_dir, ready_timeout_s, llama_cpp_threads, say)
+                if server is None:
+                    from kvfence.bench import llama_cpp
+
+                    skipped.append((label, llama_cpp.missing_message(llama_cpp.build_location())))
+                    continue
+                url = server.url
+            elif url is None:
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
                 server = launch_server(kind, model=model_dir, server_args=server_args, ready_timeout_s=ready_timeout_s)
                 url = server.url
@@ -567,6 +583,31 @@ def run_bench(
             if server is not None:
                 server.stop()
     return runs, skipped
+
+
+def _launch_llama_cpp(
+    cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, threads: int, say: Any
+) -> LaunchedServer | None:
+    """llama-server on the GGUF of `model_dir` (default: the built-in model), or None without a build."""
+    from kvfence.bench import llama_cpp
+    from kvfence.config import resolve_model_dir
+
+    build = llama_cpp.find_build(targets=["llama-server"])
+    if build is None:
+        say(llama_cpp.missing_message(llama_cpp.build_location()))
+        return None
+    model_path = resolve_model_dir(model_dir, say)
+    gguf = llama_cpp.ensure_gguf(model_path, build, say)
+    slots = min(cfg.max_concurrency or cfg.num_prompts, cfg.num_prompts, 256)
+    return llama_cpp.launch_server(
+        build,
+        gguf,
+        parallel=slots,
+        context_per_slot=cfg.input_len.high + cfg.output_len.high + 16,
+        threads=threads,
+        alias=Path(model_path).name,
+        ready_timeout_s=ready_timeout_s,
+    )
 
 
 async def _facts(url: str, model: str | None) -> ServerFacts:
@@ -610,9 +651,9 @@ def _rate(text: str) -> float:
 
 def _launch_list(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in LAUNCH_KINDS]
+    bad = [k for k in kinds if k not in SERVE_KINDS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown kind(s) {bad}; choose from {', '.join(LAUNCH_KINDS)}")
+        raise argparse.ArgumentTypeError(f"unknown kind(s) {bad}; choose from {', '.join(SERVE_KINDS)}")
     return kinds
 
 
@@ -623,10 +664,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_launch_list,
         default=[],
         metavar="KINDS",
-        help=f"start kvfence servers one at a time on free loopback ports: comma list of {', '.join(LAUNCH_KINDS)}",
+        help=f"start servers one at a time on free loopback ports: comma list of {', '.join(SERVE_KINDS)}",
     )
     add_launch_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer directory, to keep special tokens out of random prompts")
+    p.add_argument(
+        "--llama-cpp-threads", type=int, default=2, metavar="N", help="threads of a launched llama.cpp (default: 2)"
+    )
     p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
     p.add_argument(
         "--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second; inf = all at once"
@@ -651,6 +695,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.url and not args.launch:
         raise KvfenceError("give at least one --url or --launch")
+    if args.llama_cpp_threads < 1:
+        raise KvfenceError(f"--llama-cpp-threads must be positive, got {args.llama_cpp_threads}")
     try:
         cfg = BenchConfig(
             num_prompts=args.num_prompts,
@@ -681,6 +727,7 @@ def _run(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         server_args=shlex.split(args.server_args),
         ready_timeout_s=args.launch_timeout,
+        llama_cpp_threads=args.llama_cpp_threads,
     )
     print(format_table(runs, skipped))
     if args.json_path:

@@ -6,7 +6,10 @@ for the GQA architectures we serve, using transformers' own config and model
 classes so the files are exactly what a real checkpoint of that architecture looks
 like. The tokenizer is a small byte-level BPE trained here on a corpus we write
 ourselves, so nothing is downloaded. `ensure_default_model` builds the default model
-("kvfence-tiny-llama", ~5M parameters) once in the cache directory, atomically.
+("kvfence-tiny-llama", ~5M parameters) once in the cache directory, atomically;
+`ensure_preset_model("kvfence-llama-100m")` does the same for a ~100M-parameter Llama
+(hidden 768, 12 layers, GQA 12/4 heads, tied embeddings, a 32000-token tokenizer), the
+size llama.cpp comparisons use (`kvfence bench offline --model kvfence-llama-100m`).
 
 What it does not know: anything about serving. Weights are random: outputs are
 gibberish, but deterministic for a given seed, which is all tests and demos need.
@@ -62,6 +65,25 @@ _DEFAULT_MODEL_CONFIG: dict[str, Any] = {  # 4.98M parameters with the 2048-toke
     "num_key_value_heads": 2,
     "max_position_embeddings": 2048,
     "initializer_range": 0.05,
+}
+
+
+# Named presets `ensure_preset_model` builds; the default model is one of them.
+LLAMA_100M_NAME = "kvfence-llama-100m"
+_LLAMA_100M_CONFIG: dict[str, Any] = {  # 100.2M parameters: 24.6M tied embedding + 12 x 6.3M layers
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": True,
+    "vocab_size": 32000,
+}
+PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (config overrides, tokenizer vocabulary size)
+    DEFAULT_MODEL_NAME: (_DEFAULT_MODEL_CONFIG, TOKENIZER_VOCAB_SIZE),
+    LLAMA_100M_NAME: (_LLAMA_100M_CONFIG, 32000),
 }
 
 
@@ -122,8 +144,22 @@ _SENTENCE_FRAMES = [
 ]
 
 
-def _corpus(num_sentences: int = 6000, seed: int = 1234) -> list[str]:
-    """A deterministic pseudo-English corpus (our own words and frames) for BPE training."""
+def _pseudo_words(n: int, seed: int = 4321) -> list[str]:
+    """`n` distinct deterministic pronounceable non-words (consonant-vowel syllables): room for a large vocabulary."""
+    rng = random.Random(seed)
+    onsets, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    out: dict[str, None] = {}
+    while len(out) < n:
+        out["".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(2, 5)))] = None
+    return list(out)
+
+
+def _corpus(num_sentences: int = 6000, seed: int = 1234, extra_words: int = 0) -> list[str]:
+    """A deterministic pseudo-English corpus (our own words and frames) for BPE training.
+
+    extra_words > 0 appends that many distinct pseudo-words (80 a line), so a trainer
+    asked for a vocabulary far beyond what the English part supports can reach it.
+    """
     rng = random.Random(seed)
     lines = [" ".join(_WORDS), "0123456789 " * 4, "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"]
     for _ in range(num_sentences):
@@ -131,12 +167,19 @@ def _corpus(num_sentences: int = 6000, seed: int = 1234) -> list[str]:
         words = {k: rng.choice(_WORDS) for k in "abcdefg"}
         words.update({k.upper(): v.capitalize() for k, v in words.items()})
         lines.append(frame.format(n=rng.randint(0, 2000), m=rng.randint(0, 99), **words))
+    if extra_words:
+        extra = _pseudo_words(extra_words)
+        lines.extend(" ".join(extra[i : i + 80]) for i in range(0, len(extra), 80))
     return lines
 
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
-    """Train the byte-level BPE once per process; the result is deterministic."""
+    """Train the byte-level BPE once per process; the result is deterministic.
+
+    The default size trains on the English corpus alone (so the default model's tokenizer
+    never changes); larger sizes add pseudo-words, one per token beyond the default.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -149,15 +192,18 @@ def _tokenizer_json(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    extra = max(0, vocab_size - TOKENIZER_VOCAB_SIZE)
+    tok.train_from_iterator(_corpus(extra_words=extra), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"BPE training reached {tok.get_vocab_size()} tokens, not the {vocab_size} asked for")
     return tok.to_str()
 
 
-def write_tokenizer(path: Path, model_max_length: int = 2048) -> dict[str, int]:
+def write_tokenizer(path: Path, model_max_length: int = 2048, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> dict[str, int]:
     """Write tokenizer.json + tokenizer_config.json into `path`; returns the special token ids by name."""
     from tokenizers import Tokenizer
 
-    text = _tokenizer_json()
+    text = _tokenizer_json(vocab_size)
     tok = Tokenizer.from_str(text)
     (path / "tokenizer.json").write_text(text, encoding="utf-8")
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -200,6 +246,7 @@ def make_tiny_model(
     *,
     max_shard_size: str | int | None = None,
     torch_dtype: Any = None,
+    tokenizer_vocab_size: int = TOKENIZER_VOCAB_SIZE,
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random `architecture` model directory at `path` (created if needed) and return it.
@@ -207,7 +254,8 @@ def make_tiny_model(
     config_overrides go to the transformers config class (e.g. num_hidden_layers=2,
     hidden_size=64, rope_parameters={...}, tie_word_embeddings=True, attention_bias=True).
     max_shard_size writes a sharded checkpoint (model.safetensors.index.json + shards);
-    torch_dtype (e.g. torch.bfloat16) stores the weights in that dtype.
+    torch_dtype (e.g. torch.bfloat16) stores the weights in that dtype;
+    tokenizer_vocab_size trains the BPE tokenizer to that many tokens.
     """
     import torch
     import transformers
@@ -215,7 +263,8 @@ def make_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config_cls = _config_class(architecture)
-    special = write_tokenizer(path, model_max_length=int(config_overrides.get("max_position_embeddings", 2048)))
+    max_len = int(config_overrides.get("max_position_embeddings", 2048))
+    special = write_tokenizer(path, model_max_length=max_len, vocab_size=tokenizer_vocab_size)
     kwargs: dict[str, Any] = dict(_TINY_DEFAULTS)
     kwargs.update(
         vocab_size=special["vocab_size"],
@@ -273,20 +322,28 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """Return the default model's directory, building it first if it is not there.
+    """Return the default model's directory, building it first if it is not there."""
+    return ensure_preset_model(DEFAULT_MODEL_NAME)
+
+
+def ensure_preset_model(name: str) -> Path:
+    """Return preset `name`'s directory (see PRESETS) under the cache, building it first if it is not there.
 
     Built in a temporary sibling directory and renamed into place, so a reader never
     sees a half-written model and two racing processes both end up with a valid one.
     """
-    target = default_model_dir()
-    stale = (target / "config.json").is_file() and not _is_current_default(target)
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    overrides, tokenizer_vocab = PRESETS[name]
+    target = cache_dir() / "models" / name
+    stale = (target / "config.json").is_file() and not _is_current(target, overrides)
     if (target / "config.json").is_file() and not stale:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # where a stale copy is moved aside
     try:
-        make_tiny_model(tmp, "LlamaForCausalLM", seed=0, **_DEFAULT_MODEL_CONFIG)
+        make_tiny_model(tmp, "LlamaForCausalLM", seed=0, tokenizer_vocab_size=tokenizer_vocab, **overrides)
         if stale:  # built by an older kvfence with another shape: move it aside, then put ours in
             try:
                 os.rename(target, old)
@@ -304,10 +361,10 @@ def ensure_default_model() -> Path:
     return target
 
 
-def _is_current_default(path: Path) -> bool:
-    """True if the config.json at `path` has this version's default model shape."""
+def _is_current(path: Path, overrides: dict[str, Any]) -> bool:
+    """True if the config.json at `path` has the shape `overrides` asks for."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return all(config.get(k) == v for k, v in _DEFAULT_MODEL_CONFIG.items() if k != "initializer_range")
+    return all(config.get(k) == v for k, v in overrides.items() if k != "initializer_range")
