@@ -1,7 +1,8 @@
 """Shared fixtures: tiny random Hugging Face model directories made by transformers' own classes.
 
-`tiny_llama_dir` is one session-wide Llama directory (read-only by convention); `make_model`
-builds a fresh directory per call in the test's tmp dir, with config overrides.
+`tiny_llama_dir` is one session-wide Llama directory (read-only by convention); `loaded` is our model
+and `hf_model` transformers' (the oracle) loaded from it, once per test module; `make_model` builds a
+fresh directory per call in the test's tmp dir, with config overrides.
 """
 
 from __future__ import annotations
@@ -29,6 +30,24 @@ def _offline_hub() -> None:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama (hidden 64, GQA 4/2 heads, vocab 2048) shared by the whole session; do not modify."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "LlamaForCausalLM", seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir: Path) -> Any:
+    """kvfence's model loaded from `tiny_llama_dir` (fp32), shared by one test module."""
+    from kvfence.models.loader import load_model
+
+    return load_model(tiny_llama_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir: Path) -> Any:
+    """transformers' model of `tiny_llama_dir` (fp32, eval), the oracle, shared by one test module."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture

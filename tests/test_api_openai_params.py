@@ -92,13 +92,6 @@ def engine(aggregated: tuple[str, Any]) -> LLMEngine:
     return LLMEngine(served.config, loaded=served.loaded)
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir: Path) -> Any:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
 
 def hf_logprobs(hf_model: Any, ids: list[int]) -> torch.Tensor:
     """[len(ids), V]: row i is transformers' log_softmax for the token after ids[: i + 1]."""

@@ -25,16 +25,11 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError
 from kvfence.faults import FAULT_NAMES, FaultInjector
-from kvfence.models.loader import load_model
 from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
 
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir: Path) -> Any:
-    return load_model(tiny_llama_dir, progress=False)
 
 
 def cfg(

@@ -10,26 +10,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg.decode import DecodeRequestState
 from kvfence.disagg.router import WORKER_LOST, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.models.loader import load_model
 from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
 
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir: Path) -> Any:
-    return load_model(tiny_llama_dir, progress=False)
 
 
 def cfg(loaded: Any, pool_tokens: int) -> EngineConfig:

@@ -7,7 +7,6 @@ Pool conservation (`allocator.check()`, pages back to baseline) is checked after
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,22 +16,10 @@ from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError
-from kvfence.models.loader import load_model
 
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir: Path) -> Any:
-    return load_model(tiny_llama_dir, progress=False)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir: Path) -> Any:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
 def make_engine(

@@ -9,7 +9,6 @@ of tests/helpers/reference_sampler.py to transformers' logits one step at a time
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,19 +22,6 @@ from tests.helpers.reference_sampler import reference_processed
 K = 5
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir: Path) -> Any:
-    from kvfence.models.loader import load_model
-
-    return load_model(tiny_llama_dir, progress=False)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir: Path) -> Any:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
 def make_engine(loaded: Any, max_total_tokens: int | None = None, page_size: int = 16, **sched: Any) -> LLMEngine:

@@ -16,7 +16,6 @@ import torch
 from kvfence.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.models.loader import load_model
 
 PAGE = 8
 
@@ -73,10 +72,6 @@ def test_kernel_row_does_not_depend_on_batch_mates() -> None:
         alone = paged_decode_attention(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
         assert torch.equal(alone[0], batched[b])  # bitwise
 
-
-@pytest.fixture(scope="module")
-def loaded(tiny_llama_dir: Path) -> Any:
-    return load_model(tiny_llama_dir, progress=False)
 
 
 def _engine(loaded: Any, backend: str, dtype: str = "float32") -> LLMEngine:
