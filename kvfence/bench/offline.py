@@ -132,6 +132,17 @@ def _llama_cpp_agreement(
     return f"{a.same}/{a.total}"
 
 
+def _aligned(rows: list[tuple[str, ...]] | list[list[str]]) -> str:
+    """Rows of cells as a text table: first column left-aligned, the rest right-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_phases(results: list[Result], ours: Result) -> str:
     """Prompt processing and decode tok/s of the systems that measured them apart, and ours / each."""
     rows = [("system", "prompt tok/s", "decode tok/s", "ours / this (prompt)", "ours / this (decode)")]
@@ -151,13 +162,7 @@ def format_phases(results: list[Result], ours: Result) -> str:
                 "-" if r is ours else ratio(ours.decode_tps, r.decode_tps),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _aligned(rows)
 
 
 def _hf_model(model_dir: str, dtype: torch.dtype, attn: str) -> Any:
@@ -222,13 +227,7 @@ def format_table(results: list[Result], ours: Result) -> str:
                 "-" if r is ours else same,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _aligned(rows)
 
 
 def run(args: argparse.Namespace) -> int:
