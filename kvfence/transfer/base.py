@@ -450,10 +450,10 @@ class SendHandle:
                     self.status, self.reason = SendStatus.ERROR, str(header.get("reason", "receiver error"))
             self._cond.notify_all()
 
-    def on_link_closed(self) -> None:
+    def on_link_closed(self, cause: str = "") -> None:
         if not self.finished:
             self.peer_lost = True
-        self._set(SendStatus.ERROR, "connection to decode closed")
+        self._set(SendStatus.ERROR, cause or "connection to decode closed")
 
 
 class SenderCore:
@@ -480,9 +480,10 @@ class SenderCore:
         with self._lock:
             self._handles.pop((handle.request_id, handle.transfer_id), None)
 
-    def link_closed(self, handles: Sequence[SendHandle] | None = None) -> None:
+    def link_closed(self, handles: Sequence[SendHandle] | None = None, cause: str = "") -> None:
+        """The connection is gone; `cause` says why when a send on it failed (else: closed by the peer)."""
         for h in list(handles if handles is not None else self._handles.values()):
-            h.on_link_closed()
+            h.on_link_closed(cause)
 
     def sending(self) -> list[SendHandle]:
         """The handles whose send thread has not exited yet."""

@@ -100,6 +100,7 @@ class _Conn:
         self._wlock = threading.Lock()
         self.closed = False
         self.severed = False
+        self.failure = ""  # why a send on this connection failed (the reader reports it, not "closed")
         self.handles: list[SendHandle] = []
 
     def send(self, header: Header, payload: Payload = ()) -> None:
@@ -111,7 +112,8 @@ class _Conn:
                 raise ConnectionResetError("connection closed")
             try:
                 _sendmsg_all(self.sock, [memoryview(prefix), memoryview(hb), *views])
-            except OSError:
+            except OSError as e:
+                self.failure = f"connection to decode failed: {e}"
                 self.sever()  # part of a frame may have gone out: nothing after it could be parsed
                 raise
 
@@ -333,7 +335,7 @@ class TcpSender(SenderBase):
             return
         finally:
             conn.close()
-            self.core.link_closed(conn.handles)
+            self.core.link_closed(conn.handles, conn.failure)
 
     def _on_reply(self, conn: _Conn, header: Header) -> None:
         self.core.on_frame(header)
