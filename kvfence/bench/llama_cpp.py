@@ -323,7 +323,9 @@ def batched_bench_command(
     build: LlamaCppBuild, gguf: Path, num_prompts: int, input_len: int, decode_len: int, threads: int
 ) -> list[str]:
     """llama-batched-bench for num_prompts separate prompts of input_len tokens, then decode_len decode steps."""
-    ctx = num_prompts * (input_len + decode_len)
+    # llama.cpp pads each sequence's context to a multiple of 256 and drops a shape that no longer fits
+    # (exit 0, no row): give every sequence whole 256-token blocks, as many sequences as prompts
+    ctx = num_prompts * (-(-(input_len + decode_len) // 256) * 256)
     return [
         str(build.batched_bench),
         "-m",
