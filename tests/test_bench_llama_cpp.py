@@ -61,7 +61,8 @@ def test_commands_use_fp32_kv_the_threads_and_the_workload_shape(tmp_path: Path)
     bench = lc.batched_bench_command(build, tmp_path / "m.gguf", 8, 128, 127, 2)
     flags = dict(zip(bench[1::2], bench[2::2], strict=False))
     assert bench[0].endswith("bin/llama-batched-bench")
-    assert (flags["-npp"], flags["-ntg"], flags["-npl"], flags["-c"]) == ("128", "127", "8", str(8 * 256))  # 255 tokens a sequence, in whole 256-token blocks
+    # 255 tokens a sequence, in whole 256-token blocks
+    assert (flags["-npp"], flags["-ntg"], flags["-npl"], flags["-c"]) == ("128", "127", "8", str(8 * 256))
     assert (flags["-t"], flags["-tb"], flags["-ctk"], flags["-ctv"]) == ("2", "2", "f32", "f32")
     server = lc.server_command(
         build, tmp_path / "m.gguf", host="127.0.0.1", port=1234, parallel=4, context_per_slot=300, threads=2
