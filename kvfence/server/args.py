@@ -21,7 +21,7 @@ from kvfence.disagg.launcher import LaunchConfig
 from kvfence.disagg.router import RouterConfig
 from kvfence.disagg.worker import RECONNECT_TIMEOUT_S
 from kvfence.roles import ROLES
-from kvfence.transfer.base import TransferConfig
+from kvfence.transfer.base import TRANSFER_BACKENDS, TransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -91,7 +91,7 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         "--transport",
         dest="transport",
         default=DecodeConfig.transport,
-        choices=["tcp", "mooncake"],
+        choices=[b for b in TRANSFER_BACKENDS if b != "local"],  # "local" is in-process, tests only
         help="KV data plane: kvfence's own TCP transport, or the Mooncake Transfer Engine (TCP protocol, P2P "
         "handshake; needs mooncake-transfer-engine-non-cuda) with control frames over TCP "
         f"(default: {DecodeConfig.transport})",
