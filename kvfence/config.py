@@ -40,8 +40,9 @@ class ModelConfig:
     model_dir: str
     dtype: str = "float32"  # weights and KV pool dtype
     device: str = "cpu"
-    # "torch": torch ops only; "native": C++ kernels for decode attention (reads the paged pool in place)
-    # and RMSNorm (models.native_kernels; built on first use, CPU float32 only)
+    # "torch": torch ops only; "native": C++ kernels (models.native_kernels; built on first use, CPU float32
+    # only) for decode attention (reads the paged pool in place) and RMSNorm, and for Llama-family models
+    # the whole decode step of a small batch in one call
     kernels: str = "torch"
 
     def __post_init__(self) -> None:
@@ -158,8 +159,8 @@ def add_engine_arguments(parser: Any) -> None:
         "--kernels",
         default="torch",
         choices=list(KERNEL_BACKENDS),
-        help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm), built on first use; "
-        "CPU float32 only (default: torch)",
+        help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm, and a Llama-family "
+        "decode step of a small batch in one call), built on first use; CPU float32 only (default: torch)",
     )
     g.add_argument(
         "--page-size",

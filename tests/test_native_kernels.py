@@ -1,12 +1,14 @@
 """The opt-in C++ kernels (models.native_kernels): decode attention equals torch attention over the same
-pages, a row does not depend on its batch-mates, RMSNorm equals torch's, and an engine running them gives
-transformers' greedy tokens.
+pages, a row does not depend on its batch-mates, RMSNorm equals torch's, the small-batch projection equals
+a float64 product whatever the batch, the one-call decode step equals the torch forward for every
+Llama-family switch, and an engine running them gives transformers' greedy tokens.
 
 Building the kernel takes a minute or more on two cores, so the tests that need it are slow.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,6 @@ def test_kernel_row_does_not_depend_on_batch_mates() -> None:
         assert torch.equal(alone[0], batched[b])  # bitwise
 
 
-
 def _engine(loaded: Any, backend: str, dtype: str = "float32") -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(str(loaded.model_dir), dtype=dtype, kernels=backend),
@@ -118,3 +119,95 @@ def test_rms_norm_kernel_matches_torch_rms_norm() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(9, 200, generator=g) * 3, torch.randn(200, generator=g)
     torch.testing.assert_close(rms_norm(x, w, 1e-6), torch.nn.functional.rms_norm(x, (200,), w, 1e-6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K", [256, 20, 1])  # whole 8-lane steps, a tail, a tail only
+def test_small_linear_matches_a_float64_product_and_rows_do_not_depend_on_the_batch(K: int) -> None:
+    from kvfence.models.native_kernels import small_linear
+
+    g = torch.Generator().manual_seed(K)
+    w, b = torch.randn(37, K, generator=g), torch.randn(37, generator=g)
+    x = torch.randn(19, K, generator=g)  # every row-group size: 8 + 8 + 2 + 1
+    got = small_linear(x, w, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 2, 3, 5, 8, 13):
+        assert torch.equal(small_linear(x[:rows], w, b), got[:rows])  # bitwise, whatever shares the call
+    assert torch.equal(small_linear(x[7:8], w, b)[0], got[7])
+
+
+def _decode_batch(lm: Any, lens: list[int], seed: int) -> tuple[Any, Any]:
+    """A pool whose pages hold random K/V for contexts of `lens` tokens (NaN elsewhere), and the decode batch
+    that appends one token to each, on shuffled pages."""
+    from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
+    from kvfence.kv.pool import KVPool
+
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-(n + 1) // PAGE) for n in lens) + 2
+    pool = KVPool(lm.model.kv_layout(lm.hf_config, PAGE, torch.float32), num_pages)
+    pool.poison(range(num_pages))
+    order = torch.randperm(num_pages, generator=g).tolist()
+    chunks = []
+    for n in lens:
+        table, order = order[: -(-(n + 1) // PAGE)], order[-(-(n + 1) // PAGE) :]
+        slots = torch.tensor([table[t // PAGE] * PAGE + t % PAGE for t in range(n)])
+        for layer in range(pool.layout.num_layers):
+            for buf in pool.layer_buffers(layer).values():
+                buf[slots] = torch.randn(n, *buf.shape[1:], generator=g)
+        chunks.append(SeqChunk([int(torch.randint(0, 100, (1,), generator=g))], n, table))
+    return pool, build_forward_batch(chunks, PAGE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("LlamaForCausalLM", {}),
+        ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+        ("Qwen2ForCausalLM", {}),  # q/k/v bias
+        ("Qwen3ForCausalLM", {}),  # per-head q/k norms
+    ],
+)
+def test_native_decode_step_equals_the_torch_forward(
+    make_model: Callable[..., Path], arch: str, overrides: dict[str, Any]
+) -> None:
+    import copy
+    import dataclasses
+
+    from kvfence.models.loader import load_model
+
+    lm = load_model(make_model(arch, seed=5, **overrides), progress=False)
+    pool, fb = _decode_batch(lm, [1, 15, 16, 40], seed=1)
+    other = copy.deepcopy(pool)
+    with torch.inference_mode():
+        want = lm.model.forward(fb, pool)  # [B, vocab]: the torch forward
+        got = lm.model.forward(dataclasses.replace(fb, native_decode=True), other)
+    assert lm.model._native_step_applies(dataclasses.replace(fb, native_decode=True))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for layer in range(pool.layout.num_layers):  # this step's K/V went to the same slots with the same values
+        for name, buf in pool.layer_buffers(layer).items():
+            torch.testing.assert_close(other.flat(layer, name)[fb.slot_mapping], buf[fb.slot_mapping])
+
+
+@pytest.mark.slow
+def test_native_decode_step_gives_a_sequence_the_same_logits_whatever_its_batch_mates(loaded: Any) -> None:
+    import dataclasses
+
+    pool, fb = _decode_batch(loaded, [3, 30, 17, 64, 8], seed=2)
+    with torch.inference_mode():
+        batched = loaded.model.forward(dataclasses.replace(fb, native_decode=True), pool)
+        for b in range(fb.batch_size):
+            P = -(-int(fb.kv_lens[b]) // PAGE)
+            alone = dataclasses.replace(
+                fb,
+                input_ids=fb.input_ids[b : b + 1],
+                positions=fb.positions[b : b + 1],
+                slot_mapping=fb.slot_mapping[b : b + 1],
+                kv_pages=fb.kv_pages[b : b + 1, :P],
+                kv_lens=fb.kv_lens[b : b + 1],
+                q_index=fb.q_index[:1],
+                logits_index=torch.tensor([0]),
+                native_decode=True,
+            )
+            assert torch.equal(loaded.model.forward(alone, pool)[0], batched[b])  # bitwise

@@ -10,8 +10,10 @@ time, and keeps two per-token buffers per layer in the pool: "k" and "v", each
 
 What it does not know: where pages are, which request a row is, sampling. It
 writes this forward's K/V at fb.slot_mapping and returns float32 logits for
-fb.logits_index rows only. Sliding-window attention is not implemented: the
-loader caps the context at the window so full attention is exact.
+fb.logits_index rows only. With kernels "native" a decode batch of up to
+NATIVE_STEP_MAX_BATCH sequences runs every layer in one C++ call (models.native_kernels),
+the same math with float sums in another order. Sliding-window attention is not
+implemented: the loader caps the context at the window so full attention is exact.
 """
 
 from __future__ import annotations
@@ -142,6 +144,11 @@ def _yarn_inv_freq(cfg: Any, p: dict[str, Any], base: float, dim: int) -> tuple[
 
 
 # --- model ---------------------------------------------------------------------------------------------
+
+# Decode batches up to this size take the one-call C++ step when the engine runs kernels "native"
+# (models.native_kernels); larger ones run the torch forward (oneDNN projections win there).
+NATIVE_STEP_MAX_BATCH = 64
+_EMPTY = torch.empty(0)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -274,6 +281,7 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
         self._rope_sin: torch.Tensor | None = None
         self.native = False  # final RMSNorm by models.native_kernels
+        self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -381,6 +389,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
+        if self._native_step_applies(fb):
+            return self._forward_native_decode(fb, pool)
         x = F.embedding(fb.input_ids, self.embed)  # [T, E]
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
         cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
@@ -390,6 +400,47 @@ class LlamaForCausalLM(nn.Module):
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)
         return linear(x, self.lm_head, None, self.lm_head_packed).float()  # [N, vocab]
+
+    def _native_step_applies(self, fb: ForwardBatch) -> bool:
+        return (
+            fb.native_decode
+            and fb.kv_pages is not None
+            and 0 < fb.batch_size <= NATIVE_STEP_MAX_BATCH
+            and self.dtype == torch.float32
+            and self.embed.device.type == "cpu"
+        )
+
+    def _forward_native_decode(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """A decode step (one token per sequence) through models.native_kernels: every layer in one C++ call,
+        the head by the small-batch projection kernel. Same math as `forward`; float sums in another order."""
+        from kvfence.models import native_kernels
+
+        if self._native_weights is None:
+            self._native_weights = [
+                t if (t := getattr(layer, name)) is not None else _EMPTY
+                for layer in self.layers
+                for name in native_kernels.LAYER_FIELDS
+            ]
+        x = F.embedding(fb.input_ids, self.embed)  # [B, E]
+        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
+        x = native_kernels.llama_decode_layers(
+            x,
+            self._native_weights,
+            cos_table[fb.positions],  # [B, D]
+            sin_table[fb.positions],
+            [pool.flat(i, "k") for i in range(self.num_layers)],
+            [pool.flat(i, "v") for i in range(self.num_layers)],
+            fb.slot_mapping,
+            fb.kv_pages,
+            fb.kv_lens,
+            fb.page_size,
+            self.H,
+            self.Hkv,
+            self.scale,
+            self.eps,
+        )  # [B, E]
+        x = native_kernels.rms_norm(x[fb.logits_index], self.norm, self.eps)  # [N, E]
+        return native_kernels.small_linear(x, self.lm_head)  # [N, vocab]
 
 
 class MistralForCausalLM(LlamaForCausalLM):
