@@ -104,12 +104,17 @@ void small_linear_into(const float* x, int64_t B, int64_t K, const float* w, int
                        const float* residual, float* y) {
   TORCH_CHECK(residual != y, "small_linear_into: the residual must not be the output");
   // at least 16 weight rows per thread: below that a thread's start-up costs more than its share
+  // weight rows in blocks of about 32 KB, each block taken by every row group while it is in L1/L2
+  const int64_t block = std::max<int64_t>(8, (32 << 10) / (4 * std::max<int64_t>(K, 1)) / 8 * 8);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int64_t b = 0;
-    for (; b + 8 <= B; b += 8) rows_times_weights<8, 1>(x + b * K, K, w, K, n0, n1, y + b * N, N);
-    for (; b + 4 <= B; b += 4) rows_times_weights<4, 2>(x + b * K, K, w, K, n0, n1, y + b * N, N);
-    for (; b + 2 <= B; b += 2) rows_times_weights<2, 4>(x + b * K, K, w, K, n0, n1, y + b * N, N);
-    for (; b < B; ++b) rows_times_weights<1, 8>(x + b * K, K, w, K, n0, n1, y + b * N, N);
+    for (int64_t nb = n0; nb < n1; nb += block) {
+      const int64_t ne = std::min(n1, nb + block);
+      int64_t b = 0;
+      for (; b + 8 <= B; b += 8) rows_times_weights<8, 1>(x + b * K, K, w, K, nb, ne, y + b * N, N);
+      for (; b + 4 <= B; b += 4) rows_times_weights<4, 2>(x + b * K, K, w, K, nb, ne, y + b * N, N);
+      for (; b + 2 <= B; b += 2) rows_times_weights<2, 4>(x + b * K, K, w, K, nb, ne, y + b * N, N);
+      for (; b < B; ++b) rows_times_weights<1, 8>(x + b * K, K, w, K, nb, ne, y + b * N, N);
+    }
     if (bias != nullptr || residual != nullptr) {
       for (int64_t r = 0; r < B; ++r) {
         float* yr = y + r * N;
