@@ -17,6 +17,7 @@ from kvfence.disagg.worker_main import parse_faults
 from kvfence.disagg.workers import check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, KvfenceError
+from tests.helpers.clock import ManualClock, advance_until_dead
 
 
 def reg(role: str, **over: object) -> P.Register:
@@ -151,7 +152,8 @@ class FakeWorker:
         self.orders = 0
         self.frozen = False  # True: its reports go on saying the orders it had seen when this was set
         self.inbox: list[P.Message] = []
-        self.silent = threading.Event()  # set: it stops answering (hung or dead)
+        self.silent = threading.Event()  # set: it stops answering (hung or dead); see `silence`
+        self._hushed = threading.Event()  # its thread saw `silent`: nothing more will be sent
         self._stop = threading.Event()
         self.channel.send(registration)
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -162,6 +164,7 @@ class FakeWorker:
         while not self._stop.is_set():
             msg = self.channel.recv(timeout=0.01)
             if self.silent.is_set():
+                self._hushed.set()  # a send of an iteration that began before `silent` has finished by now
                 continue
             if msg is not None:
                 self.inbox.append(msg)
@@ -180,6 +183,11 @@ class FakeWorker:
                 return
             time.sleep(0.01)
         raise AssertionError(f"{self.id}: the router never saw {load}")
+
+    def silence(self) -> None:
+        """Stop answering (hung or dead); returns once nothing more will come from this worker."""
+        self.silent.set()
+        assert self._hushed.wait(5), f"{self.id} did not go quiet"
 
     def got(self, kind: type[P.Message]) -> list[Any]:
         return [m for m in list(self.inbox) if isinstance(m, kind)]
@@ -201,7 +209,12 @@ def idle(pages: int) -> dict[str, int]:
 
 
 class Fleet:
-    """A router serving fake workers; `submit` starts a request and returns which decode got its DecodePrepare."""
+    """A router serving fake workers; `submit` starts a request and returns which decode got its DecodePrepare.
+
+    The router runs on a `ManualClock`: no worker is ever judged silent (nor an order in transit
+    forgotten) because a loaded machine starved its thread, only when a test silences it and
+    moves the clock (`silence_until_dead`).
+    """
 
     def __init__(self, workers: list[P.Register], **config: Any) -> None:
         self.hub = P.QueueHub()
@@ -210,7 +223,8 @@ class Fleet:
         config = {"register_timeout_s": 5, "worker_timeout_s": 0.6, "heartbeat_interval_s": 0.05, **config}
         config.setdefault("wait_prefill_workers", roles.count("prefill"))
         config.setdefault("wait_decode_workers", roles.count("decode"))
-        self.router = Router(self.hub, RouterConfig(**config))
+        self.clock = ManualClock()
+        self.router = Router(self.hub, RouterConfig(**config), clock=self.clock)
         self.router.wait_for_workers()
         self.router.start()
         self.loop = asyncio.new_event_loop()
@@ -232,7 +246,15 @@ class Fleet:
         raise AssertionError(f"{rid} was never admitted")
 
     def decode_of(self, rid: str) -> str:
-        return self.router._flights[rid].decode_id
+        flight = self.router._flights.get(rid)
+        assert flight is not None, f"{rid} is no longer in flight: {self.results[rid]}"
+        return flight.decode_id
+
+    def silence_until_dead(self, wid: str) -> float:
+        """`wid` stops answering; the router's clock moves (the others still heard) until it is declared dead.
+        Returns how long it was silent on that clock."""
+        self.workers[wid].silence()
+        return advance_until_dead(self.router, self.clock, wid, step=0.125)
 
     def reserve(self, rid: str) -> str:
         """The decode worker of `rid` says it reserved the pages; returns the prefill worker the order went to."""
@@ -366,10 +388,9 @@ def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_t
     fleet.submit("a")
     victim = fleet.decode_of("a")
     prefill = fleet.reserve("a")
-    fleet.workers[victim].silent.set()  # hung or killed: nothing more from it
-    t0 = time.monotonic()
+    silent_for = fleet.silence_until_dead(victim)  # hung or killed: nothing more from it
+    assert 0.6 < silent_for <= 0.6 + 1.0  # after the worker timeout, not before (plus a check period)
     chunks = fleet.results["a"].result(timeout=5)
-    assert time.monotonic() - t0 < 0.6 + 1.0  # within the worker timeout (plus a check period)
     last = chunks[-1]
     assert last.finish_reason == "error" and last.extra["code"] == "worker_lost", last
     assert f"decode worker {victim} lost" in last.error and prefill in last.error, last.error
@@ -418,11 +439,8 @@ def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> Non
     from kvfence.server.http import ApiError
 
     fleet = fleet_of([reg("prefill"), reg("decode")])
-    fleet.workers["decode-0"].silent.set()
-    deadline = time.monotonic() + 3
-    while fleet.router.healthy()["decode"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    fleet.silence_until_dead("decode-0")
+    assert fleet.router.healthy() == {"prefill": True, "decode": False}
     with pytest.raises(ApiError) as e:
         fleet.router.check_health()
     assert e.value.status == 503
@@ -500,11 +518,7 @@ def test_metrics_show_each_workers_load_and_health(fleet_of: Callable[..., Fleet
     assert 'kvfence_worker_running_requests{role="decode",worker="decode-1"} 3.0' in text
     assert 'kvfence_worker_queued_prompt_tokens{role="prefill",worker="prefill-0"} 77.0' in text
     assert 'kvfence_worker_up{role="decode",worker="decode-0"} 1.0' in text
-    fleet.workers["decode-0"].silent.set()
-    deadline = time.monotonic() + 3
-    while fleet.router.stats()["workers"]["decode-0"]["up"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    fleet.silence_until_dead("decode-0")
     text = Metrics(fleet.router.stats).render().decode()
     assert 'kvfence_worker_up{role="decode",worker="decode-0"} 0.0' in text
     assert 'kvfence_worker_deaths_total{role="decode"} 1.0' in text

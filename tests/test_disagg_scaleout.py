@@ -18,17 +18,17 @@ from kvfence.disagg.router import WORKER_LOST, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.engine_client import GenerationChunk
+from tests.helpers.clock import ManualClock, advance_until_dead
 from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
-
 
 
 def cfg(loaded: Any, pool_tokens: int) -> EngineConfig:
     return EngineConfig(ModelConfig(str(loaded.model_dir)), CacheConfig(16, pool_tokens), context_length=256)
 
 
-def two_by_two(loaded: Any, **router: Any) -> InProcessDeployment:
+def two_by_two(loaded: Any, clock: Any = time.monotonic, **router: Any) -> InProcessDeployment:
     return InProcessDeployment(
         [cfg(loaded, 1024), cfg(loaded, 512)],
         [cfg(loaded, 2048), cfg(loaded, 1024)],  # mixed pools: each still holds one full context
@@ -36,6 +36,7 @@ def two_by_two(loaded: Any, **router: Any) -> InProcessDeployment:
         loaded=loaded,
         model_fingerprint="test-model",
         deadline_s=10,
+        clock=clock,
     )
 
 
@@ -102,8 +103,10 @@ def test_a_decode_worker_that_stops_fails_only_its_requests(loaded: Any) -> None
     reqs = requests(
         8, seed=9, lengths=(16, 33, 50), outputs=200
     )  # long outputs: they are still decoding when the worker stops
-    # 1.5 s: a loaded 2-core machine can starve a healthy worker thread for half a second
-    with two_by_two(loaded, worker_timeout_s=1.5, heartbeat_interval_s=0.1) as dep:
+    # The router's clock moves only when the test says, once every live worker was heard at the current time:
+    # a healthy worker thread starved on a loaded machine is never judged silent, whatever the timeout.
+    clock = ManualClock()
+    with two_by_two(loaded, clock, worker_timeout_s=1.5, heartbeat_interval_s=0.1) as dep:
 
         async def main() -> dict[str, list[GenerationChunk]]:
             tasks = {rid: asyncio.ensure_future(_collect(dep, rid, p, sp)) for rid, p, sp in reqs}
@@ -111,6 +114,8 @@ def test_a_decode_worker_that_stops_fails_only_its_requests(loaded: Any) -> None
                 await asyncio.sleep(0.005)
             held = {*dep.decodes[1].ids(DecodeRequestState.RUNNING), *dep.decodes[1].ids(DecodeRequestState.HANDOFF)}
             await asyncio.to_thread(dep.stop_worker, "decode-1")  # as if its process vanished
+            silent_for = await asyncio.to_thread(advance_until_dead, dep.router, clock, "decode-1", 0.25)
+            assert 1.5 < silent_for <= 1.5 + 1.0, silent_for
             done = {rid: await t for rid, t in tasks.items()}
             return {"held": sorted(held), **done}  # type: ignore[dict-item]
 

@@ -48,8 +48,10 @@ class Registrar:
         allow_context_above_pool: bool,
         heartbeat_interval_s: float,
         worker_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.hub = hub
+        self._clock = clock  # the router's clock: a new worker was last heard at registration
         self.workers = workers
         self._lock = lock
         self.allow_context_above_pool = allow_context_above_pool
@@ -79,7 +81,7 @@ class Registrar:
         if old is not None:
             replaced(wid, f"{msg.role} worker {wid} registered again (it restarted or lost its router)")
         with self._lock:
-            self.workers.add(msg, time.monotonic())
+            self.workers.add(msg, self._clock())
             self._told_reregister.pop(wid, None)
         self.hub.send(wid, P.RegisterReply(accepted=True))
         logger.info(

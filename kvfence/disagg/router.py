@@ -18,10 +18,10 @@ integrity record (JSON log line + the final chunk + the counters in
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
 sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`,
-sent by `disagg.registration.Registrar`). A
-worker silent for `worker_timeout_s` is declared dead: the requests that still need it
-fail at once with an error naming it (the other worker of each pair is told to drop them
-and free their pages), and new requests go to the others; a role with no worker up gets
+sent by `disagg.registration.Registrar`). A worker silent for `worker_timeout_s` (on the
+router's clock: monotonic time, or one a test moves) is declared dead: the requests that
+still need it fail at once with an error naming it (the other worker of each pair is told
+to drop them and free their pages), and new requests go to the others; a role with no worker up gets
 HTTP 503 with an OpenAI-style error body until one registers. A worker may register at
 any time (a replacement, a new one, or the same one again after it lost its router); one
 that does not match the deployment is refused naming the difference. A message from a
@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -64,7 +64,6 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 
 WORKER_LOST = P.WORKER_LOST
 MAX_BACKLOG = 1024  # messages handled per pass before deadlines and worker health are checked
-
 
 
 @dataclass(frozen=True)
@@ -183,9 +182,15 @@ class _Failure(P.Message):
 class Router:
     """EngineClient over N prefill and M decode workers, reached through a `Hub`."""
 
-    def __init__(self, hub: P.Hub, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self, hub: P.Hub, config: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.hub = hub
         self.config = config or RouterConfig()
+        # What the router judges by (worker silence, handoff deadlines, orders in transit). Blocking waits
+        # (registration at start, a request's own timeout, inbox polls) stay on real time. Tests pass a
+        # clock they move, so a healthy worker starved under load is never judged silent.
+        self._clock = clock
         self.workers = WorkerTable(
             suspect_after_s=self.config.suspect_after_s, transit_timeout_s=self.config.worker_timeout_s
         )
@@ -206,6 +211,7 @@ class Router:
             self.config.allow_context_above_pool,
             self.config.heartbeat_interval_s,
             self.config.worker_timeout_s,
+            clock=clock,
         )
         self.worker_deaths: Counter[str] = Counter()  # role -> workers declared dead
 
@@ -347,12 +353,13 @@ class Router:
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
+            started=self._clock(),
         )
         need = len(prompt) + max_tokens
         with self._lock:
             if request_id in self._flights:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            now = time.monotonic()
+            now = self._clock()
             decode = self.workers.pick_decode(need, now)
             prefill = self.workers.pick_prefill(len(prompt), now)
             if decode is None or prefill is None:  # the worker that could hold it went down since admission
@@ -507,7 +514,7 @@ class Router:
 
     def stats(self) -> dict[str, Any]:
         """Per role (summed over its up workers that reported) and per worker: pages, requests, load."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             workers = self.workers.describe(now)
             in_flight = len(self._flights)
@@ -563,7 +570,7 @@ class Router:
         if isinstance(msg, P.Register):
             self.registrar.register(wid, msg, self._started, self._declare_dead)
             return
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             entry = self.workers.get(wid)
             if entry is not None:
@@ -626,7 +633,7 @@ class Router:
 
     def _check_deadlines(self) -> None:
         """Handoffs that did not verify in time fail here (decode and prefill also time out on their own)."""
-        now = time.monotonic()
+        now = self._clock()
         limit = self.config.handoff_deadline_s + 5.0  # workers get the first chance to report
         with self._lock:
             late = [f for f in self._flights.values() if f.state is _F.PREFILLING and now - f.started > limit]
@@ -642,7 +649,7 @@ class Router:
     # -- worker health --------------------------------------------------------------------------------------
     def _check_workers(self) -> None:
         """Keepalives out; a worker silent for `worker_timeout_s` is declared dead."""
-        for wid, detail in self.registrar.keepalive(time.monotonic()):
+        for wid, detail in self.registrar.keepalive(self._clock()):
             self._declare_dead(wid, detail)
 
     def _declare_dead(self, wid: str, detail: str) -> None:

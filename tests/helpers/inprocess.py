@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ class InProcessDeployment:
     worker each, pools may differ). Every engine shares one loaded model (forward passes only read
     it); each has its own KV pool. Workers are `prefill-i` / `decode-i`; `prefill` and `decode` (and
     their engines) are the first of each. `faults` (one injector) is given to every worker, since
-    sender- and receiver-side faults live on different sides.
+    sender- and receiver-side faults live on different sides. `clock`: the router's (default monotonic time),
+    e.g. a `tests.helpers.clock.ManualClock`.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class InProcessDeployment:
         faults: Any = None,
         transfer_config: Any = None,
         model_fingerprint: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         prefill_configs = list(prefill_config) if isinstance(prefill_config, (list, tuple)) else [prefill_config]
         decode_configs = list(decode_config) if isinstance(decode_config, (list, tuple)) else [decode_config]
@@ -93,6 +96,7 @@ class InProcessDeployment:
                 wait_prefill_workers=len(self.prefills),
                 wait_decode_workers=len(self.decodes),
             ),
+            clock=clock,
         )
         self._threads: dict[str, threading.Thread] = {}
         self._stops: dict[str, threading.Event] = {}
