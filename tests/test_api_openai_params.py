@@ -92,7 +92,6 @@ def engine(aggregated: tuple[str, Any]) -> LLMEngine:
     return LLMEngine(served.config, loaded=served.loaded)
 
 
-
 def hf_logprobs(hf_model: Any, ids: list[int]) -> torch.Tensor:
     """[len(ids), V]: row i is transformers' log_softmax for the token after ids[: i + 1]."""
     with torch.inference_mode():
@@ -277,7 +276,10 @@ def test_every_choice_carries_its_integrity_record(
         "digest_algorithm",
         "layout_fingerprint",
         "transfer_id",
+        "tokens_before_verdict",
     }
+    # disaggregated: each choice's first token (prefill's own KV) was released before decode's verdict
+    assert [rec["tokens_before_verdict"] for rec in records] == [0 if mode == "aggregated" else 1] * 4
     one, two = (len(engine.tokenizer.encode(t)) for t in ("one", "two words"))
     assert [rec["tokens_expected"] for rec in records] == [one, one, two, two]
     assert all(rec["reason"] is None for rec in records)

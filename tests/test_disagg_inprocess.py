@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ from tests.helpers.faults import EXPECTED
 from tests.helpers.inprocess import InProcessDeployment
 
 Req = tuple[str, list[int], SamplingParams]
-
 
 
 def cfg(
@@ -179,8 +179,11 @@ def test_fault_fails_only_its_request_and_pools_return_to_baseline(loaded: Any, 
         decode_stats = dep.decode.stats()
     assert faults.fired[fault] >= 1
     last = got["bad"][-1]
-    assert last.finished and last.finish_reason == "error" and tokens(got["bad"]) == []
+    # the client had prefill's first token (its own KV) before the handoff failed; nothing of decode's
+    first = reference(loaded, [bad])["bad"][:1]
+    assert last.finished and last.finish_reason == "error" and tokens(got["bad"]) == first
     assert last.integrity is not None and last.integrity["reason"] == EXPECTED_REASON[fault], last.integrity
+    assert last.integrity["tokens_before_verdict"] == 1 and last.num_output_tokens == 1
     assert EXPECTED_REASON[fault] in (last.error or ""), last.error
     want = reference(loaded, innocent)
     for rid, _, _ in innocent:
@@ -219,8 +222,111 @@ def test_without_verification_a_faulty_handoff_reads_the_previous_requests_kv(lo
     assert tokens(after_a1) != tokens(after_a2)
     # the same scenario with verification on: the request fails instead of answering from stale KV
     checked = _after_previous(loaded, fault, a1, victim, verify=True)
-    assert checked[-1].finish_reason == "error" and tokens(checked) == []
+    # (prefill's first token, from its own KV, reached the client before the verdict; nothing of decode's did)
+    assert checked[-1].finish_reason == "error" and tokens(checked) == clean[:1]
     assert checked[-1].integrity["reason"] == EXPECTED_REASON[fault]
+
+
+# -- the first token before the verdict ------------------------------------------------------------------------
+
+
+def _hold_decode(dep: InProcessDeployment) -> threading.Event:
+    """Decode's loop does nothing (no verification, no tokens) until the returned event is set."""
+    go = threading.Event()
+    real = dep.decode.step
+    dep.decode.step = lambda: real() if go.is_set() else False  # type: ignore[method-assign]
+    return go
+
+
+@pytest.mark.parametrize("before_verdict", [True, False], ids=["streamed", "after-verify"])
+def test_prefills_first_token_reaches_the_client_before_decode_verifies(loaded: Any, before_verdict: bool) -> None:
+    rng = random.Random(21)
+    prompt = prompt_of(rng, 30)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = LLMEngine(cfg(loaded.model_dir, 4096), loaded=loaded).generate([prompt], sp)[0]
+    config = RouterConfig(request_timeout_s=60, first_token_before_verdict=before_verdict)
+    with deploy(loaded, router_config=config) as dep:
+        go = _hold_decode(dep)
+
+        async def main() -> tuple[int, list[GenerationChunk]]:
+            got: list[GenerationChunk] = []
+
+            async def consume() -> None:
+                async for c in dep.router.generate("f", prompt, sp):
+                    got.append(c)
+
+            task = asyncio.ensure_future(consume())
+            for _ in range(500):  # until prefill's FirstToken reached the router (at most 5 s)
+                flight = dep.router._flights.get("f")
+                if flight is not None and flight.first is not None and (got or not before_verdict):
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # anything queued for the client is out by now
+            seen = len(got)
+            assert dep.decode.requests["f"].state.value == "handoff" and dep.decode.counts["verified"] == 0
+            go.set()
+            await task
+            return seen, got
+
+        seen, chunks = asyncio.run(main())
+        assert_baseline(dep)
+    assert tokens(chunks) == ref.token_ids and "".join(c.text for c in chunks) == ref.text  # the first token once
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.num_output_tokens == 6 and last.integrity["status"] == "verified"
+    if not before_verdict:  # held until decode's verified first chunk
+        assert seen == 0 and last.integrity["tokens_before_verdict"] == 0
+        return
+    assert seen == 1 and chunks[0].token_ids == ref.token_ids[:1] and chunks[0].integrity is None
+    assert last.integrity["tokens_before_verdict"] == 1
+
+
+@pytest.mark.parametrize("case", ["max_tokens=1", "stop_token_id", "stop_string", "logprobs"])
+def test_first_token_edge_cases_match_the_aggregated_engine(loaded: Any, case: str) -> None:
+    rng = random.Random(22)
+    prompt = prompt_of(rng, 25)
+    base = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    ref0 = LLMEngine(cfg(loaded.model_dir, 4096), loaded=loaded).generate([prompt], base)[0]
+    sp = {
+        "max_tokens=1": dataclasses.replace(base, max_tokens=1),
+        "stop_token_id": dataclasses.replace(base, stop_token_ids=(ref0.token_ids[0],)),
+        "stop_string": dataclasses.replace(base, stop=(ref0.text[1:3],)),  # inside the first tokens' text
+        "logprobs": dataclasses.replace(base, logprobs=2, prompt_logprobs=1),
+    }[case]
+    ref = LLMEngine(cfg(loaded.model_dir, 4096), loaded=loaded).generate([prompt], sp)[0]
+    with deploy(loaded) as dep:
+        chunks = run(dep, [("e", prompt, sp)])["e"]
+        assert_baseline(dep)
+    last = chunks[-1]
+    assert tokens(chunks) == ref.token_ids and "".join(c.text for c in chunks) == ref.text
+    assert last.finish_reason == ref.finish_reason and last.num_output_tokens == len(ref.token_ids)
+    assert last.integrity["status"] == "verified"
+    # stop strings hold the first token back: their text is decode's detokenizer's to cut
+    assert last.integrity["tokens_before_verdict"] == (0 if case == "stop_string" else 1)
+    if case == "logprobs":
+        got = [e for c in chunks for e in (c.logprobs or [])]
+        assert [e.token_id for e in got] == ref.token_ids and len(got) == len(ref.token_ids)
+        assert got[0].logprob == pytest.approx(ref.logprobs[0].logprob, abs=1e-5)
+        assert chunks[0].prompt_logprobs is not None and len(chunks[0].prompt_logprobs) == len(prompt)
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+
+
+def test_a_streamed_first_token_that_decode_contradicts_fails_the_request(loaded: Any) -> None:
+    with deploy(loaded) as dep:
+        real = dep.prefill._out
+
+        def out(msg: P.Message) -> None:  # prefill's FirstToken says another token than its manifest and PrefillSent
+            if isinstance(msg, P.FirstToken):
+                msg = dataclasses.replace(msg, first_token=(msg.first_token + 1) % dep.prefill_engine.vocab_size)
+            real(msg)
+
+        dep.prefill._out = out  # type: ignore[method-assign]
+        chunks = run(dep, [("x", [8] * 30, greedy(4))])["x"]
+        assert_baseline(dep)
+    last = chunks[-1]
+    # caught by whichever check sees it first: PrefillSent against FirstToken, or decode's first chunk against it
+    assert len(tokens(chunks)) == 1 and last.finish_reason == "error"
+    assert "first token differs" in (last.error or "") or "streamed from prefill" in (last.error or ""), last.error
+    assert last.integrity["tokens_before_verdict"] == 1
 
 
 # -- aborts and timeouts ------------------------------------------------------------------------------------

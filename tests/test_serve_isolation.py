@@ -117,6 +117,10 @@ def test_a_stream_that_fails_after_the_200_ends_with_an_openai_error_event(
     last = events[-1]
     assert set(last["error"]) == {"message", "type", "param", "code"} and last["error"]["type"] == "server_error"
     assert last["kvfence"]["integrity"][0]["reason"] == "token_count_mismatch"
+    # before the error: prefill's first token (its own KV, streamed before the verdict), and nothing of decode's
+    assert last["kvfence"]["integrity"][0]["tokens_before_verdict"] == 1
+    text = "".join(c.get("text", "") for e in events[:-1] for c in e.get("choices", []))
+    assert text == solo_text(tiny_llama_dir, [9] * 40, max_tokens=1)
     assert all(e.get("id", "cmpl-victim-stream").startswith("cmpl-victim-stream") for e in events)
 
 

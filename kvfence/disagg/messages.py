@@ -19,10 +19,12 @@ Message flow of one request (router = R, prefill = P, decode = D):
     R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, params, deadline)
     D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
     R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
-    P -> R  PrefillSent(pages, manifest summary, first token and its logprobs, prompt logprobs)
+    P -> R  FirstToken(first token, its text and logprobs, prompt logprobs)   as soon as the prompt is computed
+    P -> R  PrefillSent(pages, manifest summary, first token and its logprobs)
                                                                       (or RequestFailed)
-    R -> D  PrefillSent without the prompt logprobs (the router keeps those for the client)
-    D -> R  Tokens(...)*, the last one finished with the integrity record
+    R -> D  PrefillSent (decode's second source of the first token)
+    D -> R  Tokens(...)*, the last one finished with the integrity record; the first repeats prefill's first
+            token, which the router drops when it streamed FirstToken already
     D -> R  HandoffSettled(verified | rejected)  ->  R -> P  ReleaseSource
     R -> P|D  Abort(reason)  on client disconnect, a failure on the other side, or a deadline
 """
@@ -130,6 +132,19 @@ class PrefillSent(Message):
     num_pages: int
     num_tokens: int
     first_token: int
+    first_logprobs: list[Any] | None = None  # the first token's entry (wire form), when the request asked
+    prompt_logprobs: list[Any] | None = None  # the prompt's entries (wire form, first one null), when asked
+
+
+@dataclass(frozen=True)
+class FirstToken(Message):
+    """Prefill -> router, the moment the prompt is computed (before the KV is sent): the first token, which the
+    router may stream to the client before decode verified the handoff (it comes from prefill's own KV)."""
+
+    kind: ClassVar[str] = "first_token"
+    request_id: str
+    first_token: int
+    text: str | None = None  # its text as decode's detokenizer will give it (LLMEngine.first_token_text)
     first_logprobs: list[Any] | None = None  # the first token's entry (wire form), when the request asked
     prompt_logprobs: list[Any] | None = None  # the prompt's entries (wire form, first one null), when asked
 
@@ -290,6 +305,7 @@ _KINDS: dict[str, type[Message]] = {
         DecodePrepare,
         DecodeReserved,
         PrefillOrder,
+        FirstToken,
         PrefillSent,
         HandoffSettled,
         ReleaseSource,

@@ -7,9 +7,10 @@ handoff, finished; docs/handoff.md, "Lifecycles") (each runs in its engine as a
 kept under the request id), one `PrefillHandoff` per request once its prompt is done
 (build the manifest, send over the data plane to the address the router gave, hold
 the source pages until decode's verdict, an abort the send thread has acted on, or the
-verdict deadline), and what to tell the router (`PrefillSent` with the first token and
-the log probabilities the request asked for — the first token's and the prompt's —
-or `RequestFailed` for failures of its own).
+verdict deadline), and what to tell the router (`FirstToken` the moment a prompt is
+computed: the first token, its text, the log probabilities the request asked for — the
+first token's and the prompt's; `PrefillSent` once the transfer started; or
+`RequestFailed` for failures of its own).
 
 What it does not know: decode's page numbers (the transport maps logical pages), the
 router's expectation (decode checks it), HTTP or text.
@@ -30,6 +31,7 @@ from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
 from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.disagg.worker_engine import PrefillEngine
 from kvfence.engine.llm_engine import RequestOutput
+from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig
@@ -88,6 +90,7 @@ class _PrefillRequest:
     """One request on the prefill worker, from PrefillOrder until its source pages are freed."""
 
     order: P.PrefillOrder  # its handoff_address is filled in when decode's DecodeReserved arrives
+    params: SamplingParams
     computed: RequestOutput | None = None  # the prompt's output (first token, logprobs), once COMPUTED
     handoff: PrefillHandoff | None = None  # from HANDOFF on
     lifecycle: Lifecycle[PrefillRequestState] = field(init=False)
@@ -186,16 +189,14 @@ class PrefillWorker:
             self._fail(rid, f"request id {rid!r} is already in use on prefill")
             return
         try:
+            params = P.params_from_wire(msg.params)
             self.engine.add_request(
-                rid,
-                sampling_params=P.params_from_wire(msg.params),
-                prompt_token_ids=msg.prompt_token_ids,
-                prefill_only=True,
+                rid, sampling_params=params, prompt_token_ids=msg.prompt_token_ids, prefill_only=True
             )
         except KvfenceError as e:
             self._fail(rid, str(e))
             return
-        self.requests[rid] = _PrefillRequest(msg)
+        self.requests[rid] = _PrefillRequest(msg, params)
 
     def _reserved(self, msg: P.DecodeReserved) -> None:
         """Decode reserved the pages: the order now knows where to send (at once, if the prompt is done)."""
@@ -235,6 +236,7 @@ class PrefillWorker:
             worked = True
             for out in self.engine.step():
                 if out.finish_reason == "prefill_done":
+                    self._first_token(out)
                     self._send(out)
                 elif out.finished:  # aborted inside the engine
                     req = self.requests.get(out.request_id)
@@ -249,6 +251,23 @@ class PrefillWorker:
                 self._report_failure(req.request_id, h)
             self._settle(req)
         return worked
+
+    def _first_token(self, out: RequestOutput) -> None:
+        """Tell the router the first token now: it may stream it while the KV still travels to decode."""
+        req = self.requests.get(out.request_id)
+        if req is None:
+            return
+        token = int(out.new_token_ids[-1])
+        first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
+        self._out(
+            P.FirstToken(
+                out.request_id,
+                token,
+                text=self.engine.first_token_text(token, req.params),
+                first_logprobs=first[0] if first else None,
+                prompt_logprobs=P.logprobs_to_wire(out.prompt_logprobs),
+            )
+        )
 
     def _send(self, out: RequestOutput) -> None:
         rid, first_token = out.request_id, out.new_token_ids[-1]
@@ -289,8 +308,7 @@ class PrefillWorker:
                 h.manifest.num_pages,
                 h.manifest.num_tokens,
                 int(first_token),
-                first_logprobs=first[0] if first else None,
-                prompt_logprobs=P.logprobs_to_wire(out.prompt_logprobs),
+                first_logprobs=first[0] if first else None,  # the prompt's went with FirstToken
             )
         )
 

@@ -78,6 +78,7 @@ class RouterConfig:
     wait_decode_workers: int = 1  # ... and this many decode workers
     allow_context_above_pool: bool = False
     model_name: str | None = None  # name served to clients; default: the workers' model name
+    first_token_before_verdict: bool = True  # stream prefill's first token before decode's verdict (flag)
 
     def __post_init__(self) -> None:
         for name in ("handoff_deadline_s", "request_timeout_s", "register_timeout_s", "suspect_after_s"):
@@ -131,6 +132,9 @@ class _Flight:
     prefill_id: str = ""  # prefill once decode reserved its pages
     num_output_tokens: int = 0
     prefill_sent: P.PrefillSent | None = None
+    first: P.FirstToken | None = None  # prefill's first token, once it came (set by the receiver thread)
+    streamed_first: P.FirstToken | None = None  # that token, if it went to the client before decode's first chunk
+    first_dropped: bool = False  # decode's first chunk came, minus the token streamed already
     prompt_logprobs: list[Any] | None = None  # prefill's scores of the prompt (wire form), for the first chunk
     record: IntegrityRecord | None = None  # the integrity record, once FINISHED
     decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
@@ -177,6 +181,17 @@ class _Failure(P.Message):
     role: str
     reason: str
     code: str = "generation_failed"
+
+
+def _without_first(msg: P.Tokens, first: P.FirstToken) -> P.Tokens | None:
+    """Decode's first chunk less the first token the router streamed already; None when it does not start with
+    that token and its text (decode's detokenizer continues from the same text: a finishing first token may add
+    what it held back)."""
+    assert first.text is not None
+    if not msg.token_ids or msg.token_ids[0] != first.first_token or not msg.text.startswith(first.text):
+        return None
+    logprobs = msg.logprobs[1:] if msg.logprobs is not None else None
+    return dataclasses.replace(msg, token_ids=msg.token_ids[1:], text=msg.text[len(first.text) :], logprobs=logprobs)
 
 
 class Router:
@@ -408,7 +423,35 @@ class Router:
                     self._abort_both(flight, detail)
                     yield self._error_chunk(flight, detail, self._router_record(flight, Reason.TIMEOUT, detail))
                     return
+                if isinstance(msg, P.FirstToken):
+                    if flight.num_output_tokens == 0 and flight.live:
+                        if msg.prompt_logprobs is not None:
+                            flight.prompt_logprobs = msg.prompt_logprobs
+                        if self._streams_first(flight, msg):
+                            yield self._first_chunk(flight, msg)
+                    continue
                 if isinstance(msg, P.Tokens):
+                    if flight.streamed_first is not None and not flight.first_dropped and msg.token_ids:
+                        flight.first_dropped = True
+                        rest = _without_first(msg, flight.streamed_first)
+                        if rest is None:
+                            detail = (
+                                f"decode's first token {msg.token_ids[0]} ({msg.text!r}) is not the "
+                                f"{flight.streamed_first.first_token} ({flight.streamed_first.text!r}) streamed from "
+                                "prefill"
+                            )
+                            if msg.integrity is not None:
+                                record = self._wire_record(flight, msg.integrity)
+                            else:
+                                record = self._router_record(flight, Reason.TRANSFER_ERROR, detail)
+                            self._abort_both(flight, detail)
+                            yield self._error_chunk(flight, f"{detail} ({flight.pair})", record)
+                            return
+                        msg = rest
+                        if not (msg.token_ids or msg.text or msg.finished or msg.error):
+                            if msg.integrity is not None:
+                                flight.decode_record = self._wire_record(flight, msg.integrity)
+                            continue  # it only repeated the token streamed already (its record is kept)
                     if msg.integrity is not None:
                         flight.decode_record = self._wire_record(flight, msg.integrity)
                     flight.num_output_tokens += len(msg.token_ids)
@@ -453,6 +496,33 @@ class Router:
                 self._finish(flight, self._router_record(flight, Reason.ABORTED, "client disconnected"))
             with self._lock:
                 self._flights.pop(request_id, None)
+
+    def _streams_first(self, flight: _Flight, msg: P.FirstToken) -> bool:
+        """Whether prefill's first token goes to the client before decode's verdict.
+
+        Not when prefill could not say its text, nor with stop strings: their text may be held back or cut, which
+        only decode's detokenizer decides. A first token that ends the request (max_tokens=1, eos, a stop token id)
+        still streams; decode's first chunk then only adds the finish reason and the record.
+        """
+        return self.config.first_token_before_verdict and msg.text is not None and not flight.params.stop
+
+    def _first_chunk(self, flight: _Flight, msg: P.FirstToken) -> GenerationChunk:
+        """Prefill's first token, streamed while the KV travels; decode's first chunk repeats it (dropped then)."""
+        assert msg.text is not None  # _streams_first
+        flight.streamed_first = msg
+        flight.num_output_tokens = 1
+        chunk = GenerationChunk(
+            token_ids=[msg.first_token],
+            text=msg.text,
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=flight.tokens_expected,
+            num_output_tokens=1,
+            logprobs=P.logprobs_from_wire([msg.first_logprobs]) if msg.first_logprobs is not None else None,
+            prompt_logprobs=P.logprobs_from_wire(flight.prompt_logprobs),
+        )
+        flight.prompt_logprobs = None  # they ride on the first chunk only
+        return chunk
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
@@ -619,12 +689,22 @@ class Router:
             if wid == flight.decode_id:  # prefill may send now, to where decode listens
                 self.hub.send(flight.prefill_id, msg)
             return
-        if isinstance(msg, P.PrefillSent):
+        if isinstance(msg, P.FirstToken):
             if wid != flight.prefill_id:
+                return
+            flight.first = msg
+        elif isinstance(msg, P.PrefillSent):
+            if wid != flight.prefill_id:
+                return
+            first = flight.first
+            if first is not None and first.first_token != msg.first_token:  # two messages of prefill's must agree
+                detail = f"prefill's first token differs: {first.first_token} first, {msg.first_token} when sent"
+                self._fail_flight(flight, "prefill", detail)
                 return
             self._advance(flight, _F.DECODING, when=(_F.PREFILLING,))
             flight.prefill_sent = msg
-            flight.prompt_logprobs = msg.prompt_logprobs
+            if msg.prompt_logprobs is not None:  # a prefill that sends them here rather than in FirstToken
+                flight.prompt_logprobs = msg.prompt_logprobs
             # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
             self.hub.send(flight.decode_id, dataclasses.replace(msg, prompt_logprobs=None))
         elif isinstance(msg, P.Tokens) and wid != flight.decode_id:
@@ -754,6 +834,8 @@ class Router:
                 assert flight.record is not None  # FINISHED is entered only here, with the record
                 return flight.record.to_api()
             flight.advance(_F.FINISHED)
+            if flight.streamed_first is not None:  # the client had that token before the verdict
+                record = dataclasses.replace(record, tokens_before_verdict=1)
             flight.record = record
         self.integrity_counts[record.status] += 1
         self.integrity_metrics.observe(record)

@@ -204,6 +204,7 @@ def run_router(args: argparse.Namespace) -> int:
             worker_timeout_s=args.worker_timeout_s,
             wait_prefill_workers=args.prefill_workers,
             wait_decode_workers=args.decode_workers,
+            first_token_before_verdict=not args.first_token_after_verify,
         ),
     )
     try:
@@ -280,7 +281,11 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
     ):
         if value is not None:
             common += [flag, str(value)]
-    for flag, on in (("--allow-context-above-pool", args.allow_context_above_pool), ("--strict-kv", args.strict_kv)):
+    for flag, on in (
+        ("--allow-context-above-pool", args.allow_context_above_pool),
+        ("--strict-kv", args.strict_kv),
+        ("--first-token-after-verify", args.first_token_after_verify),
+    ):
         if on:
             common.append(flag)
     prefill, decode = [], []

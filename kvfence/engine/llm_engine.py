@@ -9,7 +9,8 @@ probabilities a request asked for (its prompt's with its first output). It keeps
 `response_format` request's grammar in step with the tokens it appends. It also exposes the disaggregation
 hooks: `prefill_only` requests that keep their pages until `release`, and
 `reserve` + `add_prefilled_request` for a decode worker that receives KV from
-elsewhere.
+elsewhere, and `first_token_text`, so a prefill worker can say what text that decode
+worker's output will start with.
 
 What it does not know: HTTP, routing, transfers or KV verification; those sit above
 and talk to it through these methods and `pool` / `allocator`.
@@ -239,10 +240,20 @@ class LLMEngine:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         return self._grammar_compiler
 
+    def _decoder(self, params: SamplingParams) -> StreamDecoder | None:
+        return StreamDecoder(self.tokenizer) if params.detokenize and self.tokenizer is not None else None
+
     def _track(self, request: Request) -> None:
-        p = request.sampling_params
-        detok = StreamDecoder(self.tokenizer) if p.detokenize and self.tokenizer is not None else None
-        self._outputs[request.request_id] = _OutputState(detok)
+        self._outputs[request.request_id] = _OutputState(self._decoder(request.sampling_params))
+
+    def first_token_text(self, token_id: int, params: SamplingParams) -> str | None:
+        """The text a request's output starts with when `token_id` is its first token and does not end it
+        (what `add_prefilled_request` then `report_pending` give, before stop strings); None when this engine
+        has no tokenizer, "" when the request does not detokenize or the token is an incomplete character."""
+        if self.tokenizer is None:
+            return None
+        detok = self._decoder(params)
+        return detok.push(token_id) if detok is not None else ""
 
     def add_request(
         self,

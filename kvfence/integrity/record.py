@@ -53,6 +53,10 @@ class IntegrityRecord:
     transfer_id: str | None = ""
     role: str = "decode"
     timings: dict[str, float] = field(default_factory=dict)  # seconds: transfer, verify, total
+    # output tokens the router released to the client before decode's verdict reached it: the first token, computed
+    # on prefill's own KV, streams while the handoff runs (a non-streamed response still goes out whole, after the
+    # verdict; docs/handoff.md, "What the client sees before the verdict")
+    tokens_before_verdict: int = 0
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -135,6 +139,7 @@ class IntegrityRecord:
             "digest_algorithm": self.digest_algorithm,
             "layout_fingerprint": self.layout_fingerprint,
             "transfer_id": self.transfer_id,
+            "tokens_before_verdict": self.tokens_before_verdict,
         }
 
 

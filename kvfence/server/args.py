@@ -117,6 +117,12 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--strict-kv", action="store_true", help="poison KV pages when they are quarantined or freed")
     g.add_argument(
+        "--first-token-after-verify",
+        action="store_true",
+        help="router: hold the first token until decode verified the handoff (default: stream prefill's first "
+        "token at once; docs/handoff.md, 'What the client sees before the verdict')",
+    )
+    g.add_argument(
         "--no-verify",
         action="store_true",
         help="decode: admit handoffs WITHOUT verifying them -- only to demonstrate what the checks protect against",
