@@ -184,3 +184,33 @@ def test_offline_reports_a_failed_llama_cpp_repeat_and_keeps_going(
     assert "llama.cpp, repeat 2:" in out
     rows = [line.split()[0] for line in out.splitlines() if re.match(r"(kvfence|llama\.cpp)\s+\d", line)]
     assert rows == ["kvfence"]
+
+
+def _fake_batched_bench(tmp_path: Path, outputs: list[str]) -> lc.LlamaCppBuild:
+    """A build whose llama-batched-bench prints outputs[i] on its i-th run (exit 0), then the last one again."""
+    build = lc.LlamaCppBuild("test", tmp_path)
+    script = build.batched_bench
+    script.parent.mkdir(parents=True)
+    for i, text in enumerate(outputs):
+        (tmp_path / f"out{i}").write_text(text)
+    script.write_text(
+        "#!/bin/sh\n"
+        f'd="{tmp_path}"; n=$(cat "$d/count" 2>/dev/null || echo 0); echo $((n + 1)) > "$d/count"\n'
+        f'[ -f "$d/out$n" ] || n={len(outputs) - 1}; cat "$d/out$n"\n'
+    )
+    script.chmod(0o755)
+    return build
+
+
+def test_a_batched_bench_run_that_prints_nothing_is_retried(tmp_path: Path) -> None:
+    build = _fake_batched_bench(tmp_path, ["", "", JSONL])
+    row = lc.run_batched_bench(build, tmp_path / "m.gguf", 1, 128, 128, 2)
+    assert row.speed_tg == pytest.approx(36.532974)
+    assert (tmp_path / "count").read_text().strip() == "3"
+
+
+def test_a_batched_bench_run_that_prints_no_row_is_not_retried_forever(tmp_path: Path) -> None:
+    build = _fake_batched_bench(tmp_path, ["", "main: skipped a shape\n"])
+    with pytest.raises(RuntimeError, match="0 result rows"):
+        lc.run_batched_bench(build, tmp_path / "m.gguf", 1, 128, 128, 2)
+    assert (tmp_path / "count").read_text().strip() == "2"  # a run that printed something is an answer
