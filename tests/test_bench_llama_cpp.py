@@ -69,6 +69,11 @@ def test_commands_use_fp32_kv_the_threads_and_the_workload_shape(tmp_path: Path)
     )
     assert server[0].endswith("bin/llama-server")
     assert server[server.index("-np") + 1] == "4" and server[server.index("-c") + 1] == "1200"
+    assert server[server.index("-fa") + 1] == "auto"  # llama.cpp's own default: serving is timed at its best
+    fp32 = lc.server_command(
+        build, tmp_path / "m.gguf", host="h", port=1, parallel=1, context_per_slot=8, threads=2, flash_attn="off"
+    )
+    assert fp32[fp32.index("-fa") + 1] == "off"  # the agreement check's attention in fp32, as kvfence's
 
 
 def test_setup_does_nothing_when_already_built(kvfence_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

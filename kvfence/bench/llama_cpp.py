@@ -392,8 +392,14 @@ def server_command(
     context_per_slot: int,
     threads: int,
     alias: str | None = None,
+    flash_attn: str = "auto",
 ) -> list[str]:
-    """llama-server with `parallel` slots (continuous batching), fp32 KV cache, `threads` threads."""
+    """llama-server with `parallel` slots (continuous batching), fp32 KV cache, `threads` threads.
+
+    flash_attn: llama.cpp's `-fa` ("auto" turns it on on the CPU). Its flash attention casts K and V to
+    F16 whatever `-ctk/-ctv` say (src/llama-graph.cpp, build_attn_mha) and accumulates in F16, so only
+    "off" computes attention in fp32 as kvfence does: greedy agreement is checked that way.
+    """
     named = ["--alias", alias] if alias else []
     return [
         str(build.server),
@@ -417,6 +423,8 @@ def server_command(
         "f32",
         "-ctv",
         "f32",
+        "-fa",
+        flash_attn,
         "--no-webui",
     ]
 
@@ -433,6 +441,7 @@ def launch_server(
     label: str = "llama.cpp",
     alias: str | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    flash_attn: str = "auto",
 ) -> Any:
     """Start llama-server on a free port of `host` and wait for /health; a `launch.LaunchedServer`."""
     from kvfence.bench.launch import LaunchedServer
@@ -448,6 +457,7 @@ def launch_server(
         context_per_slot=context_per_slot,
         threads=threads,
         alias=alias,
+        flash_attn=flash_attn,
     )
     log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-")) / f"{label}.log"
     with open(log_path, "wb") as log:

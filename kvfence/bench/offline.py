@@ -126,7 +126,10 @@ def _llama_cpp_agreement(
     from kvfence.bench import llama_cpp
 
     ctx = len(prompts[0]) + output_len + 8
-    with llama_cpp.launch_server(build, gguf, parallel=1, context_per_slot=ctx, threads=threads) as server:
+    # fp32 attention (-fa off): with its flash attention (F16 K/V) llama.cpp parts from fp32 on 16 of 32 prompts
+    with llama_cpp.launch_server(
+        build, gguf, parallel=1, context_per_slot=ctx, threads=threads, flash_attn="off"
+    ) as server:
         theirs = llama_cpp.greedy_tokens(server.url, prompts, output_len)
     a = llama_cpp.agreement(ours.outputs, theirs, eog)
     return f"{a.same}/{a.total}"
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     if llama is not None and "llama.cpp" not in best:
         llama = None
     if llama is not None:
-        log("greedy tokens from llama-server for the agreement check")
+        log("greedy tokens from llama-server (-fa off: fp32 attention) for the agreement check")
         eog = frozenset(getattr(engine.tokenizer, "eos_token_ids", ()) or ())
         try:
             if not llama[0].has("llama-server"):
@@ -315,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             best["llama.cpp"].same = "not checked"
             print(f"llama.cpp agreement not checked: {e}".splitlines()[0], flush=True)
+    if llama is not None:
+        print("llama.cpp timed with its default flash attention (-fa auto: F16 K/V inside attention)", flush=True)
     print(format_table(results, ours))
     if llama is not None:
         print()

@@ -54,7 +54,8 @@ def load() -> Any:
             name=f"kvfence_native_kernels_{hashlib.sha256(source.encode()).hexdigest()[:12]}",  # a new build per edit
             cpp_sources=[source],
             functions=["paged_decode_attention", "rms_norm", "small_linear", "llama_decode_layers"],
-            extra_cflags=["-O3", "-march=native"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP: serial without it
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # the builder raises RuntimeError, OSError, subprocess errors, ImportError
