@@ -221,8 +221,8 @@ def _rule_context_vs_pool(s: ServerSnapshot) -> list[Finding]:
         sev, what = (
             Severity.CRITICAL,
             (
-                f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV across "
-                "requests"
+                f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: "
+                "the abort path that leaked KV across requests"
             ),
         )
     elif reaches is None:
