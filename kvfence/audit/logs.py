@@ -804,7 +804,9 @@ class _Scanner:
 
     def _outcome_of(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
         """_decode_outcome for the rare-line handlers, which hold decoded strings."""
-        return self._decode_outcome(rid.encode() if rid else None, room.encode() if room else None, ts.encode(), run)
+        return self._decode_outcome(
+            rid.encode() if rid else None, room.encode() if room else None, ts.encode(), run
+        )
 
     def _decode_outcome(self, rid: bytes | None, room: bytes | None, ts: bytes, run: Run) -> DecodeOutcome:
         if room is None and rid is not None:

@@ -218,20 +218,14 @@ def _rule_context_vs_pool(s: ServerSnapshot) -> list[Finding]:
         return []
     reaches = rel.stub_reaches_decode(v)
     if reaches:
-        sev, what = (
-            Severity.CRITICAL,
-            (
-                f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: "
-                "the abort path that leaked KV across requests"
-            ),
+        sev, what = Severity.CRITICAL, (
+            f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV across "
+            "requests"
         )
     elif reaches is None:
-        sev, what = (
-            Severity.WARNING,
-            (
-                "SGLang version unknown: on 0.5.19 an over-pool prompt is handed to decode as a 1-token stub (the leak "
-                "path); 0.5.20 and later refuse it"
-            ),
+        sev, what = Severity.WARNING, (
+            "SGLang version unknown: on 0.5.19 an over-pool prompt is handed to decode as a 1-token stub (the leak "
+            "path); 0.5.20 and later refuse it"
         )
     else:
         sev, what = Severity.WARNING, f"SGLang {s.version} refuses such prompts ({rel.stub_fate(v)})"
@@ -592,3 +586,5 @@ def audit(prefill: ServerSnapshot | None, decode: ServerSnapshot | None) -> list
             if s is not None and s.recognised:
                 out += _rule_truncate_single(s)
     return out
+
+

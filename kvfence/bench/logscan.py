@@ -192,10 +192,8 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
         for name, wall, cpu in results[:-1]:
             print(f"scan / {name}: wall ratio {scan_w / statistics.median(wall):.1f}, "
                   f"cpu ratio {scan_c / statistics.median(cpu):.1f}")  # fmt: skip
-        print(
-            f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
-            f"{mb / scan_w:.1f} MB/s wall; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-        )
+        print(f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
+              f"{mb / scan_w:.1f} MB/s wall; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     finally:
         if not keep and work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

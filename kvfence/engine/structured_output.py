@@ -23,8 +23,8 @@ import torch
 from kvfence.engine.sampling_params import StructuredOutputs
 from kvfence.errors import InvalidRequestError
 
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"  # a string character as xgrammar bounds strings: control characters allowed
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped in a string
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'  # a string character as xgrammar bounds strings: control characters allowed
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'  # what JSON allows unescaped in a string
 
 
 def _hf_wrapper(tokenizer: Any) -> Any:
