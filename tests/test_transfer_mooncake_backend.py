@@ -242,7 +242,8 @@ def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences
     dec.slot.link.sever()  # the control connection breaks; prefill's writer may be mid-write
     drive(pre, dec, until=lambda: dec.state == DecodeState.FAILED)
     assert dec.record.reason == "transfer_error" and "control connection" in dec.record.detail
-    drive(pre, dec)
+    # the sender marks `fenced` sent once its send returned; decode may release on it before that
+    drive(pre, dec, until=lambda: pre.settled and dec.settled and pre.handle.final_sent)
     assert pre.handle.sender_done and pre.handle.final_sent  # its `fenced` frame went out on a new connection
     assert dec.released and not dec.overdue and dec.slot.sender_final and not dec.slot.link_closed
     assert pre.handle.pages_sent < 40
