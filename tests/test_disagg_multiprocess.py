@@ -7,6 +7,7 @@ registered with a `Router` in this process, so tests see token ids and choose re
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -268,6 +269,29 @@ def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify
     assert (scaled.prefill_workers, scaled.decode_workers, scaled.max_worker_restarts) == (2, 3, 3)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--decode-workers", "0"])
+
+
+def test_kvfence_serve_forwards_every_engine_flag_to_every_worker() -> None:
+    """Each flag of the model-and-engine group, set to a value other than its default, reaches the workers'
+    command lines (`--kernels native` once stopped at the launcher: the workers ran the torch kernels)."""
+    from kvfence.cli import build_parser
+    from kvfence.config import add_engine_arguments
+    from kvfence.disagg.worker_main import launch_command_args
+
+    values = {
+        "--model": "m", "--dtype": "bfloat16", "--device": "cpu", "--kernels": "native", "--page-size": "32",
+        "--max-total-tokens": "4096", "--chunked-prefill-size": "64", "--max-num-seqs": "3",
+        "--max-num-batched-tokens": "128", "--context-length": "1024",
+    }  # fmt: skip
+    engine_flags = argparse.ArgumentParser()
+    add_engine_arguments(engine_flags)
+    flags = {s for a in engine_flags._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    assert flags == set(values), "a new engine flag: give it a value here so this test checks it is forwarded"
+    args = build_parser().parse_args(["serve", *[x for kv in values.items() for x in kv]])
+    common, prefill, decode = launch_command_args(args)
+    for flag, value in values.items():
+        for role_args in ((*common, *prefill), (*common, *decode)):
+            assert flag in role_args and role_args[role_args.index(flag) + 1] == value, flag
 
 
 def test_launcher_passes_each_role_its_ports_explicitly() -> None:

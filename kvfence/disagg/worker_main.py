@@ -260,6 +260,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--served-model-name", args.served_model_name),
         ("--dtype", args.dtype),
         ("--device", args.device),
+        ("--kernels", args.kernels),
         ("--page-size", args.page_size),
         ("--context-length", args.context_length),
         ("--chunked-prefill-size", args.chunked_prefill_size),
