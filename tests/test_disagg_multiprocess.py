@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -24,12 +25,14 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg import messages as P
+from kvfence.disagg.core_board import CoreBoard
 from kvfence.disagg.launcher import LaunchConfig, Launcher, free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 
 CTX = "256"
+ROLES = ("prefill", "decode")
 
 
 def reference(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
@@ -55,12 +58,16 @@ class WorkerProcesses:
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
         common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
-        common += ["--exit-with-parent", "--transfer-backend", transport]
+        common += ["--exit-with-parent", "--transfer-backend", transport, "--torch-threads", "1"]
         fault_args = ["--inject-fault", faults] if faults else []
+        self.board = log_dir / "cores"  # as `kvfence serve` does: the two workers pool two threads
+        CoreBoard.create(self.board, 2, budget=2)
+        boards = {role: ["--core-board", str(self.board), "--core-board-slot", str(i)] for i, role in enumerate(ROLES)}
         self.procs = {
-            "prefill": [*common, "--role", "prefill", "--max-total-tokens", "1024", *fault_args],
-            "decode": [*common, "--role", "decode", "--max-total-tokens", "2048", "--handoff-port", str(free_port())],
-        }
+            "prefill": [*common, "--role", "prefill", "--max-total-tokens", "1024", *fault_args, *boards["prefill"]],
+            "decode": [*common, "--role", "decode", "--max-total-tokens", "2048", "--handoff-port", str(free_port()),
+                       *boards["decode"]],
+        }  # fmt: skip
         self.logs = {role: open(log_dir / f"{role}.log", "wb") for role in self.procs}  # noqa: SIM115
         self.popen = {
             role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT)
@@ -143,6 +150,30 @@ def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesse
         assert choice["kvfence"]["integrity"]["status"] == "verified"
     assert 'kvfence_kv_capacity_tokens{role="decode"} 2048.0' in metrics
     assert "kvfence_handoff_verified_total" in metrics  # the router's integrity counters, on the same page
+
+
+def test_prefill_borrows_the_idle_decode_workers_core_and_decode_keeps_its_own(workers: WorkerProcesses) -> None:
+    """Both worker processes on one core board: a prompt that finds decode idle is computed on two threads
+    (prefill's report counts the steps), decode stays on its one; with no work both claims are back to 0."""
+
+    def reports() -> dict[str, dict[str, Any]]:
+        return {w["role"]: w for w in workers.router.stats()["workers"].values()}
+
+    before = reports()["prefill"].get("steps_borrowing_cores", 0)
+    _run(workers.router, [("borrow-1", [7] * 100, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and reports()["prefill"].get("steps_borrowing_cores", 0) <= before:
+        time.sleep(0.1)  # reports come every 250 ms
+    got = reports()
+    assert got["prefill"]["steps_borrowing_cores"] > before and got["prefill"]["torch_threads"] == 2
+    assert got["decode"]["steps_borrowing_cores"] == 0 and got["decode"]["torch_threads"] == 1
+    deadline = time.monotonic() + 10
+    claims = [-1]
+    while time.monotonic() < deadline and any(claims):
+        with open(workers.board, "rb") as f:
+            claims = list(struct.unpack("=5i", f.read()))[3:]
+        time.sleep(0.05)
+    assert claims == [0, 0]
 
 
 def _assert_exact_and_corrupt_caught(router: Any, model_dir: Path, reqs: list, bad: tuple) -> None:
@@ -314,6 +345,7 @@ def launched(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         prefill_args=("--max-total-tokens", "512"),
         decode_args=("--max-total-tokens", "1024"),
         max_worker_restarts=0,  # a dead worker takes the deployment down (the restart path has its own tests)
+        core_budget=2,  # as `kvfence serve` on two cores
     )
     launcher = Launcher(config, stdout=log.fileno(), stderr=subprocess.STDOUT)
     launcher.start()
@@ -335,10 +367,14 @@ def test_launched_deployment_serves_http_and_goes_down_together(launched: Launch
     assert r.json()["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
     metrics = httpx.get(f"{launched.base_url}/metrics", timeout=10).text
     assert 'kvfence_kv_capacity_tokens{role="prefill"} 512.0' in metrics
+    assert 'kvfence_worker_torch_threads{role="decode",worker="decode-0"} 1.0' in metrics  # decode never borrows
+    board = launched.core_board
+    assert board is not None and Path(board).exists()
     os.kill(launched.procs["decode-0"].pid, signal.SIGKILL)
     assert launched.watch() == 1  # noticed the death and, with no restarts allowed, stopped the others
     assert all(p.poll() is not None for p in launched.procs.values())
     assert launched.procs["decode-0"].returncode == -signal.SIGKILL
+    assert not Path(board).exists()  # stopping removed the workers' core board
 
 
 @pytest.mark.slow

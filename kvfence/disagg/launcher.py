@@ -4,7 +4,9 @@ What it knows: how to pick free loopback ports at run time (the OS chooses; each
 passed to its process explicitly on the command line: the router's HTTP and control
 ports, one data-plane port per decode worker), the command lines (`python -m
 kvfence.disagg.worker_main --role ...`, each worker with a stable `--worker-id` such as
-`decode-1`), the order (router first, since workers register with it), and what to do
+`decode-1`), the order (router first, since workers register with it), the core board
+the workers pool their threads on when given a core budget (a small file made at start,
+removed at stop, each worker told its slot: `kvfence.disagg.core_board`), and what to do
 when a child exits:
 
 * the router holds nothing but in-flight requests (those fail when it dies), so it is
@@ -29,14 +31,21 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kvfence.disagg.core_board import CoreBoard
 from kvfence.errors import KvfenceError
 
 CONFIG_ERROR_EXIT = 2  # what a kvfence process exits with on a refusal or a configuration error
+# How long an idle OpenMP thread of a worker on a core board spins before it sleeps (GNU OpenMP, torch's runtime
+# on Linux; in busy-wait iterations). libgomp's default, 300,000, keeps a thread that a worker no longer uses
+# spinning for milliseconds on a core its neighbour has just claimed.
+BOARD_SPINCOUNT = 20_000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -60,12 +69,14 @@ class LaunchConfig:
     router_args: tuple[str, ...] = ()
     max_router_restarts: int = 3  # a router that exits is started again on the same ports this many times
     max_worker_restarts: int = 3  # per worker slot: a worker that dies is started again this many times
+    core_budget: int | None = None  # threads the workers pool on a core board (None: each keeps its own)
     python: str = field(default_factory=lambda: sys.executable)
 
     def __post_init__(self) -> None:
         assert self.num_prefill >= 1 and self.num_decode >= 1, (self.num_prefill, self.num_decode)
         assert len(self.handoff_ports) <= self.num_decode, self.handoff_ports
         assert self.max_router_restarts >= 0 and self.max_worker_restarts >= 0
+        assert self.core_budget is None or self.core_budget >= 1, self.core_budget
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class Launcher:
         self._stderr = stderr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.restarts: Counter[str] = Counter()  # slot -> times restarted
+        self.core_board: str | None = None  # the workers' shared core board, made by start()
 
     @property
     def router_restarts(self) -> int:
@@ -118,6 +130,8 @@ class Launcher:
         if slot == "router":
             return [*base, "--host", c.host, "--port", str(p.http), "--control-port", str(p.control), *c.router_args]
         worker = [*base, "--router-address", router_addr, "--worker-id", slot]
+        if self.core_board is not None:
+            worker += ["--core-board", self.core_board, "--core-board-slot", str(self.slots.index(slot) - 1)]
         if role == "prefill":
             return [*worker, *c.prefill_args]
         if role == "decode":
@@ -131,12 +145,19 @@ class Launcher:
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
+        if self.config.core_budget is not None and self.core_board is None:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # memory-backed where there is one
+            fd, self.core_board = tempfile.mkstemp(prefix="kvfence-cores-", dir=shm)
+            os.close(fd)
+            CoreBoard.create(self.core_board, len(self.slots) - 1, self.config.core_budget)
         for slot in self.slots:
             self._spawn(slot)
 
     def _spawn(self, slot: str) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.core_board is not None and slot != "router":
+            env.setdefault("GOMP_SPINCOUNT", str(BOARD_SPINCOUNT))
         self.procs[slot] = subprocess.Popen(
             self.command(slot), stdout=self._stdout, stderr=self._stderr, env=env, start_new_session=True
         )
@@ -177,6 +198,9 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=5)
+        if self.core_board is not None:
+            Path(self.core_board).unlink(missing_ok=True)
+            self.core_board = None
         return {slot: p.returncode for slot, p in self.procs.items()}
 
     def supervise(self) -> int | None:

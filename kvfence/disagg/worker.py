@@ -5,10 +5,11 @@ What it knows: what a worker and its control channel look like to the loop (`Wor
 `Register` message `registration_for` builds around an engine), the model fingerprint
 every worker registers (a hash of config.json and of the weight files' bytes, so two
 different checkpoints of one architecture never pair), and the loop itself: register,
-then alternate between the control channel and one engine step, publishing load reports
-every few hundred ms (each says how many orders it covers), until told to shut down,
-stopped, or orphaned; a worker that loses its router drops what it holds and registers
-again.
+then alternate between the control channel and one engine step (on a host's core board,
+claiming idle neighbours' cores for it), publishing load reports every few hundred ms (each
+says how many orders it covers, and the threads the worker ran with), until told to shut
+down, stopped, or orphaned; a worker that loses its router drops what it holds and
+registers again.
 
 What it does not know: command-line flags or processes (`kvfence.disagg.worker_main`),
 what prefill or decode do with a message (their own modules), or HTTP.
@@ -22,10 +23,13 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfence.disagg import messages as P
 from kvfence.errors import CapacityConfigError, KvfenceError
+
+if TYPE_CHECKING:
+    from kvfence.disagg.core_board import CoreBoard
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +110,12 @@ def run_worker(
     orphan_check: bool = False,
     router_timeout_s: float | None = None,
     reconnect_s: float = RECONNECT_TIMEOUT_S,
+    cores: CoreBoard | None = None,
 ) -> None:
     """Serve control messages and engine steps until Shutdown, `stop`, or (orphan_check) our parent dies.
+
+    With `cores` (the launcher's board of this host), each step runs on this worker's share of the cores
+    plus those of co-located workers that have no work (`kvfence.disagg.core_board`).
 
     With `router_timeout_s`, a router silent that long (it sends keepalives) is lost: the
     worker drops every request it holds (freeing their pages) and registers again with
@@ -155,11 +163,18 @@ def run_worker(
                     raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
                 logger.info("%s: registered again", worker.role)
                 heard, orders, last_stats = time.monotonic(), 0, 0.0
+            if cores is not None:
+                cores.claim(worker.busy)  # threads for this step: our share, plus idle neighbours' cores
             worker.step()
+            if cores is not None and not worker.busy:
+                cores.claim(False)  # hand the cores back at once, not after the next wait
             now = time.monotonic()
             if now - last_stats >= stats_interval_s:
                 last_stats = now
-                channel.send(P.WorkerStats(worker.role, {**worker.stats(), "orders_seen": orders}))
+                stats = {**worker.stats(), "orders_seen": orders}
+                if cores is not None:
+                    stats.update(torch_threads=cores.threads, steps_borrowing_cores=cores.steps_borrowing)
+                channel.send(P.WorkerStats(worker.role, stats))
                 if orphan_check and os.getppid() != parent:
                     logger.error("%s: parent process %d is gone; exiting", worker.role, parent)
                     return

@@ -231,6 +231,21 @@ def run_worker_role(args: argparse.Namespace) -> int:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
     set_torch_threads(args.role, args.torch_threads)
     worker = build_worker(args, resolve_model_dir(args.model))
+    cores = None
+    if args.core_board is not None:
+        from kvfence.disagg.core_board import CoreBoard
+
+        if args.core_board_slot is None:
+            raise KvfenceError(f"{args.role}: --core-board needs --core-board-slot")
+        import torch
+
+        # Prefill borrows idle cores: its forward over a prompt is long, matrix-bound and scales with threads.
+        # Decode only publishes that it has work: its short steps gained nothing measurable from a second
+        # thread and kept prefill off the core it borrowed (docs/benchmarks.md, "Disaggregated serving").
+        borrow = args.role == PREFILL
+        cores = CoreBoard(args.core_board, args.core_board_slot, share=torch.get_num_threads(), borrow=borrow)
+        logger.info("%s: slot %d of this host's core board (%d threads shared, borrowing: %s)", args.role, cores.slot,
+                    cores.budget, borrow)  # fmt: skip
     channel = P.ZmqChannel(args.router_address, worker.registration().worker_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -245,9 +260,12 @@ def run_worker_role(args: argparse.Namespace) -> int:
             orphan_check=args.exit_with_parent,
             router_timeout_s=args.router_timeout_s,
             reconnect_s=args.reconnect_timeout_s,
+            cores=cores,
         )
     finally:
         channel.close()
+        if cores is not None:
+            cores.close()
     logger.info("%s: stopped", args.role)
     return 0
 
@@ -304,15 +322,20 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
 def run_launch(args: argparse.Namespace) -> int:
     """`--disagg`: a router and N prefill + M decode workers as child processes; the router's HTTP port is --port."""
     from kvfence.config import resolve_model_dir
+    from kvfence.disagg.core_board import default_budget
     from kvfence.disagg.launcher import LaunchConfig, launch
 
     if args.model is None:  # build the default model once here, not three times in parallel
         args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
     common, prefill, decode = launch_command_args(args)
     workers = args.prefill_workers + args.decode_workers
+    core_budget = None
     if args.torch_threads is None and not os.environ.get("OMP_NUM_THREADS"):  # share the cores among all workers
-        threads = ("--torch-threads", str(torch_threads_for(PREFILL, len(os.sched_getaffinity(0)), workers)))
+        cpus = len(os.sched_getaffinity(0))
+        share = torch_threads_for(PREFILL, cpus, workers)
+        threads = ("--torch-threads", str(share))
         prefill, decode = (*prefill, *threads), (*decode, *threads)
+        core_budget = default_budget(cpus, [share] * workers)  # and lend each other the cores they leave idle
     return launch(
         LaunchConfig(
             host=args.host,
@@ -325,6 +348,7 @@ def run_launch(args: argparse.Namespace) -> int:
             router_args=("--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers)),
             max_router_restarts=args.max_router_restarts,
             max_worker_restarts=args.max_worker_restarts,
+            core_budget=core_budget,
         )
     )
 

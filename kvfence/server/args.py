@@ -159,8 +159,18 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="torch intra-op threads of this process (default: $OMP_NUM_THREADS if set, else router 1 and each "
-        "worker (cores - 1) // 2, at least 1, so the three processes do not oversubscribe the cores)",
+        "worker (cores - 1) // 2, at least 1, so the three processes do not oversubscribe the cores; workers that "
+        "`kvfence serve` starts on one host then also borrow the cores of co-located workers that have no work, "
+        "which setting this or $OMP_NUM_THREADS turns off)",
     )
+    g.add_argument(
+        "--core-board",
+        default=None,
+        metavar="PATH",
+        help="workers: the core board the launcher made for this host's workers (kvfence.disagg.core_board); "
+        "set by `kvfence serve`, with --core-board-slot",
+    )
+    g.add_argument("--core-board-slot", type=int, default=None, metavar="N", help="workers: this worker's slot")
     g.add_argument(
         "--worker-timeout-s",
         type=float,

@@ -47,6 +47,8 @@ _WORKER_GAUGES = (
     ("queued_prompt_tokens", "kvfence_worker_queued_prompt_tokens", "Prompt tokens queued on a prefill worker"),
     ("load_free_pages", "kvfence_worker_routing_free_pages", "Free pages the router routes by (report - in transit)"),
     ("load_requests", "kvfence_worker_routing_requests", "Requests the router routes by (report + in transit)"),
+    ("torch_threads", "kvfence_worker_torch_threads", "Threads of the worker's last step (core board workers only)"),
+    ("steps_borrowing_cores", "kvfence_worker_steps_borrowing_cores", "Steps the worker ran on idle neighbours' cores"),
 )
 
 
