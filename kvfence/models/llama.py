@@ -283,6 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self._rope_sin: torch.Tensor | None = None
         self.native = False  # final RMSNorm by models.native_kernels
         self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
+        self._native_head: torch.Tensor | None = None  # lm_head, packed for native_kernels.packed_linear
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -416,12 +417,15 @@ class LlamaForCausalLM(nn.Module):
         the head by the small-batch projection kernel. Same math as `forward`; float sums in another order."""
         from kvfence.models import native_kernels
 
-        if self._native_weights is None:
+        if self._native_weights is None:  # packed copies of the projections, made on the first native step
             self._native_weights = [
-                t if (t := getattr(layer, name)) is not None else _EMPTY
+                _EMPTY if (t := getattr(layer, name)) is None
+                else native_kernels.pack_panels(t) if name in native_kernels.PACKED_FIELDS
+                else t
                 for layer in self.layers
                 for name in native_kernels.LAYER_FIELDS
-            ]
+            ]  # fmt: skip
+            self._native_head = native_kernels.pack_panels(self.lm_head)
         x = F.embedding(fb.input_ids, self.embed)  # [B, E]
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
         x = native_kernels.llama_decode_layers(
@@ -441,7 +445,8 @@ class LlamaForCausalLM(nn.Module):
             self.eps,
         )  # [B, E]
         x = native_kernels.rms_norm(x[fb.logits_index], self.norm, self.eps)  # [N, E]
-        return native_kernels.small_linear(x, self.lm_head)  # [N, vocab]
+        assert self._native_head is not None
+        return native_kernels.packed_linear(x, self._native_head, self.lm_head.shape[0])  # [N, vocab]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

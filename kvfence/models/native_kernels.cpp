@@ -1,9 +1,9 @@
 // kvfence's opt-in CPU kernels (float32), built on first use by models/native_kernels.py.
 //
-// What it knows: RMSNorm rows; decode attention reading the paged KV pool in place; small-batch
-// projections (y = x W^T) that stream each weight row once for every batch row; and a whole Llama-family
-// decode step (every layer, one token per sequence) built from those, so a step is one call instead of a
-// few hundred torch ops. Every output element is computed by the same sequence of float operations
+// What it knows: RMSNorm rows; decode attention reading the paged KV pool in place; projections (y = x W^T)
+// from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU has it); SiLU and
+// softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
+// built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
 // depend on which other sequences share its step.
 //
@@ -15,9 +15,9 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define KVF_AVX2 1
+#define KVF_AVX512 1
 #endif
 
 namespace {
@@ -35,93 +35,122 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// --- small-batch projections ------------------------------------------------------------------------------
-// y[b, n] = sum_k x[b, k] w[n, k]. Each (b, n) has one 8-lane accumulator over k in steps of 8, reduced in a
-// fixed lane order, then the k % 8 tail; tiles only decide which (b, n) share a pass over memory:
-// R batch rows x C weight rows with R * C = 8 accumulators (R = 8, 4, 2, 1), so a weight row is read once
-// per group of up to 8 batch rows.
+// --- vector exp ---------------------------------------------------------------------------------------------
+// exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), exp(r) by Cephes' degree-6
+// polynomial (about 1 ulp on [-ln2/2, ln2/2]); x is clamped to where float exp neither overflows nor
+// underflows, in an order that lets a NaN through. Every element goes through the same instructions
+// (tails by masked loads and stores), so the result of an element does not depend on its neighbours.
 
-#ifdef KVF_AVX2
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);                      // lanes (0+4, 1+5, 2+6, 3+7)
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));             // (0+4 + 2+6, 1+5 + 3+7, ...)
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));      // total
-  return _mm_cvtss_f32(s);
+#ifdef KVF_AVX512
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-87.3365447505531f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);  // y * 2^n
 }
 
-template <int R, int C>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
-  // x: R rows of K (stride ldx); w: C rows of K (contiguous); out[r * ldo + c]
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      float s = hsum(acc[r][c]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[r * ldx + kk] * w[c * K + kk];
-      out[r * ldo + c] = s;
-    }
-  }
-}
-#else
-template <int R, int C>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      float lane[8] = {0};
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        for (int j = 0; j < 8; ++j) lane[j] += x[r * ldx + k + j] * w[c * K + k + j];
-      float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-      for (; k < K; ++k) s += x[r * ldx + k] * w[c * K + k];
-      out[r * ldo + c] = s;
-    }
-  }
-}
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 #endif
 
-template <int R, int C>
-void rows_times_weights(const float* x, int64_t ldx, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
-                        int64_t ldy) {
-  // R batch rows against weight rows n0..n1: full C-wide tiles, then the last columns one at a time
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) tile<R, C>(x, ldx, w + n * K, K, y + n, ldy);
-  for (; n < n1; ++n) tile<R, 1>(x, ldx, w + n * K, K, y + n, ldy);
+// s[i] = exp(s[i] - m) for i < n; returns their sum (in lane order, then across lanes: the same for any caller)
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+#ifdef KVF_AVX512
+  __m512 total = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - m));
+  return total;
+#endif
 }
 
-// y [B, N] = x [B, K] @ w[N, K]^T (+ bias) (+ residual); B any (groups of 8, 4, 2, 1 rows), split over N
-void small_linear_into(const float* x, int64_t B, int64_t K, const float* w, int64_t N, const float* bias,
-                       const float* residual, float* y) {
-  TORCH_CHECK(residual != y, "small_linear_into: the residual must not be the output");
-  // at least 16 weight rows per thread: below that a thread's start-up costs more than its share
-  // weight rows in blocks of about 32 KB, each block taken by every row group while it is in L1/L2
-  const int64_t block = std::max<int64_t>(8, (32 << 10) / (4 * std::max<int64_t>(K, 1)) / 8 * 8);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t nb = n0; nb < n1; nb += block) {
-      const int64_t ne = std::min(n1, nb + block);
-      int64_t b = 0;
-      for (; b + 8 <= B; b += 8) rows_times_weights<8, 1>(x + b * K, K, w, K, nb, ne, y + b * N, N);
-      for (; b + 4 <= B; b += 4) rows_times_weights<4, 2>(x + b * K, K, w, K, nb, ne, y + b * N, N);
-      for (; b + 2 <= B; b += 2) rows_times_weights<2, 4>(x + b * K, K, w, K, nb, ne, y + b * N, N);
-      for (; b < B; ++b) rows_times_weights<1, 8>(x + b * K, K, w, K, nb, ne, y + b * N, N);
+// a[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, for i < n
+inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+#ifdef KVF_AVX512
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+    const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    _mm512_mask_storeu_ps(a + i, k, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(k, u + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#endif
+}
+
+// --- projections ----------------------------------------------------------------------------------------------
+// y[b, n] = sum_k x[b, k] w[n, k], with w packed once into panels of kPanel output columns laid out k-major
+// ([ceil(N / kPanel), K, kPanel], zero past N): a panel is read contiguously and shared by a group of up to 8
+// batch rows while it sits in L1/L2. Each output element is one FMA chain over k = 0..K-1 in order, whatever
+// the row group or the batch, so a row's result does not depend on its batch-mates.
+
+constexpr int64_t kPanel = 32;
+
+template <int R>
+inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t cols, float* y, int64_t ldy) {
+  // x: R rows of K; panel: [K, kPanel]; y[r * ldy + j] for j < cols
+#ifdef KVF_AVX512
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
     }
-    if (bias != nullptr || residual != nullptr) {
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, tail_mask(cols), acc[r][0]);
+    if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
+  }
+#else
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t j = 0; j < kPanel; ++j) acc[r][j] = std::fma(x[r * K + k], panel[k * kPanel + j], acc[r][j]);
+  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + cols, y + r * ldy);
+#endif
+}
+
+// y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as packed panels (pack_panels); split over panels
+void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packed, int64_t N, const float* bias,
+                        const float* residual, float* y) {
+  TORCH_CHECK(residual != y, "packed_linear_into: the residual must not be the output");
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, B * K * kPanel));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = packed + p * K * kPanel;
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      int64_t b = 0;
+      for (; b + 8 <= B; b += 8) panel_rows<8>(x + b * K, K, panel, cols, y + b * N + n0, N);
+      for (; b + 4 <= B; b += 4) panel_rows<4>(x + b * K, K, panel, cols, y + b * N + n0, N);
+      for (; b + 2 <= B; b += 2) panel_rows<2>(x + b * K, K, panel, cols, y + b * N + n0, N);
+      for (; b < B; ++b) panel_rows<1>(x + b * K, K, panel, cols, y + b * N + n0, N);
       for (int64_t r = 0; r < B; ++r) {
         float* yr = y + r * N;
         if (bias != nullptr)
-          for (int64_t n = n0; n < n1; ++n) yr[n] += bias[n];
+          for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
         if (residual != nullptr)
-          for (int64_t n = n0; n < n1; ++n) yr[n] = residual[r * N + n] + yr[n];
+          for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
       }
     }
   });
@@ -169,12 +198,7 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
         float* s = scores.data() + g * L;
         float m = s[0];
         for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - m);
-          total += s[t];
-        }
-        const float inv = 1.f / total;
+        const float inv = 1.f / exp_shifted_sum(s, L, m);
         for (int64_t t = 0; t < L; ++t) s[t] *= inv;
       }
       for (int64_t t0 = 0; t0 < L; t0 += page_size) {
@@ -245,23 +269,35 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// x [B, K] @ w [N, K]^T (+ bias [N], empty for none) -> [B, N]
-torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+// w [N, K] -> [ceil(N / kPanel), K, kPanel]: kPanel output columns per panel, k-major, zero past N
+torch::Tensor pack_panels(torch::Tensor w) {
+  check_f32(w, "w");
+  TORCH_CHECK(w.dim() == 2, "pack_panels: w [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({panels * kPanel, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();  // [panels, K, kPanel]
+}
+
+// x [B, K] @ w^T (+ bias [N], empty for none) -> [B, N], w given as pack_panels(w) with N rows
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
   x = x.contiguous();
   check_f32(x, "x");
-  check_f32(w, "w");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x [B, K], w [N, K]");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == w.size(0), "small_linear: bias size");
-  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  small_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0), opt_ptr(bias),
-                    nullptr, y.data_ptr<float>());
+  check_f32(packed, "packed weight");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
+                  packed.size(0) == (N + kPanel - 1) / kPanel,
+              "packed_linear: x [B, K], packed [ceil(N / 32), K, 32]");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "packed_linear: bias size");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  packed_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), N, opt_ptr(bias), nullptr,
+                     y.data_ptr<float>());
   return y;
 }
 
 // One decode step of a Llama-family model through every layer: x [B, E] (embedded tokens) -> [B, E] after the
 // last layer (before the final norm). Per layer, `layer_weights` holds 12 tensors in this order (empty
 // tensors for what the model lacks): input_norm, qkv_w, qkv_b, o_w, o_b, q_norm, k_norm, post_norm,
-// gate_up_w, gate_up_b, down_w, down_b. cos/sin: [B, D] (sin with its first half negated); k_pools/v_pools:
+// gate_up_w, gate_up_b, down_w, down_b; the four *_w projections packed by pack_panels. cos/sin: [B, D] (sin with its first half negated); k_pools/v_pools:
 // per layer, the flat [S, Hkv, D] pool views; slots [B]: where this step's K/V go; pages [B, P], lens [B]
 // (lens include this step's token).
 torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_weights, torch::Tensor cos,
@@ -293,13 +329,19 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
-  const int64_t I = layer_weights[8].size(0) / 2;
+  const int64_t I = layer_weights[10].size(1);  // down_w, packed: [ceil(E / 32), I, 32]
   std::vector<float> h(B * std::max(E, I)), qkv(B * QKV), rot(B * Hq * D), q(B * H * D), attn(B * H * D),
       gu(B * 2 * I), res(B * E);
   float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* W = layer_weights.data() + l * kFields;
     for (int64_t i : {0, 1, 3, 7, 8, 10}) check_f32(W[i], "a layer weight");
+    auto packed_as = [](const torch::Tensor& w, int64_t N, int64_t K) {
+      return w.dim() == 3 && w.size(0) == (N + kPanel - 1) / kPanel && w.size(1) == K && w.size(2) == kPanel;
+    };
+    TORCH_CHECK(packed_as(W[1], QKV, E) && packed_as(W[3], E, H * D) && packed_as(W[8], 2 * I, E) &&
+                    packed_as(W[10], E, I),
+                "llama_decode_layers: projections must be packed (pack_panels) to their shapes");
     torch::Tensor& kpool = k_pools[l];
     torch::Tensor& vpool = v_pools[l];
     check_f32(kpool, "k pool");
@@ -312,7 +354,7 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
 
     // attention: norm, q/k/v, (q/k norms), RoPE, store K/V, attend, o + residual
     rms_norm_into(xp, B, E, W[0].data_ptr<float>(), e, h.data());
-    small_linear_into(h.data(), B, E, W[1].data_ptr<float>(), QKV, opt_ptr(W[2]), nullptr, qkv.data());
+    packed_linear_into(h.data(), B, E, W[1].data_ptr<float>(), QKV, opt_ptr(W[2]), nullptr, qkv.data());
     const float* qn = opt_ptr(W[5]);
     const float* kn = opt_ptr(W[6]);
     for (int64_t b = 0; b < B; ++b) {
@@ -323,7 +365,8 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
         if (qn != nullptr) rms_norm_into(src, 1, D, hd < H ? qn : kn, e, src);  // Qwen3: per-head q/k norm
         float* dst = rot.data() + (b * Hq + hd) * D;
         // rotate-half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] (s holds -sin, sin)
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * c[d] + src[(d + D / 2) % D] * s[d];
+        for (int64_t d = 0; d < D / 2; ++d) dst[d] = src[d] * c[d] + src[d + D / 2] * s[d];
+        for (int64_t d = D / 2; d < D; ++d) dst[d] = src[d] * c[d] + src[d - D / 2] * s[d];
       }
       std::copy(rot.data() + (b * Hq + H) * D, rot.data() + (b * Hq + Hq) * D, kp + sl[b] * Hkv * D);
       const float* v = qkv.data() + b * QKV + Hq * D;
@@ -334,18 +377,14 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
     paged_attention_into(q.data(), B, H, D, kp, vp, Hkv, D, pages.data_ptr<int64_t>(), P, ln, page_size, sc,
                          attn.data());
     std::copy(xp, xp + B * E, res.data());
-    small_linear_into(attn.data(), B, H * D, W[3].data_ptr<float>(), E, opt_ptr(W[4]), res.data(), xp);
+    packed_linear_into(attn.data(), B, H * D, W[3].data_ptr<float>(), E, opt_ptr(W[4]), res.data(), xp);
 
     // MLP: norm, gate/up, SiLU(gate) * up, down + residual
     rms_norm_into(xp, B, E, W[7].data_ptr<float>(), e, h.data());
-    small_linear_into(h.data(), B, E, W[8].data_ptr<float>(), 2 * I, opt_ptr(W[9]), nullptr, gu.data());
-    for (int64_t b = 0; b < B; ++b) {
-      const float* g = gu.data() + b * 2 * I;
-      float* a = h.data() + b * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-    }
+    packed_linear_into(h.data(), B, E, W[8].data_ptr<float>(), 2 * I, opt_ptr(W[9]), nullptr, gu.data());
+    for (int64_t b = 0; b < B; ++b) silu_mul(gu.data() + b * 2 * I, gu.data() + b * 2 * I + I, h.data() + b * I, I);
     std::copy(xp, xp + B * E, res.data());
-    small_linear_into(h.data(), B, I, W[10].data_ptr<float>(), E, opt_ptr(W[11]), res.data(), xp);
+    packed_linear_into(h.data(), B, I, W[10].data_ptr<float>(), E, opt_ptr(W[11]), res.data(), xp);
   }
   return x;
 }

@@ -7,16 +7,18 @@ for a batch of one query token per sequence it computes, per (sequence, KV head)
 head's G = H / Hkv query heads against every key of the sequence's context, read page by page from
 the flat pool views through the batch's page table, an exact two-pass softmax (max, then exp and
 sum, in float32) and the weighted sum of the values, with no contiguous copy of the context.
-Projections `x @ W^T` for a few rows (`small_linear`): every weight row is streamed once per group
-of up to 8 rows, each output an 8-lane AVX2 FMA dot product reduced in a fixed order (about the
-FMA peak of the machines we run on; oneDNN's blocked GEMM is no faster below ~16 rows and has a
-per-call cost that a batch-1 step pays 17 times). `llama_decode_layers` runs every layer of a
-decode step (norms, q/k/v, q/k norms, RoPE, the K/V store, attention, o, SwiGLU MLP, residuals)
-in one call: at batch 1 the torch forward's ~300 small ops cost more than its arithmetic.
+Projections `x @ W^T` (`packed_linear`): the weight is packed once into panels of 32 output columns
+laid out k-major (`pack_panels`), and an AVX-512 kernel keeps 8 batch rows x 32 columns of
+accumulators in registers while it streams a panel (about 105 GFLOP/s on one core here, against
+oneDNN's 70-80 at 32 rows and 13-15 at one row, where oneDNN's per-call cost dominates). SiLU and
+the softmax use a vector exp (Cephes' polynomial, about 1 ulp). `llama_decode_layers` runs every
+layer of a decode step (norms, q/k/v, q/k norms, RoPE, the K/V store, attention, o, SwiGLU MLP,
+residuals) in one call: at batch 1 the torch forward's ~300 small ops cost more than its arithmetic.
 
 Every output element of these kernels is computed by the same float operations whatever its
-batch-mates are (work is split over weight rows and (sequence, KV head), never over a row's own
-sum), so a sequence's logits through the native step do not depend on the batch it shares.
+batch-mates are (work is split over weight panels and (sequence, KV head), never over a row's own
+sum; each projection output is one FMA chain over k in order), so a sequence's logits through the
+native step do not depend on the batch it shares.
 
 The kernels are compiled on first use with torch's C++ extension builder (g++ and ninja needed;
 one to three minutes on two cores, then cached under torch's extensions directory, keyed by a hash
@@ -53,7 +55,7 @@ def load() -> Any:
         module = load_inline(
             name=f"kvfence_native_kernels_{hashlib.sha256(source.encode()).hexdigest()[:12]}",  # a new build per edit
             cpp_sources=[source],
-            functions=["paged_decode_attention", "rms_norm", "small_linear", "llama_decode_layers"],
+            functions=["paged_decode_attention", "rms_norm", "pack_panels", "packed_linear", "llama_decode_layers"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP: serial without it
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -82,10 +84,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return load().rms_norm(x, weight, float(eps))
 
 
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N (what
+    `packed_linear` and `llama_decode_layers` read; a copy, made once per weight)."""
+    return load().pack_panels(w.contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, K] float32; packed: pack_panels(w) of a w [n, K]; b: [n] or None -> x @ w^T + b [B, n], each
+    output one FMA chain over k in order, so a row's result does not depend on the rest of the batch."""
+    return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b)
+
+
 def small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [B, K] float32; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N], each row by the same float operations
-    whatever B is (the small-batch kernel: each weight row is read once per group of up to 8 rows)."""
-    return load().small_linear(x, w, _EMPTY if b is None else b)
+    """x: [B, K] float32; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N] (packs w first: for one-off calls)."""
+    return packed_linear(x, pack_panels(w), w.shape[0], b)
 
 
 def llama_decode_layers(
@@ -107,8 +120,8 @@ def llama_decode_layers(
     """Every layer of a Llama-family decode step in one call (see native_kernels.cpp, llama_decode_layers).
 
     x: [B, E] embedded tokens; layer_weights: 12 per layer (LAYER_FIELDS order, empty tensors for what a
-    model lacks); cos/sin: [B, D]; k_pools/v_pools: per layer [S, Hkv, D]; slots: [B]; kv_pages: [B, P];
-    kv_lens: [B] -> [B, E], and this step's K/V written at `slots`.
+    model lacks; the PACKED_FIELDS packed by `pack_panels`); cos/sin: [B, D]; k_pools/v_pools: per layer
+    [S, Hkv, D]; slots: [B]; kv_pages: [B, P]; kv_lens: [B] -> [B, E], and this step's K/V written at `slots`.
     """
     return load().llama_decode_layers(
         x, layer_weights, cos, sin, k_pools, v_pools, slots, kv_pages, kv_lens, int(page_size),
@@ -116,7 +129,8 @@ def llama_decode_layers(
     )  # fmt: skip
 
 
-# what llama_decode_layers expects per layer, in order
+# what llama_decode_layers expects per layer, in order; PACKED_FIELDS go through pack_panels first
+PACKED_FIELDS = frozenset({"qkv_w", "o_w", "gate_up_w", "down_w"})
 LAYER_FIELDS = (
     "input_norm", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "post_norm",
     "gate_up_w", "gate_up_b", "down_w", "down_b",
