@@ -20,7 +20,7 @@ from typing import Any
 from kvfence.errors import CapacityConfigError, KvfenceError
 
 _DTYPES = ("float32", "float16", "bfloat16")
-KERNEL_BACKENDS = ("torch", "native")
+KERNEL_BACKENDS = ("auto", "torch", "native")
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -42,8 +42,9 @@ class ModelConfig:
     device: str = "cpu"
     # "torch": torch ops only; "native": C++ kernels (models.native_kernels; built on first use, CPU float32
     # only) for decode attention (reads the paged pool in place) and RMSNorm, and for Llama-family models
-    # the whole decode step of a small batch in one call
-    kernels: str = "torch"
+    # the whole decode step of a small batch in one call; "auto": native where they apply and build (a CPU
+    # float32 engine on a machine with a C++ compiler), else torch. The engine's choice is in its `resolved`.
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -113,6 +114,7 @@ class ResolvedEngineConfig:
     num_pages: int
     layout_fingerprint: str
     bytes_per_page: int
+    kernels: str = "torch"  # "torch" or "native": what ModelConfig.kernels came to on this machine
 
     @property
     def pool_tokens(self) -> int:
@@ -157,10 +159,11 @@ def add_engine_arguments(parser: Any) -> None:
     g.add_argument("--device", default=ModelConfig.device, help=f"torch device (default: {ModelConfig.device})")
     g.add_argument(
         "--kernels",
-        default="torch",
+        default=ModelConfig.kernels,
         choices=list(KERNEL_BACKENDS),
         help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm, and a Llama-family "
-        "decode step of a small batch in one call), built on first use; CPU float32 only (default: torch)",
+        "decode step in one call; built on first use, about a minute, then cached; CPU float32 only); auto: "
+        f"native where they apply and build, else torch (default: {ModelConfig.kernels})",
     )
     g.add_argument(
         "--page-size",
@@ -208,7 +211,7 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
             model_dir=model_dir,
             dtype=args.dtype,
             device=args.device,
-            kernels=getattr(args, "kernels", "torch"),
+            kernels=getattr(args, "kernels", ModelConfig.kernels),
         ),
         cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
         scheduler=SchedulerConfig(

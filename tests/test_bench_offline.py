@@ -15,7 +15,7 @@ def test_short_run_prints_every_system_with_a_ratio(tiny_llama_dir: Path, capsys
     rc = main([*argv, "--output-len", "5", "--repeats", "1"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "3 requests x (6 prompt + 5 output) tokens" in out and "kvfence projections:" in out
+    assert "3 requests x (6 prompt + 5 output) tokens" in out and "kvfence kernels " in out
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines()[3:]}
     assert set(rows) == {"kvfence", "transformers generate", "transformers generate_batch"}
     for name in ("transformers generate", "transformers generate_batch"):

@@ -22,16 +22,50 @@ MAX_NEW = 16
 
 
 
+def _native_unavailable() -> str | None:
+    from kvfence.models.native_kernels import NativeKernelsUnavailable, load
+
+    try:
+        load()
+    except NativeKernelsUnavailable as e:
+        return str(e)
+    return None
+
+
+# the oracle tests run on both kernel paths: "auto" picks native wherever it builds, so the torch decode
+# path (other devices and dtypes, batches above the native step's, --kernels torch) is named explicitly
+KERNELS = pytest.mark.parametrize(
+    "kernels",
+    ["torch", pytest.param("native", marks=pytest.mark.skipif(bool(_native_unavailable()), reason="no native build"))],
+)
+
+
+def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Batch sizes of the one-call native decode steps run from now on (models.native_kernels)."""
+    from kvfence.models import native_kernels
+
+    calls: list[int] = []
+    real = native_kernels.llama_decode_layers
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(native_kernels, "llama_decode_layers", counted)
+    return calls
+
+
 def make_engine(
     loaded: Any,
     *,
     max_total_tokens: int | None = None,
     page_size: int = 16,
     context_length: int | None = None,
+    kernels: str = ModelConfig.kernels,
     **sched: Any,
 ) -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(str(loaded.model_dir)),
+        model=ModelConfig(str(loaded.model_dir), kernels=kernels),
         cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens),
         scheduler=SchedulerConfig(**sched),
         context_length=context_length,
@@ -81,41 +115,57 @@ def reference(hf_model: Any) -> list[list[int]]:
 # --- greedy equals transformers -------------------------------------------------------------------------
 
 
-def test_batch_of_one_matches_transformers_generate(loaded: Any, reference: list[list[int]]) -> None:
-    engine = make_engine(loaded)
+@KERNELS
+def test_batch_of_one_matches_transformers_generate(loaded: Any, reference: list[list[int]], kernels: str) -> None:
+    engine = make_engine(loaded, kernels=kernels)
     for prompt, want in zip(prompts_of(LENGTHS)[:3], reference[:3], strict=True):
         assert run(engine, [prompt], GREEDY) == [want]
 
 
-def test_batch_of_eight_mixed_lengths_matches_transformers_generate(loaded: Any, reference: list[list[int]]) -> None:
-    engine = make_engine(loaded)
+@KERNELS
+def test_batch_of_eight_mixed_lengths_matches_transformers_generate(
+    loaded: Any, reference: list[list[int]], kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(loaded, kernels=kernels)
+    native_steps = count_native_steps(monkeypatch)
     assert run(engine, prompts_of(LENGTHS), GREEDY) == reference
-    assert engine.runner.context_cache.num_rebuilds > 0  # the steady decode steps used the context copies
+    assert engine.resolved.kernels == kernels
+    if kernels == "torch":
+        assert engine.runner.context_cache.num_rebuilds > 0  # the steady decode steps used the context copies
+        assert not native_steps
+    else:
+        assert len(native_steps) > 0  # the steady decode steps ran as one C++ call each
 
 
-def test_chunked_prefill_on_and_off_give_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
-    chunked = make_engine(loaded, chunked_prefill_size=8, max_num_batched_tokens=32)
-    whole = make_engine(loaded, chunked_prefill_size=None, max_num_batched_tokens=2048)
+@KERNELS
+def test_chunked_prefill_on_and_off_give_the_same_tokens(loaded: Any, reference: list[list[int]], kernels: str) -> None:
+    chunked = make_engine(loaded, kernels=kernels, chunked_prefill_size=8, max_num_batched_tokens=32)
+    whole = make_engine(loaded, kernels=kernels, chunked_prefill_size=None, max_num_batched_tokens=2048)
     assert run(chunked, prompts_of(LENGTHS), GREEDY) == reference
     assert run(whole, prompts_of(LENGTHS), GREEDY) == reference
 
 
-def test_forced_preemption_gives_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
+@KERNELS
+def test_forced_preemption_gives_the_same_tokens(loaded: Any, reference: list[list[int]], kernels: str) -> None:
     # 16 pages of 8 tokens for 8 requests needing up to 10 pages each: preemption is unavoidable
-    engine = make_engine(loaded, max_total_tokens=128, page_size=8, context_length=128, chunked_prefill_size=32)
+    engine = make_engine(
+        loaded, kernels=kernels, max_total_tokens=128, page_size=8, context_length=128, chunked_prefill_size=32
+    )
     assert run(engine, prompts_of(LENGTHS), GREEDY) == reference
     assert engine.stats().num_preemptions > 0
 
 
-def test_pages_full_of_nan_poison_change_nothing(loaded: Any, reference: list[list[int]]) -> None:
+@KERNELS
+def test_pages_full_of_nan_poison_change_nothing(loaded: Any, reference: list[list[int]], kernels: str) -> None:
     """Every slot attention reads was written for the reading request; stale/poisoned bytes never leak in."""
-    engine = make_engine(loaded, page_size=8, chunked_prefill_size=8, max_num_batched_tokens=40)
+    engine = make_engine(loaded, kernels=kernels, page_size=8, chunked_prefill_size=8, max_num_batched_tokens=40)
     engine.pool.poison(range(engine.pool.num_pages))
     assert run(engine, prompts_of(LENGTHS), GREEDY) == reference
 
 
-def test_requests_joining_mid_run_get_the_same_tokens(loaded: Any, reference: list[list[int]]) -> None:
-    engine = make_engine(loaded, max_num_batched_tokens=48, chunked_prefill_size=16)
+@KERNELS
+def test_requests_joining_mid_run_get_the_same_tokens(loaded: Any, reference: list[list[int]], kernels: str) -> None:
+    engine = make_engine(loaded, kernels=kernels, max_num_batched_tokens=48, chunked_prefill_size=16)
     prompts = prompts_of(LENGTHS)
     out: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))

@@ -8,6 +8,7 @@ Building the kernel takes a minute or more on two cores, so the tests that need 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,25 @@ def test_engine_with_native_kernels_matches_transformers(loaded: Any, tiny_llama
 def test_native_kernels_refuses_other_dtypes(loaded: Any) -> None:
     with pytest.raises(ConfigError, match="float32"):
         _engine(loaded, "native", dtype="bfloat16")
+
+
+def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_or_build(
+    loaded: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvfence.models import native_kernels
+
+    assert _engine(loaded, "auto", dtype="bfloat16").resolved.kernels == "torch"  # no native bfloat16 kernels
+
+    def no_compiler() -> Any:
+        raise native_kernels.NativeKernelsUnavailable("cannot build the native kernels: no g++ here")
+
+    monkeypatch.setattr(native_kernels, "load", no_compiler)
+    with caplog.at_level("WARNING"):
+        engine = _engine(loaded, "auto")
+    assert engine.resolved.kernels == "torch" and not engine.runner.native_decode
+    assert "native kernels unavailable, running the torch kernels: cannot build" in caplog.text
+    with pytest.raises(ConfigError, match="--kernels native: cannot build"):  # asked for by name: no fallback
+        _engine(loaded, "native")
 
 
 def test_unknown_kernels_backend_is_a_config_error() -> None:
@@ -211,3 +231,29 @@ def test_native_decode_step_gives_a_sequence_the_same_logits_whatever_its_batch_
                 native_decode=True,
             )
             assert torch.equal(loaded.model.forward(alone, pool)[0], batched[b])  # bitwise
+
+
+@pytest.mark.slow
+def test_the_portable_build_without_avx512_gives_the_same_results(loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code path of CPUs without AVX-512 (built here with -mno-avx512f): projections against a float64
+    product, rows independent of their batch, and a whole decode step against the torch forward."""
+    import dataclasses
+
+    from kvfence.models import native_kernels
+
+    portable = native_kernels.load(("-mno-avx512f",))
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(37, 200, generator=g), torch.randn(37, generator=g), torch.randn(19, 200, generator=g)
+    packed = portable.pack_panels(w)
+    got = portable.packed_linear(x, packed, 37, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 3, 8, 13):
+        assert torch.equal(portable.packed_linear(x[:rows], packed, 37, b), got[:rows])
+    monkeypatch.setattr(native_kernels, "load", lambda *flags: portable)
+    pool, fb = _decode_batch(loaded, [3, 30, 17, 64, 8], seed=4)
+    other = copy.deepcopy(pool)
+    with torch.inference_mode():
+        want = loaded.model.forward(fb, pool)
+        native = loaded.model.forward(dataclasses.replace(fb, native_decode=True), other)
+    torch.testing.assert_close(native, want, rtol=1e-4, atol=1e-4)

@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     kernel = "oneDNN, packed weights" if packs else "F.linear"
     print(
         f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
-        f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence projections: {kernel}; "
+        f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence kernels {engine.resolved.kernels} "
+        f"(projections outside the native decode step: {kernel}); "
         f"best of {args.repeats} interleaved runs"
     )
     pad_id = 0

@@ -73,6 +73,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         settings={
             "model_dir": model_dir,
             "transport": args.transport,
+            "kernels": engine.resolved.kernels,
             "verify": not args.no_verify,
             "allow_context_above_pool": bool(args.allow_context_above_pool),
             "pid": os.getpid(),

@@ -18,6 +18,7 @@ and talk to it through these methods and `pool` / `allocator`.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
     from kvfence.engine.structured_output import GrammarCompiler
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -91,11 +94,17 @@ class EngineStats:
     num_preemptions: int
 
 
-def _check_native_kernels(config: EngineConfig) -> None:
-    """kernels "native" run on CPU float32 pools only, and need building (done here, once per machine)."""
+def resolve_kernels(config: EngineConfig) -> str:
+    """"torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
+    (done here, once per machine): asked for by name they must, "auto" takes them where they can."""
     from kvfence.models.native_kernels import NativeKernelsUnavailable, load
 
+    asked = config.model.kernels
+    if asked == "torch":
+        return "torch"
     if torch.device(config.model.device).type != "cpu" or config.model.dtype != "float32":
+        if asked == "auto":
+            return "torch"
         raise ConfigError(
             f"--kernels native runs on the CPU in float32; got device {config.model.device!r}, "
             f"dtype {config.model.dtype!r}"
@@ -103,7 +112,11 @@ def _check_native_kernels(config: EngineConfig) -> None:
     try:
         load()
     except NativeKernelsUnavailable as e:
+        if asked == "auto":
+            logger.warning("native kernels unavailable, running the torch kernels: %s", e)
+            return "torch"
         raise ConfigError(f"--kernels native: {e}") from e
+    return "native"
 
 
 class _OutputState:
@@ -144,26 +157,26 @@ class LLMEngine:
         layout = loaded.kv_layout(page_size, dtype)
         self.pool = KVPool(layout, num_pages, device=config.model.device)
         self.allocator = PageAllocator(num_pages)
+        kernels = resolve_kernels(config)
         self.resolved = ResolvedEngineConfig(
             context_length=context_length,
             page_size=page_size,
             num_pages=num_pages,
             layout_fingerprint=layout.fingerprint,
             bytes_per_page=layout.bytes_per_page,
+            kernels=kernels,
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
-        if config.model.kernels == "native":
-            _check_native_kernels(config)
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
             device=config.model.device,
             eos_token_ids=tuple(eos),
-            kernels=config.model.kernels,
+            kernels=kernels,
         )
         if hasattr(loaded.model, "use_native_kernels"):  # a model shared by engines follows the last one built
-            loaded.model.use_native_kernels(config.model.kernels == "native")
+            loaded.model.use_native_kernels(kernels == "native")
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)

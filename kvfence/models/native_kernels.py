@@ -1,4 +1,4 @@
-"""The opt-in C++ kernels (CPU, float32), from native_kernels.cpp: RMSNorm, decode attention that reads the
+"""The C++ kernels (CPU, float32), from native_kernels.cpp: RMSNorm, decode attention that reads the
 paged KV pool in place, small-batch projections, and a whole Llama-family decode step in one call.
 
 What it knows: RMSNorm of each row in one pass (weight * (x * rsqrt(mean(x^2) + eps)), the order
@@ -20,10 +20,11 @@ batch-mates are (work is split over weight panels and (sequence, KV head), never
 sum; each projection output is one FMA chain over k in order), so a sequence's logits through the
 native step do not depend on the batch it shares.
 
-The kernels are compiled on first use with torch's C++ extension builder (g++ and ninja needed;
-one to three minutes on two cores, then cached under torch's extensions directory, keyed by a hash
-of the source), which is why they are opt-in (`ModelConfig.kernels = "native"`, `--kernels native`):
-the default engine and the fast test suite never pay for the build.
+The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
+needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
+the source). Engines take them by default where they apply (`ModelConfig.kernels = "auto"`: CPU,
+float32, and the build succeeds; otherwise the torch kernels, with a warning when the build failed);
+`python -m kvfence.models.native_kernels` builds them ahead of time.
 
 What it does not know: prefill, masks other than "the first kv_len keys", dtypes other than float32,
 or devices other than the CPU; callers keep the torch path for those.
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +49,28 @@ class NativeKernelsUnavailable(RuntimeError):
 
 
 @functools.cache
-def load() -> Any:
-    """Build (first use) or load the extension module (the functions listed below)."""
+def load(extra_cflags: tuple[str, ...] = ()) -> Any:
+    """Build (first use) or load the extension module (the functions listed below); `extra_cflags` builds a
+    variant (the tests build one without AVX-512, to check the portable code path on this machine)."""
+    bin_dir = str(Path(sys.executable).parent)  # pip's ninja lives beside the interpreter, maybe not on PATH
+    if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
         from torch.utils.cpp_extension import load_inline
 
         source = _SOURCE_FILE.read_text()
+        key = hashlib.sha256("\0".join([source, *extra_cflags]).encode()).hexdigest()[:12]  # a new build per edit
         module = load_inline(
-            name=f"kvfence_native_kernels_{hashlib.sha256(source.encode()).hexdigest()[:12]}",  # a new build per edit
+            name=f"kvfence_native_kernels_{key}",
             cpp_sources=[source],
             functions=["paged_decode_attention", "rms_norm", "pack_panels", "packed_linear", "llama_decode_layers"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],  # at::parallel_for is OpenMP: serial without it
+            # at::parallel_for is OpenMP: serial without -fopenmp
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # the builder raises RuntimeError, OSError, subprocess errors, ImportError
-        raise NativeKernelsUnavailable(f"cannot build the native decode attention kernel: {e}") from e
+        raise NativeKernelsUnavailable(f"cannot build the native kernels: {e}") from e
     return module
 
 
@@ -136,3 +145,11 @@ LAYER_FIELDS = (
     "gate_up_w", "gate_up_b", "down_w", "down_b",
 )  # fmt: skip
 _EMPTY = torch.empty(0)
+
+
+if __name__ == "__main__":  # build (or find) the extension ahead of first use, e.g. in CI before the tests
+    import time
+
+    t0 = time.monotonic()
+    load()
+    print(f"kvfence native kernels ready ({time.monotonic() - t0:.1f} s)")
