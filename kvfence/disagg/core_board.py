@@ -7,10 +7,11 @@ worker with work claims its own share plus whatever the others leave unclaimed:
 
     threads = max(share, budget - sum(claims of the other slots))
 
-so a lone prefill of a fresh prompt computes on the cores an idle decode worker would have used (and a
-lone decode batch on prefill's), while two busy workers fall back to their fixed shares. Two workers
-that turn busy at the same instant may both claim the whole budget for one step; each sees the other's
-claim on its next step and drops back, so an overlap lasts one step at most.
+so a lone prefill of a fresh prompt computes on the cores an idle decode worker would have used, while
+two busy workers fall back to their fixed shares. A worker made with `borrow=False` (decode, as the
+workers are set up) only publishes: it runs on its share and tells the others when it has work. Two
+workers that turn busy at the same instant may both claim the whole budget for one step; each sees the
+other's claim on its next step and drops back, so an overlap lasts one step at most.
 
 What it does not know: other processes on the host, workers on other hosts (a worker started by hand
 with `--role` has no board and keeps its fixed `--torch-threads`), or which cores the threads land on.
