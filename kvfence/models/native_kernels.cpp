@@ -173,48 +173,142 @@ void rms_norm_into(const float* x, int64_t T, int64_t E, const float* w, float e
 
 // --- decode attention over the paged pool ---------------------------------------------------------------------
 
+// One (sequence, KV head) unit: the G query heads that read KV head hk, against the sequence's L keys and
+// values read page by page from the pool (no contiguous copy); an exact two-pass softmax in float32.
+struct Unit {
+  const float* q;         // [G, D]
+  const float* k;         // the pool: [S, Hkv, D]
+  const float* v;         // [S, Hkv, Dv]
+  const int64_t* pages;   // the sequence's page table
+  int64_t L, page_size, Hkv, hk;
+  float scale;
+  float* out;             // [G, Dv]
+};
+
+// each of the G rows of s [G, L]: softmax in place (max, exp and sum, scale)
+inline void softmax_rows(float* s, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = s + g * L;
+    float m = row[0];
+    for (int64_t t = 1; t < L; ++t) m = std::max(m, row[t]);
+    const float inv = 1.f / exp_shifted_sum(row, L, m);
+    for (int64_t t = 0; t < L; ++t) row[t] *= inv;
+  }
+}
+
+void attend_generic(const Unit& u, int64_t G, int64_t D, int64_t Dv, float* s, float* acc) {
+  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {  // page by page: no division per key
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kt = u.k + ((first + i) * u.Hkv + u.hk) * D;
+      for (int64_t g = 0; g < G; ++g) s[g * u.L + t0 + i] = dot(u.q + g * D, kt, D) * u.scale;
+    }
+  }
+  softmax_rows(s, G, u.L);
+  std::fill(acc, acc + G * Dv, 0.f);
+  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vt = u.v + ((first + i) * u.Hkv + u.hk) * Dv;
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = s[g * u.L + t0 + i];
+        float* a = acc + g * Dv;
+        for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
+      }
+    }
+  }
+  std::copy(acc, acc + G * Dv, u.out);
+}
+
+#ifdef KVF_AVX512
+// The same unit with D = Dv = 16 * NV and the G queries and G output rows held in registers: a key or value
+// row is loaded once for all G heads.
+template <int NV, int G>
+void attend_avx512(const Unit& u, float* s) {
+  constexpr int64_t D = 16 * NV;
+  __m512 q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) q[g][j] = _mm512_loadu_ps(u.q + g * D + 16 * j);
+  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kt = u.k + ((first + i) * u.Hkv + u.hk) * D;
+      __m512 k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kt + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
+        s[g * u.L + t0 + i] = _mm512_reduce_add_ps(acc) * u.scale;
+      }
+    }
+  }
+  softmax_rows(s, G, u.L);
+  __m512 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vt = u.v + ((first + i) * u.Hkv + u.hk) * D;
+      __m512 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vt + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(s[g * u.L + t0 + i]);
+        for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(u.out + g * D + 16 * j, a[g][j]);
+}
+
+using AttendFn = void (*)(const Unit&, float*);
+
+// the register-held variant for this head shape, or nullptr (then the generic loops): up to 16 zmm of
+// queries and as many of outputs
+AttendFn attend_kernel(int64_t D, int64_t Dv, int64_t G) {
+  if (D != Dv) return nullptr;
+  if (D == 64) {
+    switch (G) {
+      case 1: return attend_avx512<4, 1>;
+      case 2: return attend_avx512<4, 2>;
+      case 3: return attend_avx512<4, 3>;
+      case 4: return attend_avx512<4, 4>;
+    }
+  }
+  if (D == 128) {
+    switch (G) {
+      case 1: return attend_avx512<8, 1>;
+      case 2: return attend_avx512<8, 2>;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 // q [B, H, D]; k_pool [S, Hkv, D]; v_pool [S, Hkv, Dv]; pages [B, P]; lens [B] -> out [B, H, Dv]
 void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, const float* kp, const float* vp,
                           int64_t Hkv, int64_t Dv, const int64_t* pg, int64_t P, const int64_t* ln,
                           int64_t page_size, float sc, float* op) {
   const int64_t G = H / Hkv;
+#ifdef KVF_AVX512
+  const AttendFn fast = attend_kernel(D, Dv, G);
+#endif
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
-      const int64_t L = ln[b];
-      scores.resize(G * L);
-      const float* qb = qp + (b * H + hk * G) * D;  // the G query heads that read KV head hk
-      for (int64_t t0 = 0; t0 < L; t0 += page_size) {  // page by page: no division per key
-        const int64_t first = pg[b * P + t0 / page_size] * page_size, n = std::min(page_size, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* kt = kp + ((first + i) * Hkv + hk) * D;
-          for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + i] = dot(qb + g * D, kt, D) * sc;
-        }
+      const Unit u{qp + (b * H + hk * G) * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, hk, sc,
+                   op + (b * H + hk * G) * Dv};
+      scores.resize(G * u.L);
+#ifdef KVF_AVX512
+      if (fast != nullptr) {
+        fast(u, scores.data());
+        continue;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * L;
-        float m = s[0];
-        for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-        const float inv = 1.f / exp_shifted_sum(s, L, m);
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
-      for (int64_t t0 = 0; t0 < L; t0 += page_size) {
-        const int64_t first = pg[b * P + t0 / page_size] * page_size, n = std::min(page_size, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* vt = vp + ((first + i) * Hkv + hk) * Dv;
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * L + t0 + i];
-            float* a = acc.data() + g * Dv;
-            for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        std::copy(acc.begin() + g * Dv, acc.begin() + (g + 1) * Dv, op + (b * H + hk * G + g) * Dv);
-      }
+#endif
+      attend_generic(u, G, D, Dv, scores.data(), acc.data());
     }
   });
 }
