@@ -54,20 +54,25 @@ def _reference(
 
 
 @pytest.mark.slow
-def test_kernel_equals_torch_attention_over_scattered_pages() -> None:
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D"),
+    [(4, 2, 32), (6, 2, 64), (8, 2, 64), (2, 1, 128), (8, 1, 64)],  # generic loops; register-held G = 3, 4, 2; G = 8
+)
+def test_kernel_equals_torch_attention_over_scattered_pages(H: int, Hkv: int, D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
 
-    q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23])
+    q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
     got = paged_decode_attention(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
     assert not got.isnan().any()  # NaN slots past each context are never read
     torch.testing.assert_close(got, _reference(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_kernel_row_does_not_depend_on_batch_mates() -> None:
+@pytest.mark.parametrize("D", [32, 64])  # the generic loops, the register-held kernel
+def test_kernel_row_does_not_depend_on_batch_mates(D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
 
-    q, k, v, pages, lens = _case([5, 33, 17, 64])
+    q, k, v, pages, lens = _case([5, 33, 17, 64], D=D)
     scale = q.shape[-1] ** -0.5
     batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)
     for b in range(q.shape[0]):
