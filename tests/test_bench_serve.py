@@ -74,6 +74,29 @@ def test_summary_follows_the_serving_benchmark_definitions() -> None:
     assert bs.ratios(s, other)["request throughput (req/s)"] == pytest.approx(0.5)
 
 
+def test_rounds_report_each_targets_median_the_ratio_of_medians_and_every_rounds_ratio() -> None:
+    def run(label: str, throughput: float, ttft_ms: float) -> bs.TargetRun:
+        r = bs.TargetRun(label, "http://127.0.0.1:1", "url", duration_s=1.0)
+        r.summary = {"output_throughput": throughput, "ttft_ms": {"median": ttft_ms}}
+        return r
+
+    rounds = [
+        [run("agg", 100.0, 20.0), run("disagg", 110.0, 20.0)],
+        [run("agg", 80.0, 30.0), run("disagg", 100.0, 15.0)],
+        [run("agg", 120.0, 10.0), run("disagg", 90.0, 40.0)],
+    ]
+    table = bs.format_rounds(rounds)
+    assert table.startswith("median of 3 interleaved rounds")
+    row = next(line for line in table.splitlines() if line.startswith("output throughput (tok/s)")).split()
+    # medians 100 and 100 -> 1.00x; per round 1.10, 1.25, 0.75
+    assert row[3:] == ["100.0", "100.0", "1.00x", "1.10", "1.25", "0.75"]
+    ttft = next(line for line in table.splitlines() if line.startswith("TTFT median (ms)")).split()
+    assert ttft[3:] == ["20.0", "20.0", "1.00x", "1.00", "0.50", "4.00"]
+    tpot = next(line for line in table.splitlines() if line.startswith("TPOT median (ms)")).split()
+    assert tpot[3:] == ["-", "-", "-", "-", "-", "-"]  # no numbers: said so, not made up
+    assert bs.format_rounds(rounds[:1]) == ""  # one round: the round's own table says it all
+
+
 def test_targets_must_be_loopback_unless_authorised() -> None:
     assert check_target("http://127.0.0.1:8000/", False) == "http://127.0.0.1:8000"
     assert check_target("http://localhost:8000", False) == "http://localhost:8000"
@@ -172,6 +195,24 @@ def test_bench_serve_cli_against_a_launched_server(
     assert doc["targets"][1]["ratios_vs_baseline"]["request throughput (req/s)"] > 0
     width, height = _png_size(out_png)
     assert width >= 400 and height >= 300
+
+
+def test_bench_serve_rounds_run_every_target_each_round(
+    agg_server: bl.LaunchedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bs.add_arguments(parser)
+    out_json = tmp_path / "rounds.json"
+    argv = ["--url", f"a={agg_server.url}", "--url", f"b={agg_server.url}", "--num-prompts", "4", "--rounds", "2"]
+    args = parser.parse_args([*argv, "--warmup", "1", "--json", str(out_json)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "## round 1/2" in out and "## round 2/2" in out and "median of 2 interleaved rounds" in out
+    doc = json.loads(out_json.read_text())
+    assert [[t["label"] for t in r["targets"]] for r in doc["rounds"]] == [["a", "b"], ["a", "b"]]
+    assert all(t["summary"]["completed"] == 4 for r in doc["rounds"] for t in r["targets"])
 
 
 @pytest.mark.slow

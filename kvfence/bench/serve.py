@@ -38,6 +38,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections import Counter
@@ -416,8 +417,6 @@ def format_table(runs: Sequence[TargetRun], skipped: Sequence[tuple[str, str]] =
                 q = ratios(base.summary, r.summary)[title]
                 cells.append("-" if q is None else f"{q:.2f}x")
             rows.append([title, *cells])
-        width0 = max(len(r[0]) for r in rows)
-        widths = [max(len(h), *(len(row[i + 1]) for row in rows)) for i, h in enumerate(heads)]
         lines = []
         for r in runs:
             s = r.summary
@@ -429,14 +428,58 @@ def format_table(runs: Sequence[TargetRun], skipped: Sequence[tuple[str, str]] =
                 f"{s['completed']}; errors: {errors}; integrity: {integ}"
             )
         lines.append("")
-        lines.append("  ".join([f"{'metric':<{width0}}", *(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))]))
-        lines.append("-" * (width0 + sum(w + 2 for w in widths)))
-        for row in rows:
-            cells = (f"{c:>{w}}" for c, w in zip(row[1:], widths, strict=True))
-            lines.append("  ".join([f"{row[0]:<{width0}}", *cells]))
+        lines += _grid(heads, rows)
     for label, reason in skipped:
         lines.append(f"skipped {label}: {reason}")
     return "\n".join(lines)
+
+
+# the rows `format_rounds` summarises over rounds
+_ROUND_ROWS = (
+    "request throughput (req/s)", "output throughput (tok/s)", "TTFT median (ms)", "TTFT p90 (ms)",
+    "TPOT median (ms)", "ITL p99 (ms)", "E2E latency median (ms)",
+)  # fmt: skip
+
+
+def format_rounds(rounds: Sequence[Sequence[TargetRun]]) -> str:
+    """Per metric: each target's median over the rounds, the ratio of the medians to the baseline's, and the
+    ratio in each round (targets missing from any round are left out)."""
+    labels = [r.label for r in rounds[0]] if rounds else []
+    labels = [label for label in labels if all(any(r.label == label for r in rnd) for rnd in rounds)]
+    if len(rounds) < 2 or not labels:
+        return ""
+    by = [{r.label: r.summary for r in rnd} for rnd in rounds]
+    paths = {title: path for title, path, _, _ in _ROWS}
+    base = labels[0]
+    others = labels[1:]
+    heads = [*labels, *(f"{label}/{base}" for label in others), *(f"{label}/{base} by round" for label in others)]
+    rows: list[list[str]] = []
+    for title in _ROUND_ROWS:
+        med = {}
+        for label in labels:
+            values = [v for b in by if isinstance(v := _lookup(b[label], paths[title]), (int, float))]
+            med[label] = statistics.median(values) if values else None
+        cells = ["-" if med[label] is None else f"{med[label]:.1f}" for label in labels]
+        for label in labels[1:]:
+            a, b = med[base], med[label]
+            cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
+        for label in labels[1:]:
+            each = [ratios(b[base], b[label])[title] for b in by]
+            cells.append(" ".join("-" if q is None else f"{q:.2f}" for q in each))
+        rows.append([title, *cells])
+    title = f"median of {len(rounds)} interleaved rounds (each round: every target once, in order)"
+    return "\n".join([title, *_grid(heads, rows)])
+
+
+def _grid(heads: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A text table: a `metric` column, then one right-aligned column per head."""
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(h), *(len(row[i + 1]) for row in rows)) for i, h in enumerate(heads)]
+    lines = ["  ".join([f"{'metric':<{width0}}", *(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))])]
+    lines.append("-" * (width0 + sum(w + 2 for w in widths)))
+    for row in rows:
+        lines.append("  ".join([f"{row[0]:<{width0}}", *(f"{c:>{w}}" for c, w in zip(row[1:], widths, strict=True))]))
+    return lines
 
 
 def to_json(cfg: BenchConfig, runs: Sequence[TargetRun], skipped: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -687,6 +730,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results (every request) as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write latency CDFs and throughput bars (matplotlib)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every target this many times, interleaved, and add the medians with each round's ratio "
+        "(--plot draws the last round)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -720,23 +770,36 @@ def _run(args: argparse.Namespace) -> int:
             check_target(u, args.allow_remote)
     except (AssertionError, ValueError) as e:
         raise KvfenceError(str(e)) from None
-    runs, skipped = run_bench(
-        cfg,
-        urls,
-        args.launch,
-        model_dir=args.model_dir,
-        server_args=shlex.split(args.server_args),
-        ready_timeout_s=args.launch_timeout,
-        llama_cpp_threads=args.llama_cpp_threads,
-    )
-    print(format_table(runs, skipped))
+    if args.rounds < 1:
+        raise KvfenceError(f"--rounds must be positive, got {args.rounds}")
+    rounds: list[tuple[list[TargetRun], list[tuple[str, str]]]] = []
+    for i in range(args.rounds):  # every target once per round, so a noisy neighbour hurts each alike
+        if args.rounds > 1:
+            print(f"## round {i + 1}/{args.rounds}", flush=True)
+        runs, skipped = run_bench(
+            cfg,
+            urls,
+            args.launch,
+            model_dir=args.model_dir,
+            server_args=shlex.split(args.server_args),
+            ready_timeout_s=args.launch_timeout,
+            llama_cpp_threads=args.llama_cpp_threads,
+        )
+        print(format_table(runs, skipped), flush=True)
+        rounds.append((runs, skipped))
+    if args.rounds > 1:
+        print(format_rounds([runs for runs, _ in rounds]))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(to_json(cfg, runs, skipped), indent=1), encoding="utf-8")
+        docs = [to_json(cfg, runs, skipped) for runs, skipped in rounds]
+        Path(args.json_path).write_text(
+            json.dumps(docs[0] if len(docs) == 1 else {"rounds": docs}, indent=1), encoding="utf-8"
+        )
+    runs = rounds[-1][0]
     if args.plot and runs:
-        write_plot(runs, args.plot)
-    if not runs:
+        write_plot(runs, args.plot)  # the last round's
+    if not any(runs for runs, _ in rounds):
         return 2
-    return 1 if any(r.summary["failed"] or r.summary["cancelled"] for r in runs) else 0
+    return 1 if any(r.summary["failed"] or r.summary["cancelled"] for runs, _ in rounds for r in runs) else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
