@@ -147,4 +147,9 @@ def test_placeholder_handoff_with_verification_fails_cleanly(servers: dict[str, 
     assert in_limit and all(r["status"] == 500 for r in in_limit)  # never a 200 with garbage
     assert all("token_count_mismatch" in r["error"] for r in in_limit)
     aborts = [r for r in doc["replies"] if r["check"] == "midstream-abort"]
-    assert aborts and all("token_count_mismatch" in r["error"] and r["text"] == "" for r in aborts)
+    # each abort saw the failure first, or was cut after the one token prefill sampled from the request's own KV
+    # and streams before decode's verdict (docs/handoff.md): a chunk without a record, never a verified one
+    failed_first = [r for r in aborts if "token_count_mismatch" in (r.get("error") or "")]
+    cut_early = [r for r in aborts if not r.get("error") and r.get("server_integrity") is None]
+    assert aborts and len(failed_first) + len(cut_early) == len(aborts), aborts
+    assert all(r["text"] == "" for r in failed_first)
