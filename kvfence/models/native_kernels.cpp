@@ -196,27 +196,30 @@ inline void softmax_rows(float* s, int64_t G, int64_t L) {
   }
 }
 
-void attend_generic(const Unit& u, int64_t G, int64_t D, int64_t Dv, float* s, float* acc) {
-  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {  // page by page: no division per key
-    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* kt = u.k + ((first + i) * u.Hkv + u.hk) * D;
-      for (int64_t g = 0; g < G; ++g) s[g * u.L + t0 + i] = dot(u.q + g * D, kt, D) * u.scale;
-    }
-  }
-  softmax_rows(s, G, u.L);
-  std::fill(acc, acc + G * Dv, 0.f);
+// f(t, row) for each of the unit's tokens t = 0..L-1, row = its (slot, KV head) row of the pool; page by page,
+// so no division per token
+template <typename F>
+inline void for_each_token(const Unit& u, F&& f) {
   for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
     const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* vt = u.v + ((first + i) * u.Hkv + u.hk) * Dv;
-      for (int64_t g = 0; g < G; ++g) {
-        const float w = s[g * u.L + t0 + i];
-        float* a = acc + g * Dv;
-        for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
-      }
-    }
+    for (int64_t i = 0; i < n; ++i) f(t0 + i, (first + i) * u.Hkv + u.hk);
   }
+}
+
+void attend_generic(const Unit& u, int64_t G, int64_t D, int64_t Dv, float* s, float* acc) {
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    for (int64_t g = 0; g < G; ++g) s[g * u.L + t] = dot(u.q + g * D, u.k + row * D, D) * u.scale;
+  });
+  softmax_rows(s, G, u.L);
+  std::fill(acc, acc + G * Dv, 0.f);
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    const float* vt = u.v + row * Dv;
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = s[g * u.L + t];
+      float* a = acc + g * Dv;
+      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
+    }
+  });
   std::copy(acc, acc + G * Dv, u.out);
 }
 
@@ -229,35 +232,27 @@ void attend_avx512(const Unit& u, float* s) {
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) q[g][j] = _mm512_loadu_ps(u.q + g * D + 16 * j);
-  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
-    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* kt = u.k + ((first + i) * u.Hkv + u.hk) * D;
-      __m512 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kt + 16 * j);
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
-        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
-        s[g * u.L + t0 + i] = _mm512_reduce_add_ps(acc) * u.scale;
-      }
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    __m512 k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(u.k + row * D + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
+      s[g * u.L + t] = _mm512_reduce_add_ps(acc) * u.scale;
     }
-  }
+  });
   softmax_rows(s, G, u.L);
   __m512 a[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) a[g][j] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
-    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* vt = u.v + ((first + i) * u.Hkv + u.hk) * D;
-      __m512 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vt + 16 * j);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(s[g * u.L + t0 + i]);
-        for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
-      }
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(u.v + row * D + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(s[g * u.L + t]);
+      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
     }
-  }
+  });
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(u.out + g * D + 16 * j, a[g][j]);
 }
