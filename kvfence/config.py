@@ -43,7 +43,8 @@ class ModelConfig:
     # "torch": torch ops only; "native": C++ kernels (models.native_kernels; built on first use, CPU float32
     # only) for decode attention (reads the paged pool in place) and RMSNorm, and for Llama-family models
     # the whole decode step of a small batch in one call; "auto": native where they apply and build (a CPU
-    # float32 engine on a machine with a C++ compiler), else torch. The engine's choice is in its `resolved`.
+    # float32 engine on a machine with a C++ compiler) and their packed weight copy fits in a quarter of the
+    # memory available, else torch. The engine's choice is in its `resolved`.
     kernels: str = "auto"
 
     def __post_init__(self) -> None:

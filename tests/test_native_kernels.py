@@ -113,7 +113,7 @@ def test_native_kernels_refuses_other_dtypes(loaded: Any) -> None:
         _engine(loaded, "native", dtype="bfloat16")
 
 
-def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_or_build(
+def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_fit_or_build(
     loaded: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from kvfence.models import native_kernels
@@ -123,6 +123,14 @@ def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_or_build(
     def no_compiler() -> Any:
         raise native_kernels.NativeKernelsUnavailable("cannot build the native kernels: no g++ here")
 
+    from kvfence.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "_memory_available", lambda: 1000)  # a model whose copy would not fit
+    with caplog.at_level("WARNING"):
+        assert _engine(loaded, "auto").resolved.kernels == "torch"
+    assert "more than a quarter of the memory available" in caplog.text
+    assert _engine(loaded, "native").resolved.kernels == "native"  # asked for by name: taken
+    monkeypatch.setattr(llm_engine, "_memory_available", lambda: None)  # unknown: no guard
     monkeypatch.setattr(native_kernels, "load", no_compiler)
     with caplog.at_level("WARNING"):
         engine = _engine(loaded, "auto")

@@ -94,9 +94,22 @@ class EngineStats:
     num_preemptions: int
 
 
-def resolve_kernels(config: EngineConfig) -> str:
+def _memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in open("/proc/meminfo", encoding="ascii"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resolve_kernels(config: EngineConfig, weight_bytes: int = 0) -> str:
     """"torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
-    (done here, once per machine): asked for by name they must, "auto" takes them where they can."""
+    (done here, once per machine): asked for by name they must, "auto" takes them where they can. Their
+    packed copy of the projections costs about `weight_bytes` more memory, so "auto" also leaves them out
+    when that is more than a quarter of the memory available now."""
     from kvfence.models.native_kernels import NativeKernelsUnavailable, load
 
     asked = config.model.kernels
@@ -116,6 +129,14 @@ def resolve_kernels(config: EngineConfig) -> str:
             logger.warning("native kernels unavailable, running the torch kernels: %s", e)
             return "torch"
         raise ConfigError(f"--kernels native: {e}") from e
+    available = _memory_available()
+    if asked == "auto" and available is not None and weight_bytes > available // 4:
+        logger.warning(
+            "running the torch kernels: the native kernels' packed copy of the weights (%.1f GiB) is more than a "
+            "quarter of the memory available (%.1f GiB); --kernels native to take them anyway",
+            weight_bytes / 2**30, available / 2**30,
+        )  # fmt: skip
+        return "torch"
     return "native"
 
 
@@ -157,7 +178,8 @@ class LLMEngine:
         layout = loaded.kv_layout(page_size, dtype)
         self.pool = KVPool(layout, num_pages, device=config.model.device)
         self.allocator = PageAllocator(num_pages)
-        kernels = resolve_kernels(config)
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        kernels = resolve_kernels(config, weight_bytes)
         self.resolved = ResolvedEngineConfig(
             context_length=context_length,
             page_size=page_size,

@@ -23,7 +23,8 @@ native step do not depend on the batch it shares.
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
 needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
 the source). Engines take them by default where they apply (`ModelConfig.kernels = "auto"`: CPU,
-float32, and the build succeeds; otherwise the torch kernels, with a warning when the build failed);
+float32, the build succeeds, and their packed copy of the projections, as large again as the weights,
+takes at most a quarter of the memory available; otherwise the torch kernels, with a warning saying why);
 `python -m kvfence.models.native_kernels` builds them ahead of time.
 
 What it does not know: prefill, masks other than "the first kv_len keys", dtypes other than float32,
