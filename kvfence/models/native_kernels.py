@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
 _SOURCE_FILE = Path(__file__).with_name("native_kernels.cpp")  # the C++ (its header says what it knows)
 
 
@@ -57,12 +59,15 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
     if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
 
         source = _SOURCE_FILE.read_text()
         key = hashlib.sha256("\0".join([source, *extra_cflags]).encode()).hexdigest()[:12]  # a new build per edit
+        name = f"kvfence_native_kernels_{key}"
+        if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
+            logger.warning("building kvfence's native CPU kernels (first use on this machine; 30-60 s, then cached)")
         module = load_inline(
-            name=f"kvfence_native_kernels_{key}",
+            name=name,
             cpp_sources=[source],
             functions=["paged_decode_attention", "rms_norm", "pack_panels", "packed_linear", "llama_decode_layers"],
             # at::parallel_for is OpenMP: serial without -fopenmp
