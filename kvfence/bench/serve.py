@@ -460,10 +460,10 @@ def format_rounds(rounds: Sequence[Sequence[TargetRun]]) -> str:
             values = [v for b in by if isinstance(v := _lookup(b[label], paths[title]), (int, float))]
             med[label] = statistics.median(values) if values else None
         cells = ["-" if med[label] is None else f"{med[label]:.1f}" for label in labels]
-        for label in labels[1:]:
+        for label in others:
             a, b = med[base], med[label]
             cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
-        for label in labels[1:]:
+        for label in others:
             each = [ratios(b[base], b[label])[title] for b in by]
             cells.append(" ".join("-" if q is None else f"{q:.2f}" for q in each))
         rows.append([title, *cells])
