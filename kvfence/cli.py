@@ -13,7 +13,7 @@ import sys
 
 from kvfence.errors import KvfenceError
 
-_COMMANDS = ["generate", "serve", "bench", "audit", "probe"]
+_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         try:
-            module = importlib.import_module(f"kvfence.commands.{name}")
+            module = importlib.import_module(f"kvfence.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name != f"kvfence.commands.{name}":
+            if e.name != f"kvfence.commands.{name.replace('-', '_')}":
                 raise
             continue
         module.register(sub)

@@ -24,12 +24,12 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import messages as P
 from kvfence.disagg.core_board import CoreBoard
 from kvfence.disagg.launcher import LaunchConfig, Launcher, free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
+from tests.helpers.auth import secure_hub, worker_env
 
 CTX = "256"
 ROLES = ("prefill", "decode")
@@ -54,7 +54,7 @@ class WorkerProcesses:
     """Prefill + decode child processes registered with a Router (ZmqHub) living in this process."""
 
     def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None, transport: str = "tcp") -> None:
-        self.hub = P.ZmqHub("127.0.0.1", 0)
+        self.hub = secure_hub()
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
         common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
@@ -70,7 +70,7 @@ class WorkerProcesses:
         }  # fmt: skip
         self.logs = {role: open(log_dir / f"{role}.log", "wb") for role in self.procs}  # noqa: SIM115
         self.popen = {
-            role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT)
+            role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT, env=worker_env())
             for role, cmd in self.procs.items()
         }
         self.router.wait_for_workers(timeout=180)

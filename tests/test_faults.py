@@ -15,7 +15,10 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
+from tests.helpers.auth import plane_auth
 from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
@@ -39,11 +42,11 @@ class Rig:
         tcfg = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
         if transport == "local":
             fabric = LocalFabric()
-            self.receiver = LocalReceiver(fabric, "decode0", self.d_pool, faults)
-            self.sender = LocalSender(fabric, self.p_pool, tcfg, faults)
+            self.receiver = LocalReceiver(fabric, "decode0", self.d_pool, faults, auth=AUTH)
+            self.sender = LocalSender(fabric, self.p_pool, tcfg, faults, auth=AUTH)
         else:
-            self.receiver = TcpReceiver(self.d_pool, faults=faults)
-            self.sender = TcpSender(self.p_pool, tcfg, faults)
+            self.receiver = TcpReceiver(self.d_pool, faults=faults, auth=AUTH)
+            self.sender = TcpSender(self.p_pool, tcfg, faults, auth=AUTH)
 
     def pair(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
         return handoff_pair(self, rid, num_tokens, seed)

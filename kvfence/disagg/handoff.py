@@ -52,7 +52,7 @@ from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_handoff
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
+from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, transfer_ref
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +117,18 @@ class DecodeHandoff:
         receiver: Receiver,
         config: HandoffConfig | None = None,
         metrics: IntegrityMetrics | None = None,
-        transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        authenticated: bool = True,
     ) -> None:
+        """`authenticated`: whether manifests are sealed with a secret cluster key (False under
+        --insecure-no-auth); the record says so."""
         if expect.tokens_expected <= 0:
             raise ValueError(f"decode handoff {expect.request_id}: expects {expect.tokens_expected} tokens")
         self.expect = expect
         self.allocator, self.pool, self.receiver = allocator, pool, receiver
         self.config = config or HandoffConfig()
         self.metrics = metrics
-        self.transfer_id = transfer_id
+        self.authenticated = authenticated
         self.clock = clock
         self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
         self.num_pages = pages_for_tokens(expect.tokens_expected, pool.page_size)
@@ -166,7 +168,7 @@ class DecodeHandoff:
         """Allocate pages for the router's expected length and expect the transfer; returns the page table."""
         assert self.slot is None, "started twice"
         self.pages = self.allocator.allocate(self.request_id, self.num_pages)
-        self.slot = self.receiver.expect(self.request_id, self.pages, self.transfer_id)
+        self.slot = self.receiver.expect(self.request_id, self.pages, self.expect.transfer_id)
         self._started_at = self.clock()
         return list(self.pages)
 
@@ -250,7 +252,7 @@ class DecodeHandoff:
                 "decode: request %s: transfer %s not settled %.0fs after it ended (%d page write(s) in progress); "
                 "%s; its %d page(s) stay quarantined until no write can land",
                 self.request_id,
-                slot.transfer_id,
+                transfer_ref(slot.transfer_id),
                 self.config.quarantine_timeout_s,
                 slot.writing,
                 "cut its connection" if self.severed else "its writer cannot be cut from here (waiting for the sender)",
@@ -273,7 +275,8 @@ class DecodeHandoff:
             tokens_expected=self.expect.tokens_expected,
             pages=self.num_pages,
             layout_fingerprint=self.pool.layout.fingerprint,
-            transfer_id=slot.transfer_id or "",
+            transfer_ref=transfer_ref(slot.transfer_id),
+            authenticated=self.authenticated and slot.manifest is not None,
             timings=timings,
             verified=self.config.verify,
         )
@@ -294,12 +297,14 @@ class PrefillHandoff:
         address: str,
         config: HandoffConfig | None = None,
         faults: FaultInjector | None = None,
-        transfer_id: str | None = None,
+        *,
+        transfer_id: str,
         clock: Callable[[], float] = time.monotonic,
         first_token: int | None = None,
         first_logprobs: list | None = None,
     ) -> None:
-        """`first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
+        """`transfer_id`: the capability the router issued for this handoff (decode accepts no other);
+        `first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
         if not token_ids:
             raise ValueError(f"prefill handoff {request_id}: empty prompt")
         self.first_token, self.first_logprobs = first_token, first_logprobs
@@ -308,7 +313,9 @@ class PrefillHandoff:
         self.allocator, self.pool, self.sender, self.address = allocator, pool, sender, address
         self.config = config or HandoffConfig()
         self.faults = faults
-        self.transfer_id = transfer_id or new_transfer_id()
+        if not transfer_id:
+            raise ValueError(f"prefill handoff {request_id}: no transfer id (the router issues one per request)")
+        self.transfer_id = transfer_id
         self.clock = clock
         self._m = Lifecycle(f"prefill handoff {request_id}", _P.PREFILLING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None

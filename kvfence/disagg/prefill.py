@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
@@ -34,7 +35,7 @@ from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
-from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig
+from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig, is_transfer_id
 
 if TYPE_CHECKING:
     from kvfence.disagg.worker import WorkerIdentity
@@ -120,22 +121,27 @@ class PrefillWorker:
         config: PrefillConfig | None = None,
         faults: FaultInjector | None = None,
         sender: Sender | None = None,
+        *,
+        auth: PlaneAuth,
     ) -> None:
+        """`auth`: the cluster key's data-plane keys and this process's security events; a `sender` passed in
+        must use the same."""
         self.engine = engine  # kvfence.engine.llm_engine.LLMEngine
         self.identity = identity  # worker.WorkerIdentity
         self.config = config or PrefillConfig()
         self.faults = faults
+        self.auth = auth
         if sender is None:
             if self.config.transport == "local":
                 raise KvfenceError("prefill: the local (in-process) transfer backend needs its sender passed in")
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeSender
 
-                sender = MooncakeSender(engine.pool, self.config.transfer, faults)
+                sender = MooncakeSender(engine.pool, self.config.transfer, faults, auth=auth)
             else:
                 from kvfence.transfer.tcp import TcpSender
 
-                sender = TcpSender(engine.pool, self.config.transfer, faults)
+                sender = TcpSender(engine.pool, self.config.transfer, faults, auth=auth)
         self.sender = sender
         self._pages = _EnginePages(engine)
         self._handoff_config = HandoffConfig(
@@ -187,6 +193,9 @@ class PrefillWorker:
         rid = msg.request_id
         if rid in self.requests:
             self._fail(rid, f"request id {rid!r} is already in use on prefill")
+            return
+        if not is_transfer_id(msg.transfer_id):
+            self._fail(rid, "the router's transfer id is not a 128-bit capability")
             return
         try:
             params = P.params_from_wire(msg.params)
@@ -290,6 +299,7 @@ class PrefillWorker:
             order.handoff_address,
             self._handoff_config,
             self.faults,
+            transfer_id=order.transfer_id,
             first_token=int(first_token),
             first_logprobs=first[0] if first else None,
         )
@@ -349,6 +359,7 @@ class PrefillWorker:
             ),
             "handoffs_in_flight": len(self._in(_Q.HANDOFF)),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
+            "security_events": self.auth.events.counts(),
         }
 
     def idle(self) -> bool:

@@ -83,9 +83,16 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
     worker.attach(channel.send)
     channel.send(worker.registration())
     deadline = time.monotonic() + timeout
+    refused = getattr(channel, "refused_handshakes", None)
     while time.monotonic() < deadline:
         msg = channel.recv(timeout=0.5)
         if msg is None:
+            if refused is not None and refused() >= 3:  # the router is there and says no: a key mismatch
+                raise CapacityConfigError(
+                    f"the router refused this {worker.role} worker's control-plane handshake {refused()} times: it "
+                    "holds another cluster key (give every process of the deployment the same --cluster-key-file; "
+                    "each logs its key id at start)"
+                )
             continue
         if isinstance(msg, P.RegisterReply):
             if msg.reason.startswith(REREGISTER):  # an answer to a message queued before our Register: the

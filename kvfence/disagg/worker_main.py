@@ -25,6 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvfence.auth.curve import for_key as curve_keys
+from kvfence.auth.events import SecurityEvents
+from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, INSECURE_WARNING, ClusterKey, load_cluster_key
+from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.worker import Worker, WorkerIdentity, model_fingerprint, register, run_worker
 from kvfence.errors import KvfenceError
@@ -44,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cluster_key(args: argparse.Namespace, role: str) -> ClusterKey:
+    """The deployment secret this process runs with (`kvfence.auth.keys.load_cluster_key`); the environment copy
+    `kvfence serve` handed us is removed, so nothing this process starts inherits it."""
+    key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth)
+    os.environ.pop(ENV_KEY, None)
+    if key.secure:
+        logger.info("%s: authenticated planes, cluster key id %s", role, key.key_id)
+    else:
+        logger.warning("%s: %s", role, INSECURE_WARNING)
+    return key
+
+
 def parse_faults(value: str | None) -> Any:
     """`--inject-fault NAME[@PATTERN][#PAGE][%N],...` -> a FaultInjector (None when absent); see kvfence.faults."""
     from kvfence.faults import FaultInjector
@@ -57,8 +73,8 @@ def parse_faults(value: str | None) -> Any:
 # -- building workers -------------------------------------------------------------------------------------
 
 
-def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
-    """The prefill or decode worker the flags describe (engine with its own pool, transport, faults)."""
+def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> Worker:
+    """The prefill or decode worker the flags describe (engine with its own pool, transport, faults, keys)."""
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
     from kvfence.server.role_engine import build_role_engine
@@ -66,8 +82,10 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
 
     engine, context_length, _ = build_role_engine(args, model_dir, args.role)
     faults = parse_faults(args.inject_fault)
+    worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    auth = PlaneAuth(key, SecurityEvents(worker_id))
     identity = WorkerIdentity(
-        worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
+        worker_id=worker_id,
         model_name=args.served_model_name or Path(model_dir).name,
         model_fingerprint=model_fingerprint(model_dir),
         settings={
@@ -76,6 +94,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             "kernels": engine.resolved.kernels,
             "verify": not args.no_verify,
             "allow_context_above_pool": bool(args.allow_context_above_pool),
+            "auth": key.describe(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
         },
@@ -91,8 +110,9 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         if args.throttle_kv_send:
             if args.transport != "tcp":
                 raise KvfenceError("--throttle-kv-send works with --transfer-backend tcp only")
-            return PrefillWorker(engine, identity, config, faults=faults, sender=throttled_sender(engine.pool, args))
-        return PrefillWorker(engine, identity, config, faults=faults)
+            sender = throttled_sender(engine.pool, args, auth)
+            return PrefillWorker(engine, identity, config, faults=faults, sender=sender, auth=auth)
+        return PrefillWorker(engine, identity, config, faults=faults, auth=auth)
     if args.handoff_port is None:
         raise KvfenceError("decode: --handoff-port is required (the launcher picks a free one and passes it)")
     if args.no_verify:
@@ -110,10 +130,11 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             io_timeout_s=args.kv_io_timeout_s,
         ),
         faults=faults,
+        auth=auth,
     )
 
 
-def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
+def throttled_sender(pool: Any, args: argparse.Namespace, auth: PlaneAuth) -> Any:
     """A TCP sender that sends one page per frame and sleeps before each page frame (`--throttle-kv-send`)."""
     from kvfence.transfer.base import TransferConfig
     from kvfence.transfer.tcp import TcpSender
@@ -138,7 +159,7 @@ def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
             return conn
 
     config = TransferConfig(max_transfer_pages=1, io_timeout_s=args.kv_io_timeout_s)
-    return SlowTcpSender(pool, config, parse_faults(args.inject_fault))
+    return SlowTcpSender(pool, config, parse_faults(args.inject_fault), auth=auth)
 
 
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
@@ -192,9 +213,10 @@ def run_router(args: argparse.Namespace) -> int:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
     if args.exit_with_parent:
         _exit_with_parent()
+    key = cluster_key(args, ROUTER)
     set_torch_threads(ROUTER, args.torch_threads)
     model_dir = resolve_model_dir(args.model)
-    hub = P.ZmqHub(args.host, args.control_port)
+    hub = P.ZmqHub(args.host, args.control_port, curve=curve_keys(key), events=SecurityEvents(ROUTER))
     router = Router(
         hub,
         RouterConfig(
@@ -207,6 +229,7 @@ def run_router(args: argparse.Namespace) -> int:
             wait_decode_workers=args.decode_workers,
             first_token_before_verdict=not args.first_token_after_verify,
         ),
+        auth=key.describe(),
     )
     try:
         router.wait_for_workers()
@@ -230,8 +253,9 @@ def run_worker_role(args: argparse.Namespace) -> int:
 
     if not args.router_address:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
+    key = cluster_key(args, args.role)
     set_torch_threads(args.role, args.torch_threads)
-    worker = build_worker(args, resolve_model_dir(args.model))
+    worker = build_worker(args, resolve_model_dir(args.model), key)
     cores = None
     if args.core_board is not None:
         from kvfence.disagg.core_board import CoreBoard
@@ -247,7 +271,7 @@ def run_worker_role(args: argparse.Namespace) -> int:
         cores = CoreBoard(args.core_board, args.core_board_slot, share=torch.get_num_threads(), borrow=borrow)
         logger.info("%s: slot %d of this host's core board (%d threads shared, borrowing: %s)", args.role, cores.slot,
                     cores.budget, borrow)  # fmt: skip
-    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id)
+    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id, curve_keys(key))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -305,6 +329,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--allow-context-above-pool", args.allow_context_above_pool),
         ("--strict-kv", args.strict_kv),
         ("--first-token-after-verify", args.first_token_after_verify),
+        ("--insecure-no-auth", args.insecure_no_auth),
     ):
         if on:
             common.append(flag)
@@ -328,6 +353,13 @@ def run_launch(args: argparse.Namespace) -> int:
 
     if args.model is None:  # build the default model once here, not three times in parallel
         args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
+    # The processes we start share one secret: the key given (file or environment), else a fresh one. It reaches
+    # them through their environment, never their command lines.
+    given = args.cluster_key_file or os.environ.get(ENV_KEY_FILE) or os.environ.get(ENV_KEY)
+    key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth) if given or args.insecure_no_auth else None
+    key = key or ClusterKey.generate()
+    if not key.secure:
+        print(f"kvfence: {INSECURE_WARNING}", file=sys.stderr)
     common, prefill, decode = launch_command_args(args)
     workers = args.prefill_workers + args.decode_workers
     core_budget = None
@@ -350,7 +382,8 @@ def run_launch(args: argparse.Namespace) -> int:
             max_router_restarts=args.max_router_restarts,
             max_worker_restarts=args.max_worker_restarts,
             core_budget=core_budget,
-        )
+        ),
+        key,
     )
 
 

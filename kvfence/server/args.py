@@ -81,6 +81,21 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         help="start a router and --prefill-workers / --decode-workers workers (one process each, free loopback "
         "ports); role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
     )
+    g.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="the deployment secret every router and worker of one deployment must share (64 hex characters, mode "
+        "600; `kvfence cluster-key PATH` writes one); also $KVFENCE_CLUSTER_KEY_FILE. It authenticates the control "
+        "plane (CURVE), the KV data plane and every manifest. `kvfence serve` without --role makes a fresh one for "
+        "the processes it starts; a role started on its own refuses to start without one",
+    )
+    g.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run the control and data planes WITHOUT authentication (anyone who can reach the ports can register "
+        "workers and forge KV handoffs that verify): tests and demos only; /server_info says auth is off",
+    )
     g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
     g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
     g.add_argument("--worker-id", default=None, help="workers: name to register with (default: role + random)")
