@@ -30,6 +30,7 @@ from tests.helpers.kv import WireClient
 pytestmark = pytest.mark.slow
 ATTACKER = str(Path(__file__).parent / "helpers" / "attacker.py")
 PROMPT = [11 + (i * 7) % 1900 for i in range(1200)]  # long: prefill takes a while, the race window is wide
+MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,7 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, key_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
     args = ["--cluster-key-file", str(key_file), "--worker-timeout-s", "4", "--log-level", "warning"]
+    args += ["--served-model-name", MODEL]
     with launch_server(
         "disagg", model=str(tiny_llama_dir), server_args=args, log_dir=tmp_path_factory.mktemp("serve"),
         ready_timeout_s=240,
@@ -50,7 +52,8 @@ def server(tiny_llama_dir: Path, key_file: Path, tmp_path_factory: pytest.TempPa
 
 
 def info(server: LaunchedServer) -> dict[str, Any]:
-    return httpx.get(f"{server.url}/server_info", timeout=10).json()
+    """The router's part of /server_info (its workers, roles and auth), read live."""
+    return httpx.get(f"{server.url}/server_info", timeout=10).json()["engine"]
 
 
 def decode_address(server: LaunchedServer) -> str:
@@ -89,9 +92,16 @@ def tokens_of(response: dict[str, Any]) -> list[str]:
     return response["choices"][0]["logprobs"]["tokens"]
 
 
-def run_attacker(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, ATTACKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def run_attacker(*args: str, ready: Path | None = None) -> subprocess.Popen[str]:
+    """The attacker process; with `ready`, wait until it says its attack is under way."""
+    extra = ["--ready-file", str(ready)] if ready is not None else []
+    proc = subprocess.Popen([sys.executable, ATTACKER, *args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while ready is not None and not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.05)
+    return proc
 
 
 def result_of(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
@@ -100,30 +110,15 @@ def result_of(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, An
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def solo(server: LaunchedServer) -> list[str]:
-    return tokens_of(complete(server, "tiny", "solo-1"))
-
-
-@pytest.fixture(autouse=True)
-def _model_name(server: LaunchedServer) -> None:
-    global MODEL
-    MODEL = info(server)["model_name"]
-
-
-MODEL = "tiny"
-
-
 def test_a_forged_handoff_for_a_victims_request_is_refused_and_the_victim_gets_its_own_tokens(
-    server: LaunchedServer, solo: list[str]
+    server: LaunchedServer, tmp_path: Path
 ) -> None:
     solo = tokens_of(complete(server, MODEL, "solo-2"))
     before = security_events(server)
     attacker = run_attacker(
         "hijack", "--server", server.url, "--decode", decode_address(server), "--rid", "cmpl-victim-1-0",
-        "--prompt-ids", json.dumps(PROMPT), "--seconds", "20",
-    )  # fmt: skip
-    time.sleep(1.0)  # the attacker is polling decode for the victim's slot before the victim even asks
+        "--prompt-ids", json.dumps(PROMPT), "--seconds", "20", ready=tmp_path / "ready",
+    )  # fmt: skip  # the attacker is polling decode for the victim's slot before the victim even asks
     victim = complete(server, MODEL, "victim-1")
     result = result_of(attacker)
     assert not result["accepted"], result
@@ -136,10 +131,11 @@ def test_a_forged_handoff_for_a_victims_request_is_refused_and_the_victim_gets_i
     )
 
 
-def test_a_malformed_manifest_from_outside_cannot_fail_the_victim(server: LaunchedServer) -> None:
+def test_a_malformed_manifest_from_outside_cannot_fail_the_victim(server: LaunchedServer, tmp_path: Path) -> None:
     solo = tokens_of(complete(server, MODEL, "solo-3"))
-    attacker = run_attacker("dos", "--decode", decode_address(server), "--rid", "cmpl-victim-2-0", "--seconds", "20")
-    time.sleep(1.0)
+    attacker = run_attacker(
+        "dos", "--decode", decode_address(server), "--rid", "cmpl-victim-2-0", "--seconds", "20", ready=tmp_path / "r"
+    )
     victim = complete(server, MODEL, "victim-2")
     assert not result_of(attacker)["accepted"]
     assert tokens_of(victim) == solo and victim["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
@@ -150,9 +146,10 @@ def test_a_4gib_frame_header_costs_decode_nothing_and_it_stays_healthy(server: L
     rss_before = rss_bytes([decode["pid"]])
     attackers = [run_attacker("header", "--decode", decode["handoff_address"], "--seconds", "12") for _ in range(4)]
     for i in range(4):  # the deployment serves on meanwhile, and decode is never declared dead
-        assert complete(server, MODEL, f"during-header-{i}", max_tokens=4)["choices"][0]["kvfence"]["integrity"][
-            "status"
-        ] == "verified"
+        assert (
+            complete(server, MODEL, f"during-header-{i}", max_tokens=4)["choices"][0]["kvfence"]["integrity"]["status"]
+            == "verified"
+        )
     results = [result_of(a) for a in attackers]
     assert all(r["closed_by_peer"] for r in results), results  # dropped at the handshake, not held open
     rss_after = rss_bytes([decode["pid"]])
@@ -330,6 +327,7 @@ def mooncake_server(
     if reason:
         pytest.skip(f"Mooncake unavailable: {reason}")
     args = ["--transfer-backend", "mooncake", "--cluster-key-file", str(key_file), "--log-level", "warning"]
+    args += ["--served-model-name", MODEL]
     with launch_server(
         "disagg", label="mooncake", model=str(tiny_llama_dir), server_args=args,
         log_dir=tmp_path_factory.mktemp("serve-mc"), ready_timeout_s=240,
@@ -337,10 +335,12 @@ def mooncake_server(
         yield s
 
 
-def test_a_mooncake_peer_learns_no_address_and_cannot_write_into_decodes_pool(mooncake_server: LaunchedServer) -> None:
+def test_a_mooncake_peer_learns_no_address_and_cannot_write_into_decodes_pool(
+    mooncake_server: LaunchedServer, tmp_path: Path
+) -> None:
     server = mooncake_server
     solo = tokens_of(complete(server, MODEL, "mc-solo", max_tokens=48))
-    attacker = run_attacker("mooncake", "--decode", decode_address(server), "--seconds", "15")
+    attacker = run_attacker("mooncake", "--decode", decode_address(server), "--seconds", "15", ready=tmp_path / "r")
     victim = complete(server, MODEL, "mc-victim", max_tokens=48)  # decoding while the attacker tries to write
     result = result_of(attacker)
     assert result["landed"] == 0, result

@@ -113,13 +113,14 @@ def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_verdict_dea
 
 
 def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
-    _, d_pool, _, receiver, _, config = setup(transfer_timeout_s=0.05, strict=True)
+    _, d_pool, _, receiver, _, config = setup(sender_wait_s=0.05, strict=True)
     d_alloc, metrics = PageAllocator(N), IntegrityMetrics()
     dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config, metrics)
     pages = dec.start()
     assert len(pages) == 3 and d_alloc.num_free == N - 3
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "timeout" and dec.record.status == "failed"
+    assert "no sender started the transfer" in dec.record.detail
     assert dec.released and d_alloc.num_free == N and d_alloc.num_quarantined == 0  # two-sided: settled at once
     assert torch.isnan(d_pool.tensors[1]["v"][pages]).all()  # strict mode poisoned them
     assert metrics.value("kvfence_handoff_failed_total", {"reason": "timeout"}) == 1
@@ -128,7 +129,7 @@ def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
 
 
 def test_one_sided_slot_no_sender_ever_bound_settles_when_it_fails() -> None:
-    _, d_pool, _, receiver, _, config = setup(one_sided=True, transfer_timeout_s=0.05)
+    _, d_pool, _, receiver, _, config = setup(one_sided=True, sender_wait_s=0.05)
     d_alloc = PageAllocator(N)
     dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()

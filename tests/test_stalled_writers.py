@@ -87,6 +87,7 @@ def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_ow
     pages_a = dec_a.start()
     stalled = StalledPrefill(receiver.address, "a", ids_a, seeded_pool(2, seed=1))
     wait_for(lambda: receiver.core.slot("a").writing == 1)  # the receiver thread is inside page 0's write
+    assert dec_a.poll() == DecodeState.TRANSFERRING  # decode's loop sees the transfer start: its clock runs
 
     now[0] += 2  # the transfer deadline passes: request a fails
     assert dec_a.poll() == DecodeState.FAILED and dec_a.record.reason == "timeout"

@@ -139,9 +139,9 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str
     assert good_pre.handle.entries > 0 and good_pre.handle.chunks_sent == 2  # 4 pages in chunks of 2, via Mooncake
 
 
-def test_a_delayed_write_after_abort_is_refused_by_the_engine_and_never_reaches_the_pool(pair: Pair) -> None:
-    """The sender keeps writing after decode aborted. Decode's landing area for it was unregistered at the abort,
-    so the engine refuses the late writes; decode's pool pages were never writable by the sender at all."""
+def test_a_delayed_write_after_abort_lands_only_in_its_landing_area_never_in_the_pool(pair: Pair) -> None:
+    """The sender keeps writing after decode aborted. Its writes land in the transfer's own landing area, which is
+    never copied into the pool once the slot is closed: decode's pool pages were never writable by the sender."""
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="late-bad", delay_s=0.02)
     rig = Rig(
         pair, faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5, strict=True)
@@ -159,14 +159,12 @@ def test_a_delayed_write_after_abort_is_refused_by_the_engine_and_never_reaches_
     drive(bad_pre, bad_dec, good_pre, good_dec)
 
     assert faults.fired["delayed_write_after_abort"] >= 1
-    # the late write was attempted (the fault fired just before it) and refused: no entry, no page went out
-    assert bad_pre.handle.status in (SendStatus.ABORTED, SendStatus.ERROR)
-    assert bad_pre.handle.pages_sent == 0 and bad_pre.handle.entries == 0
+    assert bad_pre.handle.pages_sent == 5  # the late writes really went out, into the landing area
     assert bad_dec.released and not bad_dec.overdue
     assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
     assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
     assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # poisoned, not written
-    assert rig.receiver.landing_bytes_retained == 0  # the sender's `abort` said its writer stopped
+    assert rig.receiver.landing_bytes == 0  # freed on the sender's `aborted`: its writer had stopped
     rig.d_alloc.free("late-good")
     rig.d_alloc.check()
     assert rig.d_alloc.num_free == NUM_PAGES and rig.p_alloc.num_free == NUM_PAGES
@@ -215,7 +213,7 @@ def test_decode_abort_mid_transfer_stops_the_sender_and_settles(pair: Pair) -> N
     assert pre.state == PrefillState.FAILED and pre.handle.status in (SendStatus.ABORTED, SendStatus.ERROR)
     assert 2 <= pre.handle.pages_sent < 40  # stopped early
     assert dec.record.reason == "aborted"
-    wait_for(lambda: rig.receiver.landing_bytes_retained == 0)  # kept until the sender's last frame
+    wait_for(lambda: rig.receiver.landing_bytes == 0)  # kept until the sender's last frame
     for alloc in (rig.p_alloc, rig.d_alloc):
         alloc.check()
         assert alloc.num_free == NUM_PAGES

@@ -189,6 +189,7 @@ class DecodeWorker:
         self._pages = _EngineReservations(engine)
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
+            sender_wait_s=2 * self.config.deadline_s,  # past the router's deadline: it fails the request first
             verdict_timeout_s=self.config.deadline_s,
             quarantine_timeout_s=self.config.deadline_s,
             verify=self.config.verify,
@@ -201,6 +202,10 @@ class DecodeWorker:
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
         self.send_msg = send
+
+    def held_request_ids(self) -> list[str]:
+        """Every request this worker holds, in any state but FINISHED (what a lost router's requests are)."""
+        return list(self.requests)
 
     def ids(self, state: DecodeRequestState) -> list[str]:
         """The requests in `state`, in arrival order."""

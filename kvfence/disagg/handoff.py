@@ -94,7 +94,11 @@ PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
+    transfer_timeout_s: float = 30.0  # decode: the sender's manifest -> its done (the transfer itself)
+    # decode: reservation -> the sender's manifest. Prefill may first have to wait for pages (its queue, a stalled
+    # neighbour): that is not this transfer's time; the router's handoff deadline normally ends such a request first,
+    # with the reason it knows (docs/handoff.md)
+    sender_wait_s: float = 120.0
     verdict_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
     quarantine_timeout_s: float = 30.0  # decode: how long a failed request's transfer may take to settle before
     # decode cuts its connection (the pages stay quarantined until it has settled, however long that takes)
@@ -102,7 +106,7 @@ class HandoffConfig:
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout_s", "verdict_timeout_s", "quarantine_timeout_s"):
+        for name in ("transfer_timeout_s", "sender_wait_s", "verdict_timeout_s", "quarantine_timeout_s"):
             require_positive(self, name)
 
 
@@ -141,6 +145,7 @@ class DecodeHandoff:
         self.overdue = False  # the quarantine deadline passed with a write still possible
         self.severed = False  # ... and decode cut the transfer's connection to end it
         self._started_at = clock()
+        self._sending_since: float | None = None  # when the sender's manifest was first seen: the transfer clock
         self._failed_at: float | None = None
 
     @property
@@ -185,6 +190,7 @@ class DecodeHandoff:
         status = slot.status  # read once: the transport thread may move it on meanwhile
         if self.state == _D.WAITING and status != SlotStatus.WAITING:
             self._m.advance(_D.TRANSFERRING)
+            self._sending_since = now
         if self.state in (_D.WAITING, _D.TRANSFERRING):
             if status == SlotStatus.COMPLETE:
                 self._verify()
@@ -193,9 +199,13 @@ class DecodeHandoff:
             elif status == SlotStatus.ERROR:
                 self.receiver.abort(self.request_id, slot.error)
                 self._end(_D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
-            elif now - self._started_at > self.config.transfer_timeout_s:
+            elif self._sending_since is None and now - self._started_at > self.config.sender_wait_s:
+                detail = f"no sender started the transfer within {self.config.sender_wait_s:g}s of decode's reservation"
+                self.receiver.abort(self.request_id, detail)
+                self._end(_D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+            elif self._sending_since is not None and now - self._sending_since > self.config.transfer_timeout_s:
                 detail = (
-                    f"no complete transfer after {self.config.transfer_timeout_s}s "
+                    f"no complete transfer {self.config.transfer_timeout_s:g}s after the sender started "
                     f"({slot.coverage.num_covered}/{self.num_pages} pages landed)"
                 )
                 self.receiver.abort(self.request_id, detail)

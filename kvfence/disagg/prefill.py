@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -93,6 +94,7 @@ class _PrefillRequest:
     order: P.PrefillOrder  # its handoff_address is filled in when decode's DecodeReserved arrives
     params: SamplingParams
     computed: RequestOutput | None = None  # the prompt's output (first token, logprobs), once COMPUTED
+    computed_at: float | None = None  # when it became COMPUTED: it holds pages from then on, at most `deadline_s`
     handoff: PrefillHandoff | None = None  # from HANDOFF on
     lifecycle: Lifecycle[PrefillRequestState] = field(init=False)
 
@@ -156,6 +158,10 @@ class PrefillWorker:
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
         self.send_msg = send
+
+    def held_request_ids(self) -> list[str]:
+        """Every request this worker holds, in any state but FINISHED (what a lost router's requests are)."""
+        return list(self.requests)
 
     def ids(self, state: PrefillRequestState) -> list[str]:
         """The requests in `state`, in arrival order."""
@@ -251,6 +257,7 @@ class PrefillWorker:
                     req = self.requests.get(out.request_id)
                     if req is not None and req.state is _Q.COMPUTING:
                         self._finish(req)
+        self._expire_computed()
         for req in self._in(_Q.HANDOFF):
             h = req.handoff
             assert h is not None  # HANDOFF is entered with its handoff
@@ -260,6 +267,20 @@ class PrefillWorker:
                 self._report_failure(req.request_id, h)
             self._settle(req)
         return worked
+
+    def _expire_computed(self) -> None:
+        """No page is held without a clock: a computed prompt whose decode reservation has not come within
+        `deadline_s` (its relay was lost, or the router with it) is dropped and its pages freed."""
+        now = time.monotonic()
+        for req in self._in(_Q.COMPUTED):
+            if req.computed_at is not None and now - req.computed_at > self.config.deadline_s:
+                self._finish(req)
+                self.engine.release(req.request_id)
+                self._fail(
+                    req.request_id,
+                    f"timeout: decode's reservation never reached prefill within {self.config.deadline_s:.0f}s of the "
+                    "prompt being computed; its KV was dropped",
+                )
 
     def _first_token(self, out: RequestOutput) -> None:
         """Tell the router the first token now: it may stream it while the KV still travels to decode."""
@@ -285,8 +306,8 @@ class PrefillWorker:
             self.engine.release(rid)
             return
         order = req.order
-        if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has
-            req.computed = out
+        if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has (or the deadline)
+            req.computed, req.computed_at = out, time.monotonic()
             req.advance(_Q.COMPUTED)
             return
         first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None

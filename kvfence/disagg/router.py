@@ -751,10 +751,25 @@ class Router:
                 if now - src.since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
                     del self._sources[rid]
         for flight in late:
-            reason = (
-                f"KV handoff did not complete within {self.config.handoff_deadline_s:.0f}s (state {flight.state.value})"
+            self._fail_flight(flight, "router", self._lateness(flight), code="timeout")
+
+    def _lateness(self, flight: _Flight) -> str:
+        """Why a flight missed its handoff deadline, as far as the router can tell: prefill never computed the
+        prompt (with what its last load report said), or the handoff did not finish after it had."""
+        limit = f"{self.config.handoff_deadline_s:g}s"
+        if flight.first is not None:
+            return f"KV handoff did not complete within {limit} (prefill had computed the prompt)"
+        with self._lock:
+            e = self.workers.get(flight.prefill_id)
+            s = dict(e.stats) if e is not None else {}
+        load = ""
+        if s:
+            load = (
+                f"; its last report: {s.get('queued_prompt_tokens', '?')} prompt tokens queued, "
+                f"{s.get('pages_free', '?')} of {s.get('pages_total', '?')} KV pages free, "
+                f"{s.get('handoffs_in_flight', '?')} handoffs holding pages"
             )
-            self._fail_flight(flight, "router", reason, code="timeout")
+        return f"prefill worker {flight.prefill_id} did not compute the prompt within {limit}{load}"
 
     # -- worker health --------------------------------------------------------------------------------------
     def _check_workers(self) -> None:

@@ -25,12 +25,14 @@ the peer did not register, or unregistered, is refused). So neither side ever re
 - Prefill copies each chunk's source pages into a staging area of the transfer (`_PageArea`, registered for the
   transfer's life, unregistered when its send thread ends) and writes from there: its pool is not readable
   through Mooncake either.
-- A transfer that ends any other way (decode aborts or fails it, the control link breaks) has its landing area
-  unregistered at once, and the pool pages are settled at once too (peers never write them). The area's
-  memory is kept until the sender's writer has provably stopped (its last frame, or a `fenced` frame it sends
-  over a new connection once its send thread has ended), because a write the engine accepted before the
-  unregistration may still be copying into it; a sender that never comes back keeps that memory, not pool pages
-  (`landing_bytes_retained`).
+- A transfer that ends any other way has its pool pages settled at once (peers never write them). When decode
+  aborts or fails it, its landing area stays registered until the sender's last frame (the sender stops at its
+  next chunk; what it writes meanwhile lands in the area and is never copied), because a write the engine
+  refuses can make it fail the next write to the same peer too, an innocent transfer's (seen here). When the
+  control link breaks, the area is unregistered at once and its memory kept until the sender's writer has
+  provably stopped (a `fenced` frame it sends over a new connection once its send thread has ended), because a
+  write the engine accepted before may still be copying into it; a sender that never comes back keeps that
+  memory, not pool pages (`landing_bytes_retained`).
 - A write finished by the engine has landed: Mooncake's TCP protocol v2 acknowledges a WRITE only once the
   destination memory holds it (so `MC_TCP_PROTO=1`, the unacknowledged v1 framing, is refused), and a notice
   is sent only after its writes finished. The receiver marks coverage from notices through
@@ -224,23 +226,24 @@ class MooncakeReceiver(TcpReceiver):
             raise
 
     @property
+    def landing_bytes(self) -> int:
+        """Landing memory held: transfers whose sender has not yet said its writer stopped."""
+        with self._lock:
+            return sum(x.area.nbytes for x in self._landings.values()) + sum(a.nbytes for a in self._retained.values())
+
+    @property
     def landing_bytes_retained(self) -> int:
-        """Landing memory kept for senders whose writer has not yet said it stopped."""
+        """Landing memory kept after its control link broke, until its sender fences."""
         with self._lock:
             return sum(a.nbytes for a in self._retained.values())
 
     # -- decode-side verbs ---------------------------------------------------------------------------------------
-    def abort(self, request_id: str, reason: str) -> None:
-        super().abort(request_id, reason)
-        self._retire(request_id)
-
-    def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
-        super().verdict(request_id, ok, reason)
-        self._retire(request_id)
-
+    # Decode's abort, verdict and forget leave a live landing area registered: the sender may be writing into it
+    # this moment, and a write the engine refuses can make the engine fail the next write to this peer too (seen
+    # here), an innocent transfer's. Its bytes never reach the pool once the slot is closed; the area goes with
+    # the sender's last frame, or its control link.
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
-        self._retire(request_id)
         with self._lock:
             for key in [k for k in self._stale if k[0] == request_id]:
                 del self._stale[key]
