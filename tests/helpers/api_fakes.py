@@ -29,13 +29,15 @@ class ByteTokenizer:
     vocab_size = 256
     eos_token_ids = frozenset()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
