@@ -146,11 +146,15 @@ def test_metrics_count_requests_tokens_and_integrity(base_url: str, client: open
     text = httpx.get(base_url + "/metrics").text
     completions_200 = {"endpoint": "/v1/completions", "status": "200"}
     done = value(text, "kvfence_requests_total", **completions_200)
-    assert done == (value(before, "kvfence_requests_total", **completions_200) + 1 if "/v1/completions" in before else 1)
+    assert done == (
+        value(before, "kvfence_requests_total", **completions_200) + 1 if "/v1/completions" in before else 1
+    )
     model = {"model_name": MODEL}
     generated = value(text, "kvfence_generation_tokens_total", **model)
     assert generated - value(before, "kvfence_generation_tokens_total", **model) == 6
-    assert value(text, "kvfence_prompt_tokens_total", **model) - value(before, "kvfence_prompt_tokens_total", **model) == 5
+    assert (
+        value(text, "kvfence_prompt_tokens_total", **model) - value(before, "kvfence_prompt_tokens_total", **model) == 5
+    )
     assert value(text, "kvfence_integrity_results_total", status="verified") >= 1
     assert value(text, "kvfence_time_to_first_token_seconds_count", **model) >= 1
     assert value(text, "kvfence_time_per_output_token_seconds_count", **model) >= 1

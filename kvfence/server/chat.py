@@ -50,6 +50,16 @@ async def chat_choices(
     return Prepared(choices, choices[0].params.structured_outputs, param, plan)
 
 
+def _without_nulls(value: Any) -> Any:
+    """A delta as OpenAI sends one: fields without a value left out (the client's stream helper merges deltas
+    key by key and would overwrite a tool call's `type` with a null)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 def tool_call_models(reader: OutputReader) -> list[p.ToolCall]:
     return [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls]
 
@@ -125,6 +135,8 @@ class ChatStream:
 
     def _event(self, c: Choice, choice: p.ChatStreamChoice) -> SseEvent:
         body = dump_model(p.ChatCompletionChunk(id=self.base_id, model=self.req.model, choices=[choice]))
+        for c_body in body["choices"]:
+            c_body["delta"] = _without_nulls(c_body["delta"])
         if self.continuous_usage:
             body["usage"] = usage([c]).model_dump()
         return SseEvent(body)
