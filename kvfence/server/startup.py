@@ -13,6 +13,23 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def engine_info(engine: Any, model_name: str, context_length: int) -> dict[str, Any]:
+    """The start-up fields of one role's `LLMEngine` (a prefill or decode worker's; the aggregated server's
+    `server_info()` has the same keys)."""
+    r = engine.resolved
+    return {
+        "model_name": model_name,
+        "architecture": getattr(engine.loaded, "architecture", None),
+        "model_dir": engine.config.model.model_dir,
+        "dtype": engine.config.model.dtype,
+        "kernels": r.kernels,
+        "context_length": context_length,
+        "num_pages": r.num_pages,
+        "max_total_tokens": {"pool": r.pool_tokens},
+        "page_size": r.page_size,
+    }
+
+
 def loading_line(role: str, model_dir: str) -> str:
     return f"kvfence {role}: loading {model_dir}"
 
