@@ -42,7 +42,7 @@ HERMES_OUTPUT = (
 )
 
 
-# ---- parsers -------------------------------------------------------------------------------------------------------
+# ---- parsers ------------------------------------------------------------------------------------------------------
 
 
 def _feed_by_char(fmt: str, text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -86,7 +86,7 @@ def test_parser_follows_the_chat_template() -> None:
     assert parser_for_template(None) == HERMES
 
 
-# ---- tool_choice ---------------------------------------------------------------------------------------------------
+# ---- tool_choice --------------------------------------------------------------------------------------------------
 
 
 def _tools() -> list[p.ToolDefinition]:
@@ -117,7 +117,7 @@ def test_required_grammar_schema_accepts_exactly_calls_to_the_tools() -> None:
         jsonschema.validate([{"name": "get_time", "parameters": {"zone": "utc"}}] * 2, schema)
 
 
-# ---- auto, over the fake engine -------------------------------------------------------------------------------------
+# ---- auto, over the fake engine ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_bad_tool_requests_are_400_naming_the_field(scripted: tuple[str, FakeEng
     assert len(engine.calls) == before
 
 
-# ---- required / named, on the tiny model under the grammar -----------------------------------------------------------
+# ---- required / named, on the tiny model under the grammar ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

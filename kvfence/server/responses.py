@@ -9,7 +9,8 @@ and one `function_call` item per call; usage in input/output tokens; the integri
 the stream's named events in OpenAI's order (`response.created`, `response.in_progress`, then per item
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`... or
 `response.function_call_arguments.delta`..., their `.done` events, `response.output_item.done`, and
-`response.completed`; a failure ends with `response.failed`), each with its `sequence_number`. Nothing is
+`response.completed`, whose status may be `incomplete`, as vLLM sends it; a failure ends with
+`response.failed`), each with its `sequence_number`. Nothing is
 stored: `previous_response_id` and the other stateful fields are refused. What it does not know: chat rendering
 or tool parsing (chat.py, tool_output.py), how choices run.
 """
@@ -329,8 +330,9 @@ class ResponsesStream:
         status = "incomplete" if c.finish_reason == "length" else "completed"
         out = self._close_message(status)
         body = self.endpoint.finished(self._snapshot(status), choices, c.finish_reason)
-        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-        return [*out, self._event(kind, response=body)]
+        # always `response.completed` (its response's status says "incomplete" when the length limit ended it), as
+        # vLLM does: the openai SDK's stream helper waits for that event to give its final response
+        return [*out, self._event("response.completed", response=body)]
 
     def failed(self, err: ApiError, choices: list[Choice]) -> list[SseEvent]:
         body = self._snapshot("failed")
