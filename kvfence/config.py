@@ -22,6 +22,9 @@ from kvfence.errors import CapacityConfigError, KvfenceError
 
 _DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "native")
+# How long the first use of the native kernels takes to build them; the README, --help and the build's log line say
+# this same text
+NATIVE_BUILD_ESTIMATE = "30-60 s on two idle cores, a few minutes on a busy machine"
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -167,7 +170,7 @@ def add_engine_arguments(parser: Any) -> None:
         default=ModelConfig.kernels,
         choices=list(KERNEL_BACKENDS),
         help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm, and a Llama-family "
-        "decode step in one call; built on first use, about a minute, then cached; CPU float32 only); auto: "
+        f"decode step in one call; built on first use, {NATIVE_BUILD_ESTIMATE}, then cached; CPU float32 only); auto: "
         f"native where they apply and build, else torch (default: {ModelConfig.kernels})",
     )
     g.add_argument(
