@@ -130,6 +130,7 @@ class GrammarCompiler:
             if spec.json_object:
                 schema, strict = '{"type": "object"}', False  # strict mode would allow only {}
             else:
+                assert spec.json is not None  # StructuredOutputs holds one of the two
                 schema, strict = spec.json, True  # as vLLM compiles a schema
             ebnf = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
         except (RuntimeError, ValueError) as e:

@@ -42,9 +42,10 @@ async def chat_choices(
     ids = await ctx.prompts.chat(messages, plan.template_tools)
     max_tokens = admit(len(ids), req.requested_max_tokens(), ctx.engine.capacity(), param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = {} if plan.grammar is None else {"structured_outputs": plan.grammar}
+    grammar = sampling.FROM_REQUEST if plan.grammar is None else plan.grammar  # a forced call's replaces it
     choices = [
-        Choice(j, f"{base_id}-{j}", 0, ids, ctx.params(req, max_tokens, j, logprobs, **grammar)) for j in range(req.n)
+        Choice(j, f"{base_id}-{j}", 0, ids, ctx.params(req, max_tokens, j, logprobs, structured_outputs=grammar))
+        for j in range(req.n)
     ]
     param = "tools" if plan.grammar is not None else "response_format"
     return Prepared(choices, choices[0].params.structured_outputs, param, plan)

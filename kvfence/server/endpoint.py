@@ -34,8 +34,13 @@ class Prepared(NamedTuple):
 
 
 class Endpoint(Protocol):
-    request_model: type[BaseModel]
-    id_prefix: str  # "cmpl", "chatcmpl", "resp": response ids are "<prefix>-<request id>"
+    @property
+    def request_model(self) -> type[BaseModel]: ...
+
+    @property
+    def id_prefix(self) -> str:
+        """ "cmpl", "chatcmpl", "resp": response ids are "<prefix>-<request id>"."""
+        ...
 
     async def prepare(self, req: Any, base_id: str) -> Prepared: ...
 

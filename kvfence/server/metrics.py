@@ -98,11 +98,11 @@ class _EngineStatsCollector(Collector):
                 family.add_metric([self._model], float(stats[key]))
                 yield family
         if "num_preemptions" in stats:
-            family = CounterMetricFamily(
+            preemptions = CounterMetricFamily(
                 "kvfence_preemptions", "Requests preempted (pages taken back, recomputed later)", labels=["model_name"]
             )
-            family.add_metric([self._model], float(stats["num_preemptions"]))
-            yield family
+            preemptions.add_metric([self._model], float(stats["num_preemptions"]))
+            yield preemptions
         transfers = CounterMetricFamily("kvfence_kv_transfers", "KV handoffs by result", labels=["result"])
         for result, count in (stats.get("transfers") or {}).items():
             transfers.add_metric([str(result)], float(count))

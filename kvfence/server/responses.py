@@ -28,7 +28,12 @@ from kvfence.server.context import ServerContext
 from kvfence.server.endpoint import Prepared
 from kvfence.server.engine_client import GenerationChunk
 from kvfence.server.http import ApiError, parse_body
-from kvfence.server.responses_schema import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from kvfence.server.responses_schema import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionToolChoice,
+    ResponsesRequest,
+)
 from kvfence.server.streaming import SseEvent
 from kvfence.server.tool_output import CallArguments, CallEnd, CallStart, OutputReader, Text, read_whole
 from kvfence.server.tools import ToolPlan
@@ -116,6 +121,14 @@ def chat_request(req: ResponsesRequest) -> p.ChatCompletionRequest:
     return parse_body(p.ChatCompletionRequest, body)  # type: ignore[no-any-return]
 
 
+def _tool_choice(req: ResponsesRequest) -> Any:
+    """The tool_choice in effect, as the response states it."""
+    choice = req.tool_choice
+    if isinstance(choice, FunctionToolChoice):
+        return choice.model_dump()
+    return choice if choice is not None else ("auto" if req.tools else "none")
+
+
 def _hex_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -183,9 +196,7 @@ class ResponsesEndpoint:
             "store": False,
             "temperature": req.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "tool_choice": req.tool_choice.model_dump()
-            if hasattr(req.tool_choice, "model_dump")
-            else (req.tool_choice or ("auto" if req.tools else "none")),
+            "tool_choice": _tool_choice(req),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_p": req.top_p,
             "truncation": req.truncation,

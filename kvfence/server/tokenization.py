@@ -72,28 +72,29 @@ class Tokenization:
         return text if text is not None else self.ctx.prompts.token_text(token_id)
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        req: TokenizePromptRequest | TokenizeChatRequest
         if "messages" in body:
-            req = parse_body(TokenizeChatRequest, body)
-            self._check_model(req.model)
-            if req.continue_final_message:
+            chat: TokenizeChatRequest = parse_body(TokenizeChatRequest, body)
+            self._check_model(chat.model)
+            if chat.continue_final_message:
                 raise ApiError(
                     400,
                     "continue_final_message: is not supported by kvfence",
                     param="continue_final_message",
                     code="unsupported_value",
                 )
-            tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await self.ctx.prompts.chat(req.messages, tools, req.add_generation_prompt, req.add_special_tokens)
+            tools = [t.model_dump(mode="json", exclude_none=True) for t in chat.tools] if chat.tools else None
+            ids = await self.ctx.prompts.chat(chat.messages, tools, chat.add_generation_prompt, chat.add_special_tokens)
+            token_strs = chat.return_token_strs
         else:
-            req = parse_body(TokenizePromptRequest, body)
+            req: TokenizePromptRequest = parse_body(TokenizePromptRequest, body)
             self._check_model(req.model)
             ids = await self.ctx.prompts.encode(req.prompt, req.add_special_tokens)
+            token_strs = req.return_token_strs
         response = TokenizeResponse(
             count=len(ids),
             max_model_len=self.ctx.engine.capacity().context_length,
             tokens=ids,
-            token_strs=[self._token_str(t) for t in ids] if req.return_token_strs else None,
+            token_strs=[self._token_str(t) for t in ids] if token_strs else None,
         )
         return response.model_dump()
 

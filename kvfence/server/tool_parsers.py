@@ -201,6 +201,11 @@ def parse_all(fmt: str, text: str) -> tuple[str, list[ParsedCall]]:
     return "".join(p.text for p in pieces), parser.calls
 
 
+def resolve_parser(flag: str, chat_template: str | None) -> str:
+    """--tool-call-parser: a format by name, or "auto": the one the chat template teaches."""
+    return parser_for_template(chat_template) if flag == "auto" else flag
+
+
 def parser_for_template(chat_template: str | None) -> str:
     """The format a chat template teaches its model: Llama-3 JSON when it speaks of `<|python_tag|>` or an
     `ipython` role, else Hermes (also the fallback for templates without tools)."""

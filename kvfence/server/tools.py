@@ -17,6 +17,7 @@ HTTP, rendering.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,10 @@ def _invalid(param: str, message: str) -> ApiError:
 
 def _parameters(tool: p.ToolDefinition) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else dict(_NO_ARGUMENTS)
+
+
+def _grammar(schema: dict[str, Any]) -> StructuredOutputs:
+    return StructuredOutputs(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
 
 def plan_tools(
@@ -91,10 +96,10 @@ def plan_tools(
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(REQUIRED, template_tools, StructuredOutputs(json=schema), parallel=parallel_tool_calls)
+        return ToolPlan(REQUIRED, template_tools, _grammar(schema), parallel=parallel_tool_calls)
     assert isinstance(choice, p.NamedToolChoice)
     wanted = choice.function.name
     tool = next((t for t in tools if t.function.name == wanted), None)
     if tool is None:
         raise _invalid("tool_choice", f"names function {wanted[:64]!r}, which is not among the tools")
-    return ToolPlan(NAMED, template_tools, StructuredOutputs(json=_parameters(tool)), wanted, parallel_tool_calls)
+    return ToolPlan(NAMED, template_tools, _grammar(_parameters(tool)), wanted, parallel_tool_calls)
