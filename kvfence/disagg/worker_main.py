@@ -182,7 +182,6 @@ def _exit_with_parent() -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from kvfence.commands.serve import tool_call_parser
     from kvfence.config import resolve_model_dir
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.server.api import ApiSettings, build_app
@@ -191,6 +190,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvfence.server.launch import run_server
     from kvfence.server.role_engine import load_tokenizer
     from kvfence.server.startup import startup_line
+    from kvfence.server.tool_parsers import resolve_parser
 
     if args.control_port is None:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
@@ -222,7 +222,7 @@ def run_router(args: argparse.Namespace) -> int:
             vocab_size=router.vocab_size,
             server_args=router.server_info(),
             logprobs_mode=args.logprobs_mode,
-            tool_call_parser=tool_call_parser(args, tokenizer.chat_template),
+            tool_call_parser=resolve_parser(args.tool_call_parser, tokenizer.chat_template),
             grammar_budget=grammar_budget(args),
             api_key=api_key_from(args.api_key),
         )
