@@ -75,13 +75,6 @@ def server_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def tool_call_parser(args: argparse.Namespace, chat_template: str | None) -> str:
-    """--tool-call-parser, with auto resolved from the chat template."""
-    from kvfence.server.tool_parsers import parser_for_template
-
-    return parser_for_template(chat_template) if args.tool_call_parser == "auto" else str(args.tool_call_parser)
-
-
 def resolve_model_arg(args: argparse.Namespace) -> None:
     """`kvfence serve MODEL` is `--model MODEL`; both, naming different models, is a mistake."""
     tag = getattr(args, "model_tag", None)
@@ -99,6 +92,7 @@ def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
     from kvfence.server.engine_client import Capacity
     from kvfence.server.role_engine import build_role_engine
     from kvfence.server.startup import loading_line
+    from kvfence.server.tool_parsers import resolve_parser
 
     resolve_model_arg(args)
     budget = grammar_budget(args)
@@ -117,7 +111,7 @@ def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
         vocab_size=engine.vocab_size or None,
         server_args=server_args(args),
         logprobs_mode=args.logprobs_mode,
-        tool_call_parser=tool_call_parser(args, getattr(engine.tokenizer, "chat_template", None)),
+        tool_call_parser=resolve_parser(args.tool_call_parser, getattr(engine.tokenizer, "chat_template", None)),
         grammar_budget=budget,
         api_key=api_key_from(args.api_key),
     )
