@@ -55,7 +55,7 @@ from kvfence.server.metrics import CONTENT_TYPE, Metrics
 from kvfence.server.prompts import Prompts, Tokenizer
 from kvfence.server.responses import ResponsesEndpoint
 from kvfence.server.responses_schema import ResponsesRequest
-from kvfence.server.tokenization import Tokenization
+from kvfence.server.tokenization import DetokenizeRequest, Tokenization, TokenizeChatRequest, TokenizePromptRequest
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ApiSettings", "build_app"]
 
@@ -160,9 +160,10 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _body_spec(name: str) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{name}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+def _body_spec(*names: str) -> dict[str, Any]:
+    refs = [{"$ref": f"#/components/schemas/{name}"} for name in names]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _metrics_registry(engine: EngineClient) -> Any:
@@ -245,11 +246,13 @@ def build_app(
     async def create_response(request: Request) -> Response:
         return await serve_generation(ctx, responses_endpoint, request)
 
-    @app.post("/tokenize", responses=responses)
+    @app.post(
+        "/tokenize", openapi_extra=_body_spec("TokenizePromptRequest", "TokenizeChatRequest"), responses=responses
+    )
     async def tokenize(request: Request) -> dict[str, Any]:
         return await tokenization.tokenize(parse_json_object(await request.body()))
 
-    @app.post("/detokenize", responses=responses)
+    @app.post("/detokenize", openapi_extra=_body_spec("DetokenizeRequest"), responses=responses)
     async def detokenize(request: Request) -> dict[str, Any]:
         return await tokenization.detokenize(parse_json_object(await request.body()))
 
@@ -283,6 +286,9 @@ def build_app(
                     (p.CompletionRequest, "validation"),
                     (p.ChatCompletionRequest, "validation"),
                     (ResponsesRequest, "validation"),
+                    (TokenizePromptRequest, "validation"),
+                    (TokenizeChatRequest, "validation"),
+                    (DetokenizeRequest, "validation"),
                 ],
                 ref_template="#/components/schemas/{model}",
             )
