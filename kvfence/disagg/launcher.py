@@ -46,6 +46,7 @@ from pathlib import Path
 from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, ClusterKey
 from kvfence.disagg.core_board import CoreBoard
 from kvfence.errors import KvfenceError
+from kvfence.server.auth import API_KEY_ENV
 
 CONFIG_ERROR_EXIT = 2  # what a kvfence process exits with on a refusal or a configuration error
 # How long an idle OpenMP thread of a worker on a core board spins before it sleeps (GNU OpenMP, torch's runtime
@@ -172,6 +173,8 @@ class Launcher:
         env.pop(ENV_KEY, None)
         if self.key.secure:
             env[ENV_KEY] = self.key.to_hex()
+        if slot != "router":
+            env.pop(API_KEY_ENV, None)  # only the router serves clients: the workers never see their key
         if self.core_board is not None and slot != "router":
             env.setdefault("GOMP_SPINCOUNT", str(BOARD_SPINCOUNT))
         self.procs[slot] = subprocess.Popen(

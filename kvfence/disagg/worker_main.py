@@ -60,6 +60,11 @@ def cluster_key(args: argparse.Namespace, role: str) -> ClusterKey:
     return key
 
 
+def cluster_auth(key: ClusterKey) -> str:
+    """What a start-up line says of the internal planes' authentication."""
+    return f"cluster auth on (key id {key.key_id})" if key.secure else "cluster auth OFF (--insecure-no-auth)"
+
+
 def parse_faults(value: str | None) -> Any:
     """`--inject-fault NAME[@PATTERN][#PAGE][%N],...` -> a FaultInjector (None when absent); see kvfence.faults."""
     from kvfence.faults import FaultInjector
@@ -205,9 +210,13 @@ def _exit_with_parent() -> None:
 def run_router(args: argparse.Namespace) -> int:
     from kvfence.config import resolve_model_dir
     from kvfence.disagg.router import Router, RouterConfig
-    from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
+    from kvfence.server.args import flag_values, grammar_budget
+    from kvfence.server.auth import api_key_from
     from kvfence.server.launch import run_server
+    from kvfence.server.role_engine import load_tokenizer
+    from kvfence.server.startup import startup_line
+    from kvfence.server.tool_parsers import resolve_parser
 
     if args.control_port is None:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
@@ -234,15 +243,31 @@ def run_router(args: argparse.Namespace) -> int:
     try:
         router.wait_for_workers()
         router.start()
-        tokenizer = Tokenizer.from_dir(Path(model_dir))
+        tokenizer = load_tokenizer(args, model_dir)
         settings = ApiSettings(
             served_model_name=router.model_name,
             max_body_bytes=args.max_body_bytes,
             vocab_size=router.vocab_size,
-            server_args=router.server_info(),
+            server_args=flag_values(args),  # the live workers are in /server_info's `engine`, not a snapshot
             logprobs_mode=args.logprobs_mode,
+            tool_call_parser=resolve_parser(args.tool_call_parser, tokenizer.chat_template),
+            grammar_budget=grammar_budget(args),
+            api_key=api_key_from(args.api_key),
         )
-        run_server(build_app(router, tokenizer, settings), args.host, args.port, args.log_level)
+        ports = {"control": f"tcp://{args.host}:{args.control_port}"}
+        run_server(
+            build_app(router, tokenizer, settings),
+            args.host,
+            args.port,
+            args.log_level,
+            banner=lambda url: startup_line(
+                ROUTER,
+                router.server_info(),
+                {**ports, "serving": url},
+                settings.api_key is not None,
+                cluster_auth(key),
+            ),  # fmt: skip
+        )
     finally:
         router.close()
     return 0
@@ -253,9 +278,19 @@ def run_worker_role(args: argparse.Namespace) -> int:
 
     if not args.router_address:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
+    from kvfence.server.startup import engine_info, loading_line, startup_line
+
     key = cluster_key(args, args.role)
     set_torch_threads(args.role, args.torch_threads)
-    worker = build_worker(args, resolve_model_dir(args.model), key)
+    model_dir = resolve_model_dir(args.model)
+    print(loading_line(args.role, model_dir), file=sys.stderr, flush=True)
+    worker = build_worker(args, model_dir, key)
+    identity = worker.identity
+    ports = {"router": args.router_address}
+    if args.role == DECODE:
+        ports["kv data"] = f"{args.handoff_host}:{args.handoff_port}"
+    info = engine_info(worker.engine, identity.model_name, identity.context_length)
+    print(startup_line(args.role, info, ports, None, cluster_auth(key)), file=sys.stderr, flush=True)
     cores = None
     if args.core_board is not None:
         from kvfence.disagg.core_board import CoreBoard
@@ -322,6 +357,11 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--reconnect-timeout-s", args.reconnect_timeout_s),
         ("--torch-threads", args.torch_threads),
         ("--kv-io-timeout-s", args.kv_io_timeout_s),
+        ("--tokenizer", args.tokenizer),
+        ("--chat-template", args.chat_template),
+        ("--tool-call-parser", args.tool_call_parser),
+        ("--max-grammar-bytes", args.max_grammar_bytes),
+        ("--grammar-compile-timeout-s", args.grammar_compile_timeout_s),
     ):
         if value is not None:
             common += [flag, str(value)]

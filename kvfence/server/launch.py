@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -49,10 +50,14 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(app: Any, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), in this thread; prints the URL (the real port) to stderr."""
+def run_server(
+    app: Any, host: str, port: int, log_level: str = "info", banner: Callable[[str], str] | None = None
+) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), in this thread. Prints to stderr, once the port is bound, the
+    line `banner(url)` makes (the process's start-up line), else `kvfence: serving <url>`."""
     sock = bind_socket(host, port)
-    print(f"kvfence: serving {url_of(host, sock.getsockname()[1])}", file=sys.stderr, flush=True)
+    url = url_of(host, sock.getsockname()[1])
+    print(banner(url) if banner is not None else f"kvfence: serving {url}", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
     finally:
