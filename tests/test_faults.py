@@ -78,6 +78,17 @@ def test_a_fault_spec_selects_requests_by_id_pattern_page_and_every_nth() -> Non
     assert faults.point("corrupt_byte", "cmpl-bad-4") is None
 
 
+def test_a_pattern_matches_the_id_the_client_gave_as_well_as_the_engine_id() -> None:
+    """`--inject-fault NAME@victim-*` with `X-Request-Id: victim-1` aims at the engine's `cmpl-victim-1-0` (it used
+    to match nothing: a test built on it passed without any fault firing)."""
+    point = FaultPoint.parse("drop_page@victim-*")
+    for rid in ("cmpl-victim-1-0", "chatcmpl-victim-7-2", "resp-victim-x-0"):
+        assert point.matches(rid), rid
+    for rid in ("cmpl-innocent-1-0", "cmpl-1-victim-0", "victim"):
+        assert not point.matches(rid), rid
+    assert FaultPoint.parse("drop_page@cmpl-victim-1-*").matches("cmpl-victim-1-0")  # engine ids still work
+
+
 @pytest.mark.parametrize("transport", ["local", "tcp"])
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault: str) -> None:

@@ -167,9 +167,11 @@ class LLMEngine:
         model_context = int(loaded.context_length)
         context_length = config.context_length or model_context
         if context_length > model_context:
+            from kvfence.models.loader import context_length_source
+
             raise ConfigError(
                 f"--context-length {context_length} exceeds the model's context length {model_context} "
-                "(max_position_embeddings in config.json)"
+                f"({context_length_source(loaded.hf_config)})"
             )
         page_size = config.cache.page_size
         num_pages = config.cache.num_pages_for(context_length)
