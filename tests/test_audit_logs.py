@@ -60,9 +60,15 @@ def test_serverargs_repr_form_is_read_without_evaluating_it():
     assert fields["page_size"] == 64 and fields["stat_loggers"] == "__import__('os').system('false')"
 
 
-def test_dict_with_an_object_repr_still_yields_its_scalars():
-    fields = lg.parse_server_args("server_args={'model_path': '/m/y', 'mode': <Mode.LOG: 'log'>, 'page_size': 16}")
-    assert fields == {"model_path": "/m/y", "page_size": 16}
+def test_dict_with_an_object_repr_still_yields_every_key():
+    fields = lg.parse_server_args(
+        "server_args={'model_path': '/m/y', 'mode': <Mode.LOG: 'log'>, 'hook': <function f at 0x7f>, "
+        "'nested': {'a': [1, '}']}, 'page_size': 16}"
+    )
+    assert fields == {
+        "model_path": "/m/y", "mode": "<Mode.LOG: 'log'>", "hook": "<function f at 0x7f>", "nested": {"a": [1, "}"]},
+        "page_size": 16,
+    }  # fmt: skip
 
 
 # --- defect 2: a leak candidate needs evidence of the handoff ----------------------------------
@@ -103,7 +109,7 @@ def test_unknown_release_without_evidence_is_not_critical(tmp_path):
                 "entry_time=1.000, transfer_speed=0.00 GB/s, transfer_total=0.00 MB")
     )  # fmt: skip
     r = lg.scan_logs(str(p))
-    assert r.requests[0].status == "decode log not given"
+    assert r.requests[0].status == "decode log not given; release unknown" and r.requests[0].evidence == "none"
     assert max(f.severity for f in r.findings) == Severity.WARNING
 
 
@@ -272,11 +278,15 @@ def test_marker_text_inside_a_prompt_is_ignored(tmp_path):
 
 
 def test_chunk_boundaries_do_not_lose_lines(monkeypatch):
+    from kvfence.audit.logs import reader
+
     ref = lg.scan_logs(P23, D23, window="minute")
-    monkeypatch.setattr(lg, "CHUNK_BYTES", 97)  # lines straddle many window boundaries
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 97)  # lines straddle many window boundaries, some longer than one
     r = lg.scan_logs(P23, D23, window="minute")
     assert r.coverage == ref.coverage and len(r.runs) == len(ref.runs)
-    assert [(n.kind, n.rid, n.status) for n in r.requests] == [(n.kind, n.rid, n.status) for n in ref.requests]
+    assert [(n.kind, n.rid, n.status, n.line) for n in r.requests] == [
+        (n.kind, n.rid, n.status, n.line) for n in ref.requests
+    ]
     assert {k: v.prefill_tokens for k, v in r.windows.items()} == {k: v.prefill_tokens for k, v in ref.windows.items()}
 
 
