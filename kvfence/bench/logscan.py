@@ -17,6 +17,7 @@ Run: kvfence bench logscan --size-mb 1024 --repeat 3
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -125,21 +126,31 @@ def write_log(path: str, mode: str, target_bytes: int) -> int:
     return written
 
 
-def _child(argv: list[str]) -> tuple[float, float, int, str]:
-    """(wall s, CPU s, peak RSS in bytes, stdout) of one command run as a child process, from its own rusage."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    out = proc.stdout.read().decode() if proc.stdout else ""
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    for stream in (proc.stdout, proc.stderr):
-        if stream:
-            stream.close()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode not in (0, 1, 2):  # scan_logs' exit code is not looked at; a crash is
-        raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {err[-500:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, out
+# Runs argv[1:] as a child and prints that child's wall time, CPU time and peak RSS from its own rusage. The bench
+# runs every method through this small launcher: a child's ru_maxrss starts from the memory of the process that
+# spawned it (Linux carries the pre-exec high-water mark over exec), so it must be spawned by a small process, not
+# by the bench, which holds the generator's memory. The launcher's own ~10 MiB are the floor of every method.
+_LAUNCHER = (
+    "import json, os, subprocess, sys, time\n"
+    "t0 = time.perf_counter()\n"
+    "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)\n"
+    "out = p.stdout.read()\n"
+    "_, status, ru = os.wait4(p.pid, 0)\n"
+    "print(json.dumps({'wall': time.perf_counter() - t0, 'cpu': ru.ru_utime + ru.ru_stime,\n"
+    "                  'maxrss': ru.ru_maxrss * 1024, 'rc': os.waitstatus_to_exitcode(status),\n"
+    "                  'out': out.decode(errors='replace')}))\n"
+)
+
+
+def child_usage(argv: list[str]) -> tuple[float, float, int, str]:
+    """(wall s, CPU s, peak RSS in bytes, stdout) of one command, measured from its own rusage by a small launcher."""
+    r = subprocess.run([sys.executable, "-c", _LAUNCHER, *argv], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"launcher failed: {r.stderr[-500:]}")
+    doc = json.loads(r.stdout)
+    if doc["rc"] not in (0, 1, 2):  # grep -c exits 1 on no match; a crash is a crash
+        raise RuntimeError(f"{argv[:3]} exited {doc['rc']}")
+    return doc["wall"], doc["cpu"], doc["maxrss"], doc["out"]
 
 
 _SCAN = (
@@ -181,7 +192,7 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
         summary = ""
         for _ in range(repeat):  # interleaved rounds: every method once per round
             for name, argv in methods:
-                wall, cpu, rss, out = _child(argv)
+                wall, cpu, rss, out = child_usage(argv)
                 results[name].append((wall, cpu, rss))
                 if name.startswith("kvfence"):
                     summary = out.strip()

@@ -38,8 +38,8 @@ class RequestNote:
 
 
 class NoteBook:
-    def __init__(self, listed_per_kind: int = LISTED_PER_KIND, places_per_kind: int = PLACES_PER_KIND) -> None:
-        self.listed_per_kind = listed_per_kind
+    def __init__(self, listed_per_kind: int | None = None, places_per_kind: int = PLACES_PER_KIND) -> None:
+        self.listed_per_kind = LISTED_PER_KIND if listed_per_kind is None else listed_per_kind
         self.places_per_kind = places_per_kind
         self.listed: list[RequestNote] = []
         self.counts: dict[str, int] = {}

@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from kvfence.errors import KvfenceError
 
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 4 << 20  # 4 MiB: the same throughput as larger windows (docs/benchmarks.md), a smaller peak
 
 
 def open_log(path: str) -> BinaryIO:
