@@ -42,6 +42,25 @@ class Recent(Generic[K, V]):
             young = self._young
         young[key] = value
 
+    def known(self, keys: set[K]) -> set[K]:
+        """Those of `keys` it holds (one comprehension: no method call per key)."""
+        young, old = self._young, self._old
+        return {k for k in keys if k in young or k in old}
+
+    def add_new(self, keys: list[K]) -> int:
+        """Record these keys (values True); return how many distinct ones it did not hold."""
+        young, old = self._young, self._old
+        new = [k for k in set(keys) if k not in young and k not in old]
+        if new:
+            self.put_many(dict.fromkeys(new, True))  # type: ignore[arg-type]
+        return len(new)
+
+    def put_many(self, items: dict[K, V]) -> None:
+        """put() for many new keys at once."""
+        if len(self._young) + len(items) > self.half:
+            self._old, self._young = self._young, {}
+        self._young.update(items)
+
     def pop(self, key: K) -> V | None:
         v = self._young.pop(key, None)
         old = self._old.pop(key, None)
@@ -49,3 +68,6 @@ class Recent(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
+
+    def __bool__(self) -> bool:
+        return bool(self._young) or bool(self._old)

@@ -19,7 +19,10 @@ What it does not know: the verdict on an abort (kvfence.audit.logs.verdict) or t
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
+from itertools import compress
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from kvfence.audit.logs import formats as fm
@@ -31,6 +34,11 @@ from kvfence.audit.logs.startup import infer_release, parse_server_args
 from kvfence.audit.logs.window import Window
 
 UNVERIFIED_SAMPLE = 1000
+_VERIFIED = ("verified (inferred)", "mismatch")  # coverage labels not sampled as unverified
+# Column getters for the rows of formats.FREQUENT_RE (map/compress over them runs without Python work per row).
+_KEY, _RARE_HEAD, _RID = itemgetter(fm.KEY), itemgetter(fm.RARE_HEAD), itemgetter(fm.RID)
+_NEW_SEQ, _NEW_TOKEN = itemgetter(fm.NEW_SEQ), itemgetter(fm.NEW_TOKEN)
+_PREFILL_USAGE, _DECODE_USAGE = itemgetter(fm.PREFILL_USAGE), itemgetter(fm.DECODE_USAGE)
 
 
 @dataclass(slots=True)
@@ -98,7 +106,7 @@ class Scanner:
         # decode
         self.prefill_checksum: bool | None = None  # the last prefill run's checksum setting, for coverage
         self.d_rid_room: Recent[bytes, bytes] = Recent()
-        self.outcomes: Recent[bytes, DecodeOutcome] = Recent()
+        self.outcomes: Recent[bytes, DecodeOutcome | str] = Recent()  # str: completed, counted in bulk (coverage)
         self.awaited: dict[bytes, DecodeOutcome | None] = {}  # rooms prefill aborts wait for -> their outcome
         self.coverage: dict[str, int] = {}
         self.unverified: list[str] = []
@@ -142,6 +150,7 @@ class Scanner:
                 self.bytes_scanned += end
                 self.cursor.window(buf, end)
                 run = self.scan_chunk(buf, end, side, run)
+                self.cursor.finish()
 
     def begin_decode(self) -> None:
         """Before the decode log: which rooms the prefill aborts wait for, and prefill's checksum setting."""
@@ -151,7 +160,7 @@ class Scanner:
             if a.note.room:
                 self.awaited.setdefault(a.note.room.encode(), None)
 
-    def scan_chunk(self, buf: bytes, end: int, side: str, run: Run) -> Run:
+    def scan_chunk(self, buf: bytes | bytearray, end: int, side: str, run: Run) -> Run:
         """Lines buf[:end] (whole lines) of one side; returns the run in force at the end."""
         from kvfence.audit.logs.handlers import HANDLERS
 
@@ -162,7 +171,7 @@ class Scanner:
             rows = [r for r in rows if r[fm.RARE_HEAD] or self.in_range((r[fm.KEY] + r[fm.REST]).decode())]
         self.side_lines[side] += len(rows)
         prev = 0
-        for i in itertools.compress(range(len(rows)), [r[fm.RARE_HEAD] for r in rows]):
+        for i in compress(range(len(rows)), map(_RARE_HEAD, rows)):
             if run.counted and i > prev:
                 self.scan_frequent(rows[prev:i], side, run)
             prev = i + 1
@@ -185,68 +194,106 @@ class Scanner:
     def scan_frequent(self, rows: list[fm.Row], side: str, run: Run) -> None:
         """Batch lines (aggregated per window) and ReqTimeStats lines, in file order."""
         self.lines_matched += len(rows)
-        keys = [r[fm.KEY] for r in rows]
         i = 0
-        for key, grp in itertools.groupby(keys):
+        # Usages are "0.NN" / "1.00" (SGLang formats them with two decimals): the largest string is the largest value.
+        for key, grp in itertools.groupby(map(_KEY, rows)):
             n = len(list(grp))
             part = rows[i : i + n] if n < len(rows) else rows
             i += n
             w = self.win(key.decode())
-            p = [r for r in part if r[fm.NEW_SEQ]]
+            p = list(compress(part, map(_NEW_SEQ, part)))
             if p:
                 w.prefill_batches += len(p)
-                w.prefill_seqs += sum(map(int, [r[fm.NEW_SEQ] for r in p]))
-                w.prefill_tokens += sum(map(int, [r[fm.NEW_TOKEN] for r in p]))
-                w.prefill_max_usage = max(w.prefill_max_usage, float(max([r[fm.PREFILL_USAGE] for r in p])))
-            d = [r[fm.DECODE_USAGE] for r in part if r[fm.DECODE_USAGE]]
+                w.prefill_seqs += sum(map(int, map(_NEW_SEQ, p)))
+                w.prefill_tokens += sum(map(int, map(_NEW_TOKEN, p)))
+                w.prefill_max_usage = max(w.prefill_max_usage, float(max(map(_PREFILL_USAGE, p))))
+            d = list(filter(None, map(_DECODE_USAGE, part)))
             if d:
                 w.decode_batches += len(d)
                 w.decode_max_usage = max(w.decode_max_usage, float(max(d)))
-            stats = [r for r in part if r[fm.RID]]
+            stats = list(compress(part, map(_RID, part)))
             if stats:
                 self.side_request_lines[side] += len(stats)
                 self._time_stats_rows(w, stats, side, run)
 
     def _time_stats_rows(self, w: Window, rows: list[fm.Row], side: str, run: Run) -> None:
-        """ReqTimeStats lines of one window (managers/schedule_batch.py log_time_stats)."""
-        seen = self._seen_rids[side]
+        """ReqTimeStats lines of one window (managers/schedule_batch.py log_time_stats), in file order.
+
+        The common case is handled in bulk with set operations: a request's only ReqTimeStats line on its side,
+        for a request no other line has mentioned; everything else takes the per-request path."""
+        rids = list(map(_RID, rows))
+        fresh = self._seen_rids[side].add_new(rids)
+        if fresh:
+            run.requests += fresh
+            run.first_request = run.first_request or (rows[0][fm.KEY] + rows[0][fm.REST]).decode()
+        run.last_request = (rows[-1][fm.KEY] + rows[-1][fm.REST]).decode()
+        if side == "prefill":
+            self._prefill_stats(rows, rids, run)
+        else:
+            self._decode_stats(w, rows, run)
+
+    def _prefill_stats(self, rows: list[fm.Row], rids: list[bytes], run: Run) -> None:
         pool = run.pool_tokens
-        aborts, prefill_side = self.aborts, side == "prefill"
-        for row in rows:
-            key, rest, rid, room, in_b, out_b, is_prefill, mb = (
-                row[fm.KEY], row[fm.REST], row[fm.RID], row[fm.ROOM], row[fm.INPUT_LEN], row[fm.OUTPUT_LEN],
-                row[fm.IS_PREFILL], row[fm.TRANSFER_MB],
-            )  # fmt: skip
-            if rid not in seen:
-                seen.put(rid, True)
-                run.saw_request((key + rest).decode())
-            else:
-                run.last_request = (key + rest).decode()
-            if room == b"None":
-                room = b""
-            if is_prefill or prefill_side:
-                a = aborts.get(rid)
-                if a is not None:
-                    if room and not a.note.room:
-                        a.note.room = room.decode()
-                    a.input_len = int(in_b)
-                    if mb:
-                        a.transfer_mb = float(mb)
-                    a.stats_line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",")
-                if pool and int(in_b) > pool:
+        if self.aborts:
+            aborts = self.aborts
+            for rid in [r for r in set(rids) if r in aborts]:
+                a = self.aborts[rid]
+                row = rows[rids.index(rid)]
+                room = row[fm.ROOM]
+                if room and room != b"None" and not a.note.room:
+                    a.note.room = room.decode()
+                a.input_len = int(row[fm.INPUT_LEN])
+                if row[fm.TRANSFER_MB]:
+                    a.transfer_mb = float(row[fm.TRANSFER_MB])
+        if pool:
+            for row in rows:
+                n = int(row[fm.INPUT_LEN])
+                if n > pool:
+                    rid, room = row[fm.RID], row[fm.ROOM]
                     line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",")
                     self.book.add(
-                        RequestNote(side, rid.decode(), room.decode() or None, (key + rest).decode(),
-                                    "over_pool_served", f"input {int(in_b)} > pool {pool}",
+                        RequestNote("prefill", rid.decode(), room.decode() if room and room != b"None" else None,
+                                    (row[fm.KEY] + row[fm.REST]).decode(), "over_pool_served", f"input {n} > pool {pool}",
                                     evidence="prefill ReqTimeStats", line=line)
                     )  # fmt: skip
+        if self.p_rid_room:
+            for rid in rids:
                 self.p_rid_room.pop(rid)  # the request is done on prefill
+
+    def _decode_stats(self, w: Window, rows: list[fm.Row], run: Run) -> None:
+        room_i, rid_i, out_i, key_i, rest_i = fm.ROOM, fm.RID, fm.OUTPUT_LEN, fm.KEY, fm.REST
+        keys = [(r[room_i] if r[room_i] and r[room_i] != b"None" else b"rid:" + r[rid_i]) for r in rows]
+        seen = self.outcomes.known(set(keys))
+        awaited = self.awaited
+        bulk: dict[bytes, str] = {}
+        pc = self.prefill_checksum
+        cov_all = None if run.checksum_skipped_at is not None else coverage_of_run(run, pc)
+        for key, row in zip(keys, rows, strict=True):
+            if key in seen or key in awaited or key in bulk or row[out_i] == b"0":
+                self._decode_stats_slow(w, row, key, run)
                 continue
-            out = self.outcome(rid, room or None, key + rest, run)
-            if out_b != b"0" and not out.failed and not out.completed:
-                out.output_len = int(out_b)
-                line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",") if room in self.awaited else None
-                self.complete(out, w, "decode ReqTimeStats", line, (room or rid))
+            bulk[key] = cov_all or coverage_of_run(run, pc, row[key_i] + row[rest_i])
+        if not bulk:
+            return
+        self.outcomes.put_many(bulk)
+        w.decode_requests += len(bulk)
+        counts = {cov_all: len(bulk)} if cov_all else Counter(bulk.values())
+        for cov, n in counts.items():
+            self.coverage[cov] = self.coverage.get(cov, 0) + n
+            w.coverage[cov] = w.coverage.get(cov, 0) + n
+        if len(self.unverified) < UNVERIFIED_SAMPLE and any(c not in _VERIFIED for c in counts):
+            for key, cov in bulk.items():
+                if cov not in _VERIFIED and len(self.unverified) < UNVERIFIED_SAMPLE:
+                    self.unverified.append(key.decode("utf-8", "replace"))
+
+    def _decode_stats_slow(self, w: Window, row: fm.Row, key: bytes, run: Run) -> None:
+        rid, room = row[fm.RID], row[fm.ROOM]
+        room = room if room and room != b"None" else None
+        out = self.outcome(rid, room, row[fm.KEY] + row[fm.REST], run)
+        if row[fm.OUTPUT_LEN] != b"0" and not out.failed and not out.completed:
+            out.output_len = int(row[fm.OUTPUT_LEN])
+            line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",") if room in self.awaited else None
+            self.complete(out, w, "decode ReqTimeStats", line, key)
 
     # -- runs ----------------------------------------------------------------------------------
     def start_run(self, run: Run, side: str, kind: str, ts: str, msg: str, raw: bytes) -> Run:
@@ -336,13 +383,17 @@ class Scanner:
             key = room
         else:
             key = b"rid:" + rid if rid is not None else b"?" + ts
-        out = self.outcomes.get(key)
-        if out is None:
-            out = DecodeOutcome(time=ts, run=run)
+        held = self.outcomes.get(key)
+        if isinstance(held, str):  # completed and counted in bulk under this coverage
+            out = DecodeOutcome(time=ts, run=run, completed=True, coverage=held, evidence="decode ReqTimeStats")
             self.outcomes.put(key, out)
+            return out
+        if held is None:
+            held = DecodeOutcome(time=ts, run=run)
+            self.outcomes.put(key, held)
             if room is not None and room in self.awaited:
-                self.awaited[room] = out
-        return out
+                self.awaited[room] = held
+        return held
 
     def str_outcome(self, rid: str | None, room: str | None, ts: str, run: Run) -> DecodeOutcome:
         """outcome() for the rare-line handlers, which hold decoded strings."""
@@ -367,7 +418,7 @@ class Scanner:
         out.coverage = cov
         self.coverage[cov] = self.coverage.get(cov, 0) + 1
         w.coverage[cov] = w.coverage.get(cov, 0) + 1
-        if cov not in ("verified (inferred)", "mismatch") and len(self.unverified) < UNVERIFIED_SAMPLE:
+        if cov not in _VERIFIED and len(self.unverified) < UNVERIFIED_SAMPLE:
             self.unverified.append(key.decode("utf-8", "replace"))
 
 
@@ -375,12 +426,16 @@ def coverage_of(out: DecodeOutcome, prefill_checksum: bool | None) -> str:
     """How the KV checksum covered one decoded request ("verified" is inferred: SGLang logs no success)."""
     if out.mismatch:
         return "mismatch"
-    run = out.run
+    return coverage_of_run(out.run, prefill_checksum, out.time)
+
+
+def coverage_of_run(run: Run | None, prefill_checksum: bool | None, time: bytes = b"") -> str:
+    """Coverage of a request decoded by this run that no mismatch line names, first logged at `time`."""
     if run is None or run.checksum is None:
         return "unknown"
     if not run.checksum:
         return "absent"
-    if run.checksum_skipped_at is not None and out.time >= run.checksum_skipped_at.encode():
+    if run.checksum_skipped_at is not None and time >= run.checksum_skipped_at.encode():
         return "skipped"
     if prefill_checksum is False:
         return "skipped"  # one side only: digest 0, skipped silently
