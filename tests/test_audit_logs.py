@@ -16,7 +16,8 @@ from kvfence.cli import main
 
 FIX = Path(__file__).parent / "fixtures" / "sglang"
 P19, D19 = str(FIX / "prefill_0.5.19_incident.log"), str(FIX / "decode_0.5.19_incident.log")
-P19_DEFAULT, D19_DEFAULT = str(FIX / "prefill_0.5.19_default_logging.log"), str(FIX / "decode_0.5.19_default_logging.log")
+P19_DEFAULT = str(FIX / "prefill_0.5.19_default_logging.log")
+D19_DEFAULT = str(FIX / "decode_0.5.19_default_logging.log")
 P23_GLM, D23_GLM = str(FIX / "prefill_0.5.23_glm5.log"), str(FIX / "decode_0.5.23_glm5.log")
 P21 = str(FIX / "prefill_0.5.21_fixed.log")
 P23, D23 = str(FIX / "prefill_0.5.23_checksum.log"), str(FIX / "decode_0.5.23_checksum.log")

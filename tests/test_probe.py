@@ -342,8 +342,9 @@ def test_server_down_is_a_tool_error(capsys):
 
 
 def test_usage_errors_exit_4_in_one_line():
-    for argv in (["probe", "http://127.0.0.1:1"], ["probe", "http://127.0.0.1:1", "--model", "m", "--max-requests", "0"],
-                 ["probe", "http://127.0.0.1:1", "--model", "m", "--no-such-flag"]):  # fmt: skip
+    url = "http://127.0.0.1:1"
+    for argv in (["probe", url], ["probe", url, "--model", "m", "--max-requests", "0"],
+                 ["probe", url, "--model", "m", "--no-such-flag"]):  # fmt: skip
         r = subprocess.run([sys.executable, "-m", "kvfence.cli", *argv], capture_output=True, text=True, timeout=60)
         assert r.returncode == 4, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvfence.errors import KvfenceError
 
@@ -48,7 +48,7 @@ class ToolArgumentParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def add_tool_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs: object) -> argparse.ArgumentParser:
+def add_tool_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A subcommand parser of class ToolArgumentParser (its own subparsers inherit the class)."""
     kept = subparsers._parser_class
     subparsers._parser_class = ToolArgumentParser

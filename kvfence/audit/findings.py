@@ -103,9 +103,10 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], wrap:
     """
     wrap = wrap or {}
     cells: list[list[list[str]]] = []  # row -> column -> lines
-    for row in [list(headers), *[list(r) for r in rows]]:
-        out_row = []
-        for i, value in enumerate(row):
+    all_rows: list[list[object]] = [list(headers), *[list(r) for r in rows]]
+    for values in all_rows:
+        out_row: list[list[str]] = []
+        for i, value in enumerate(values):
             text = "" if value is None else str(value)
             width = wrap.get(i)
             lines = textwrap.wrap(text, width) if width and len(text) > width else [text]

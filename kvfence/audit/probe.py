@@ -183,7 +183,7 @@ def check_target(url: str, allow_remote: bool) -> str:
         infos = socket.getaddrinfo(host, parsed.port or 80, proto=socket.IPPROTO_TCP)
     except OSError as e:
         raise KvfenceError(f"cannot resolve {host}: {e}") from e
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     non_loopback = sorted(a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
     if non_loopback:
         raise KvfenceError(
@@ -241,7 +241,7 @@ class Prober:
         self.sized = False  # prompt sizes can be computed (calibration worked)
         self.base_tokens = 0  # tokens of an empty-filler prompt, fitted
         self.per_unit = 1.0
-        self.bar = None
+        self.bar: Any = None  # the tqdm bar while run() runs
 
     # -- HTTP helpers --------------------------------------------------------------------------
     async def _get_json(self, path: str) -> Any | None:
@@ -437,17 +437,20 @@ class Prober:
                 f.models.append(str(card.get("id")))
                 if isinstance(card.get("max_model_len"), int):
                     max_model_len = card["max_model_len"]
-        info = await self._get_json("/server_info") or await self._get_json("/get_server_info") or {}
+        found = await self._get_json("/server_info") or await self._get_json("/get_server_info")
+        info: dict[str, Any] = found if isinstance(found, dict) else {}
         ctx_flag = info.get("context_length") if isinstance(info.get("context_length"), int) else None
         pool = info.get("max_total_num_tokens") if isinstance(info.get("max_total_num_tokens"), int) else None
-        capacity = info.get("capacity") if isinstance(info.get("capacity"), dict) else {}  # kvfence's /server_info
+        cap_doc = info.get("capacity")
+        capacity: dict[str, Any] = cap_doc if isinstance(cap_doc, dict) else {}  # kvfence's /server_info
         if ctx_flag is None and isinstance(capacity.get("context_length"), int):
             ctx_flag = capacity["context_length"]
         if pool is None:
             cap = capacity.get("max_total_tokens")
             sizes = list(cap.values()) if isinstance(cap, dict) else [cap]
-            if sizes and all(isinstance(x, int) for x in sizes):
-                pool = min(sizes)  # the smallest role pool bounds what a request can hold
+            ints = [x for x in sizes if isinstance(x, int)]
+            if ints and len(ints) == len(sizes):
+                pool = min(ints)  # the smallest role pool bounds what a request can hold
         if pool is None:
             for st in info.get("internal_states") or []:
                 cap = ((st or {}).get("memory_usage") or {}).get("token_capacity")

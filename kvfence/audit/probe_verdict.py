@@ -121,8 +121,7 @@ def judge(
                     "prompt-tokens-mismatch",
                     Severity.CRITICAL,
                     r.check,
-                    f"sent {r.sent_tokens} prompt tokens, the reply counted "
-                    f"usage.prompt_tokens={r.prompt_tokens}{sig}",
+                    f"sent {r.sent_tokens} prompt tokens, the reply counted usage.prompt_tokens={r.prompt_tokens}{sig}",
                     "the answer was computed from a different prompt than the one sent; do not trust it",
                 )
             )

@@ -78,9 +78,7 @@ RULES = [
 ]
 
 
-def _f(
-    rule: str, sev: Severity, s: ServerSnapshot | None, role: str, message: str, fix: str, *names: str
-) -> Finding:
+def _f(rule: str, sev: Severity, s: ServerSnapshot | None, role: str, message: str, fix: str, *names: str) -> Finding:
     """A finding about one server, placed at the script / JSON line that sets the first of `names` it has."""
     if s is None:
         return Finding(rule, sev, role, message, fix)
@@ -235,12 +233,14 @@ def _rule_context_vs_pool(s: ServerSnapshot) -> list[Finding]:
         return []
     reaches = rel.stub_reaches_decode(v)
     if reaches:
-        sev, what = Severity.CRITICAL, (
-            f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV across "
-            "requests"
+        sev = Severity.CRITICAL
+        what = (
+            f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV "
+            "across requests"
         )
     elif reaches is None:
-        sev, what = Severity.WARNING, (
+        sev = Severity.WARNING
+        what = (
             "SGLang version unknown: on 0.5.19 an over-pool prompt is handed to decode as a 1-token stub (the leak "
             "path); 0.5.20 and later refuse it"
         )
@@ -627,5 +627,3 @@ def audit(prefill: ServerSnapshot | None, decode: ServerSnapshot | None) -> list
             if s is not None and s.recognised:
                 out += _rule_truncate_single(s)
     return out
-
-

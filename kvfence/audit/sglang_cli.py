@@ -279,4 +279,3 @@ def parse_env_lines(text: str) -> dict[str, str]:
             continue
         env.update(dict(t.split("=", 1) for t in tokens if _ENV_RE.match(t)))
     return env
-

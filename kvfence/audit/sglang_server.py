@@ -124,13 +124,13 @@ def pool_tokens(s: ServerSnapshot) -> Fact:
     n = _as_int(s.args.get("max_total_num_tokens"))
     if n:
         return Fact(n, "/server_info max_total_num_tokens")
-    caps = [_as_int((st.get("memory_usage") or {}).get("token_capacity")) for st in rank_states(s)]
-    caps = [c for c in caps if c]
+    caps = [c for c in (_as_int((st.get("memory_usage") or {}).get("token_capacity")) for st in rank_states(s)) if c]
     if caps:
         return Fact(min(caps), "/server_info internal_states[].memory_usage.token_capacity")
-    n = s.metrics.gauge_min("sglang:max_total_num_tokens") if s.metrics is not None else None
-    if n:
-        return Fact(n, f"sglang:max_total_num_tokens ({s.metrics.source})")
+    m = s.metrics
+    n = m.gauge_min("sglang:max_total_num_tokens") if m is not None else None
+    if n and m is not None:
+        return Fact(n, f"sglang:max_total_num_tokens ({m.source})")
     n = _as_int(s.args.get("max_total_tokens"))
     if n:
         return Fact(n, "--max-total-tokens (an upper bound; the real pool may be smaller)")
@@ -155,9 +155,10 @@ def context_length(s: ServerSnapshot) -> Fact:
         n = _as_int(parse_argv(argv, version_index(s.version_tuple))[0].get("context_length"))
         if n:
             return Fact(n, "--context-length in /server_info launch_command")
-    n = s.metrics.gauge_min("sglang:context_len") if s.metrics is not None else None
-    if n:
-        return Fact(n, f"sglang:context_len ({s.metrics.source})")
+    m = s.metrics
+    n = m.gauge_min("sglang:context_len") if m is not None else None
+    if n and m is not None:
+        return Fact(n, f"sglang:context_len ({m.source})")
     if s.max_model_len:
         return Fact(s.max_model_len, "/v1/models max_model_len")
     mril = _as_int(s.args.get("max_req_input_len"))
@@ -389,8 +390,11 @@ def snapshot_from_bundle(
         args = {**nested, **args}
     env_out: dict[str, str] = {}
     env_source = ""
-    exposed = [st.get("env_vars") for st in args.get("internal_states") or [] if isinstance(st, dict)]
-    exposed = [e for e in exposed if isinstance(e, dict)]
+    exposed: list[dict[str, Any]] = [
+        e
+        for e in (st.get("env_vars") for st in args.get("internal_states") or [] if isinstance(st, dict))
+        if isinstance(e, dict)
+    ]
     if exposed:
         env_out.update({str(k): str(v) for k, v in exposed[0].items()})
         env_source = "/server_info internal_states[].env_vars"

@@ -202,10 +202,10 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
         mb = total / 1e6
         med: dict[str, tuple[float, float, float]] = {}
         for name, rows in results.items():
-            wall, cpu, rss = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-            w, c, m = statistics.median(wall), statistics.median(cpu), max(rss) / 2**20
+            walls, cpus, rsss = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+            w, c, m = statistics.median(walls), statistics.median(cpus), max(rsss) / 2**20
             med[name] = (w, c, m)
-            print(f"{name:32s} {w:6.2f} ({min(wall):.2f}-{max(wall):.2f}) {c:6.2f} ({min(cpu):.2f}-{max(cpu):.2f})"
+            print(f"{name:32s} {w:6.2f} ({min(walls):.2f}-{max(walls):.2f}) {c:6.2f} ({min(cpus):.2f}-{max(cpus):.2f})"
                   f" {mb / w:10.1f} {mb / max(c, 1e-9):9.1f} {m:13.1f}")  # fmt: skip
         scan_w, scan_c, scan_m = med["kvfence audit logs (scan_logs)"]
         for name in ("wc -l", "grep -c ReqTimeStats", "python 'for line in f'"):
@@ -213,10 +213,12 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
                 print(f"scan / {name}: wall ratio {scan_w / med[name][0]:.1f}, "
                       f"cpu ratio {scan_c / max(med[name][1], 1e-9):.1f}")  # fmt: skip
         floor = med["python + imports, no scan"][2]
-        print(f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
-              f"{mb / scan_w:.1f} MB/s wall; peak RSS {scan_m:.1f} MiB ({scan_m - floor:.1f} MiB above the "
-              f"{floor:.1f} MiB of the interpreter and imports) for {total / 2**30:.2f} GiB of logs; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(
+            f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
+            f"{mb / scan_w:.1f} MB/s wall; peak RSS {scan_m:.1f} MiB ({scan_m - floor:.1f} MiB above the "
+            f"{floor:.1f} MiB of the interpreter and imports) for {total / 2**30:.2f} GiB of logs; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
     finally:
         if not keep and work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -27,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers,
         "audit",
         help="audit an SGLang PD deployment (configuration or logs) for cross-request KV leak hazards",
-        description="Audit an SGLang prefill/decode deployment for the KV handoff hazards behind cross-request "
-        "leaks.",
+        description="Audit an SGLang prefill/decode deployment for the KV handoff hazards behind cross-request leaks.",
         epilog=ex.HELP,
     )
     p.set_defaults(func=lambda args: _usage(p))
@@ -101,9 +100,7 @@ def _ci_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--junit", metavar="FILE", help="also write one JUnit test case per rule checked")
 
 
-def _write_ci(
-    args: argparse.Namespace, tool: str, rules: list, found: list, error: str | None = None
-) -> None:
+def _write_ci(args: argparse.Namespace, tool: str, rules: list, found: list, error: str | None = None) -> None:
     from kvfence import __version__
 
     for path, text in (

@@ -67,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pool-tokens", type=_positive_int, help="KV pool size in tokens (else /server_info)")
     p.add_argument("--max-requests", type=_positive_int, default=200, help="hard cap on requests sent (default 200)")
     p.add_argument("--time-budget", type=_seconds, default=120.0, help="wall-clock budget in seconds (default 120)")
-    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight during the burst (default 8)")
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight in the burst (default 8)")
     p.add_argument("--request-timeout", type=_seconds, default=60.0, help="per-request timeout in seconds")
     p.add_argument("--max-tokens", type=_positive_int, default=16, help="max_tokens of golden/canary requests")
     p.add_argument("--golden", type=_count, default=4, help="golden prompts (each sent idle, under load, idle)")

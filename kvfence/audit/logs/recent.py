@@ -10,7 +10,7 @@ What it does not know: what the values are.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -55,7 +55,7 @@ class Recent(Generic[K, V]):
             self.put_many(dict.fromkeys(new, True))  # type: ignore[arg-type]
         return len(new)
 
-    def put_many(self, items: dict[K, V]) -> None:
+    def put_many(self, items: Mapping[K, V]) -> None:
         """put() for many new keys at once."""
         if len(self._young) + len(items) > self.half:
             self._old, self._young = self._young, {}

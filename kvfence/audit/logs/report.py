@@ -54,6 +54,7 @@ def render_report(r: LogReport, max_requests: int = 50) -> str:
     out: list[str] = []
     gb = r.bytes_scanned / 1e9
     out.append(f"scanned {gb:.3f} GB, {r.lines_matched} matching lines; files: {r.files}")
+    rows: list[tuple[object, ...]]
     if r.runs:
         out.append("")
         rows = [

@@ -10,6 +10,8 @@ What it does not know: how the lines were read (kvfence.audit.logs.scanner).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvfence.audit import sglang_releases as rel
 from kvfence.audit.findings import Finding, Location, Rule, Severity
 from kvfence.audit.logs.notes import NoteBook
@@ -62,7 +64,7 @@ class Places:
         (where, line), rest = places[0], places[1 : 1 + MORE_PLACES]
         return where, line, tuple(Location(w, n) for w, n in rest)
 
-    def of_lines(self, side: str, lines: list[int | None]) -> tuple[str, int | None, tuple[Location, ...]]:
+    def of_lines(self, side: str, lines: Sequence[int | None]) -> tuple[str, int | None, tuple[Location, ...]]:
         known = [n for n in lines if n]
         where = self.files.get(side, "")
         if not known:

@@ -251,10 +251,11 @@ class Scanner:
                 if n > pool:
                     rid, room = row[fm.RID], row[fm.ROOM]
                     line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",")
+                    ts = (row[fm.KEY] + row[fm.REST]).decode()
                     self.book.add(
-                        RequestNote("prefill", rid.decode(), room.decode() if room and room != b"None" else None,
-                                    (row[fm.KEY] + row[fm.REST]).decode(), "over_pool_served", f"input {n} > pool {pool}",
-                                    evidence="prefill ReqTimeStats", line=line)
+                        RequestNote("prefill", rid.decode(), room.decode() if room and room != b"None" else None, ts,
+                                    "over_pool_served", f"input {n} > pool {pool}", evidence="prefill ReqTimeStats",
+                                    line=line)
                     )  # fmt: skip
         if self.p_rid_room:
             for rid in rids:
@@ -287,8 +288,8 @@ class Scanner:
                     self.unverified.append(key.decode("utf-8", "replace"))
 
     def _decode_stats_slow(self, w: Window, row: fm.Row, key: bytes, run: Run) -> None:
-        rid, room = row[fm.RID], row[fm.ROOM]
-        room = room if room and room != b"None" else None
+        rid, raw_room = row[fm.RID], row[fm.ROOM]
+        room = raw_room if raw_room and raw_room != b"None" else None
         out = self.outcome(rid, room, row[fm.KEY] + row[fm.REST], run)
         if row[fm.OUTPUT_LEN] != b"0" and not out.failed and not out.completed:
             out.output_len = int(row[fm.OUTPUT_LEN])
