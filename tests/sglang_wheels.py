@@ -297,6 +297,7 @@ def render_table() -> str:
     all_opts = sorted(set().union(*(o.keys() for _, o in per.values())))
     lines = [
         "# ruff: noqa: E501",
+        "# fmt: off",
         '"""SGLang 0.5.19 .. 0.5.23: every ServerArgs field and every launch option (generated; do not edit).',
         "",
         "What it knows: for each version (an index into VERSIONS), which ServerArgs fields exist (all of them, with",
