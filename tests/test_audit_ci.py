@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib.resources import files
 from pathlib import Path
+from typing import NamedTuple
 from xml.etree import ElementTree as ET
 
 import jsonschema
@@ -32,12 +33,35 @@ def _valid_sarif(path: Path) -> dict:
     return doc
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    """The real command in a process of its own (tracebacks and exit codes as a CI job sees them)."""
-    return subprocess.run([sys.executable, "-m", "kvfence.cli", *argv], capture_output=True, text=True, timeout=120)
+class Result(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def _one_line_error(r: subprocess.CompletedProcess, code: int, needle: str) -> None:
+def _process(*argv: str) -> Result:
+    """The real command in a process of its own (tracebacks and exit codes as a CI job sees them; slow: the CLI
+    imports every subcommand)."""
+    r = subprocess.run([sys.executable, "-m", "kvfence.cli", *argv], capture_output=True, text=True, timeout=300)
+    return Result(r.returncode, r.stdout, r.stderr)
+
+
+@pytest.fixture
+def cli(capsys):
+    """The command in this process: its exit code (argparse's SystemExit included), stdout and stderr."""
+
+    def run(*argv: str) -> Result:
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return run
+
+
+def _one_line_error(r: Result, code: int, needle: str) -> None:
     assert r.returncode == code, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
@@ -52,38 +76,38 @@ def _closed_port() -> int:
 # --- exit codes of tool errors ------------------------------------------------------------------
 
 
-def test_missing_log_is_could_not_check(tmp_path):
-    _one_line_error(_cli("audit", "logs", str(tmp_path / "nope.log")), ex.COULD_NOT_CHECK, "No such file")
+def test_missing_log_is_could_not_check_in_a_real_process(tmp_path):
+    _one_line_error(_process("audit", "logs", str(tmp_path / "nope.log")), ex.COULD_NOT_CHECK, "No such file")
 
 
-def test_missing_decode_log_fails_before_scanning(tmp_path):
-    _one_line_error(_cli("audit", "logs", P19, str(tmp_path / "gone.log")), ex.COULD_NOT_CHECK, "gone.log")
+def test_missing_decode_log_fails_before_scanning(cli, tmp_path):
+    _one_line_error(cli("audit", "logs", P19, str(tmp_path / "gone.log")), ex.COULD_NOT_CHECK, "gone.log")
 
 
-def test_unreadable_log_is_could_not_check(tmp_path):
+def test_unreadable_log_is_could_not_check(cli, tmp_path):
     d = tmp_path / "a-directory.log"
     d.mkdir()
-    _one_line_error(_cli("audit", "logs", str(d)), ex.COULD_NOT_CHECK, "a-directory.log")
+    _one_line_error(cli("audit", "logs", str(d)), ex.COULD_NOT_CHECK, "a-directory.log")
 
 
-def test_missing_source_is_could_not_check(tmp_path):
-    r = _cli("audit", "sglang", "--prefill", str(tmp_path / "server_info.json"))
+def test_missing_source_is_could_not_check(cli, tmp_path):
+    r = cli("audit", "sglang", "--prefill", str(tmp_path / "server_info.json"))
     _one_line_error(r, ex.COULD_NOT_CHECK, "no such file")
 
 
-def test_unparseable_source_is_could_not_check(tmp_path):
+def test_unparseable_source_is_could_not_check(cli, tmp_path):
     bad = tmp_path / "prefill.json"
     bad.write_text("{ not json")
-    _one_line_error(_cli("audit", "sglang", "--prefill", str(bad)), ex.COULD_NOT_CHECK, "invalid JSON")
+    _one_line_error(cli("audit", "sglang", "--prefill", str(bad)), ex.COULD_NOT_CHECK, "invalid JSON")
 
 
-def test_server_down_is_could_not_check():
-    r = _cli("audit", "sglang", "--prefill", f"http://127.0.0.1:{_closed_port()}", "--timeout", "2")
+def test_server_down_is_could_not_check(cli):
+    r = cli("audit", "sglang", "--prefill", f"http://127.0.0.1:{_closed_port()}", "--timeout", "2")
     _one_line_error(r, ex.COULD_NOT_CHECK, "cannot reach")
 
 
-def test_refused_probe_target_is_could_not_check():
-    r = _cli("probe", "http://192.0.2.10:30000", "--model", "m", "--no-progress")
+def test_refused_probe_target_is_could_not_check(cli):
+    r = cli("probe", "http://192.0.2.10:30000", "--model", "m", "--no-progress")
     _one_line_error(r, ex.COULD_NOT_CHECK, "not a loopback")
 
 
@@ -99,16 +123,22 @@ def test_refused_probe_target_is_could_not_check():
     ],
     ids=["no-log", "bad-choice", "unknown-flag", "no-source", "bad-env", "no-target"],
 )
-def test_usage_errors_exit_4(argv):
-    r = _cli(*argv)
+def test_usage_errors_exit_4(cli, argv):
+    r = cli(*argv)
     assert r.returncode == ex.USAGE, (argv, r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "error" in r.stderr
 
 
-def test_help_documents_the_exit_codes():
+def test_usage_error_in_a_real_process_is_one_line():
+    r = _process("audit", "logs", P19, "--no-such-flag")
+    _one_line_error(r, ex.USAGE, "unrecognized arguments: --no-such-flag")
+
+
+def test_help_documents_the_exit_codes(cli):
     for argv in (["audit", "logs", "--help"], ["audit", "sglang", "--help"], ["probe", "--help"]):
-        out = " ".join(_cli(*argv).stdout.split())
-        assert "3 could not check" in out and "4 usage error" in out and "2 critical" in out, argv
+        r = cli(*argv)
+        out = " ".join(r.stdout.split())
+        assert r.returncode == 0 and "3 could not check" in out and "4 usage error" in out and "2 critical" in out
 
 
 def test_tool_error_still_writes_failed_ci_outputs(tmp_path, capsys):

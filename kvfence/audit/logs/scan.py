@@ -14,6 +14,7 @@ import gc
 from kvfence.audit.findings import Finding
 from kvfence.audit.logs import rules
 from kvfence.audit.logs.formats import window_label
+from kvfence.audit.logs.handlers import HANDLERS
 from kvfence.audit.logs.reader import open_log
 from kvfence.audit.logs.report import LogReport
 from kvfence.audit.logs.run import checks
@@ -37,7 +38,7 @@ def scan_logs(
         files["decode"] = decode_log
     for path in files.values():
         open_log(path).close()  # KvfenceError now for a file that cannot be read
-    sc = Scanner(since, until, model, window, version)
+    sc = Scanner(since, until, model, window, version, HANDLERS)
     gc_was_on = gc.isenabled()
     gc.disable()  # the scan builds millions of tuples and no reference cycles; collections would only cost time
     try:

@@ -3,8 +3,8 @@
 What it knows: how to walk a file window by window (kvfence.audit.logs.reader), pull every line it reads out of a
 window with one regex `findall` (kvfence.audit.logs.formats), aggregate the frequent lines (`Prefill batch` /
 `Decode batch`, `ReqTimeStats`) per time window without per-line Python work beyond a dict lookup, hand each
-rarer line to its handler (`HANDLERS`, kvfence.audit.logs.handlers: a table, one function per line kind), and keep
-per-request state only while it can matter:
+rarer line to its handler (a table it is given: kvfence.audit.logs.handlers.HANDLERS, one function per line
+kind), and keep per-request state only while it can matter:
 - a request is counted once per run however many lines it writes (ReqTimeStats, --log-requests Receive/Finish, a
   JSON pair), by its rid among the recently seen ones (kvfence.audit.logs.recent);
 - prefill: rid -> bootstrap room while a request is open (from Receive lines), and a record for each request
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import compress
 from operator import itemgetter
@@ -80,8 +81,15 @@ class Event(NamedTuple):
 
 class Scanner:
     def __init__(
-        self, since: str | None, until: str | None, model: str | None, window: str, version: str | None
+        self,
+        since: str | None,
+        until: str | None,
+        model: str | None,
+        window: str,
+        version: str | None,
+        handlers: Mapping[str, Callable[[Scanner, Event], None]],
     ) -> None:
+        self.handlers = handlers  # kind -> handler of a rare line (kvfence.audit.logs.handlers.HANDLERS)
         self.since_s = since
         self.until_s = until
         self.model = model
@@ -162,8 +170,7 @@ class Scanner:
 
     def scan_chunk(self, buf: bytes | bytearray, end: int, side: str, run: Run) -> Run:
         """Lines buf[:end] (whole lines) of one side; returns the run in force at the end."""
-        from kvfence.audit.logs.handlers import HANDLERS
-
+        handlers = self.handlers
         rows = self.frequent_re.findall(buf, 0, end)
         if not rows:
             return run
@@ -182,7 +189,7 @@ class Scanner:
             if kind in ("server_args", "startup"):
                 run = self.start_run(run, side, kind, ts, msg, raw)
             elif run.counted and self.in_range(ts):
-                HANDLERS[kind](self, Event(kind, ts, msg, raw, side, run))
+                handlers[kind](self, Event(kind, ts, msg, raw, side, run))
         if run.counted and prev < len(rows):
             self.scan_frequent(rows[prev:], side, run)
         return run
