@@ -64,6 +64,14 @@ class Places:
         (where, line), rest = places[0], places[1 : 1 + MORE_PLACES]
         return where, line, tuple(Location(w, n) for w, n in rest)
 
+    def of_places(self, places: Sequence[tuple[str, int | None]]) -> tuple[str, int | None, tuple[Location, ...]]:
+        """(side, line) places, prefill before decode in file order: the first as the place, the next as further."""
+        known = sorted(((s, n) for s, n in places if n), key=lambda p: (p[0] != "prefill", p[1]))
+        if not known:
+            return self.files.get(places[0][0] if places else "prefill", ""), None, ()
+        located = [(self.files.get(s, ""), n) for s, n in known[: 1 + MORE_PLACES]]
+        return located[0][0], located[0][1], tuple(Location(w, n) for w, n in located[1:])
+
     def of_lines(self, side: str, lines: Sequence[int | None]) -> tuple[str, int | None, tuple[Location, ...]]:
         known = [n for n in lines if n]
         where = self.files.get(side, "")
@@ -86,14 +94,17 @@ def pool_severity(v: rel.Version | None) -> tuple[Severity, str]:
     return Severity.WARNING, f"SGLang {rel.label(v)} refuses such prompts ({rel.stub_fate(v)})"
 
 
-def abort_findings(sc: Scanner, at: Places, verdicts: dict[str, list[tuple[str, int | None]]]) -> list[Finding]:
-    """From the verdicts on prefill aborts: status prefix -> [(window label, line of the evidence)]."""
+def abort_findings(sc: Scanner, at: Places, verdicts: dict[str, list[tuple[str, str, int | None]]]) -> list[Finding]:
+    """From the verdicts on prefill aborts: status prefix -> [(window label, side, line of the evidence)]."""
     out: list[Finding] = []
+
+    def places(*heads: str) -> tuple[str, int | None, tuple[Location, ...]]:
+        return at.of_places([(side, line) for h in heads for _, side, line in verdicts.get(h, [])])
+
     transferred = verdicts.get("TRANSFERRED", [])
     if transferred:
-        wins = sorted({w for w, _ in transferred})
-        decode_lines = [n for _, n in transferred if n]
-        place = at.of_lines("decode", decode_lines) if decode_lines else at.of_kinds("too_long", "kv_budget")
+        wins = sorted({w for w, _, _ in transferred})
+        place = places("TRANSFERRED")
         out.append(
             _finding(
                 "aborted-but-transferred", Severity.CRITICAL, "requests",
@@ -118,7 +129,7 @@ def abort_findings(sc: Scanner, at: Places, verdicts: dict[str, list[tuple[str, 
                 f"stub to decode ({'; '.join(parts)}); no decode record confirms or rules out that decode served them",
                 "audit the decode log of the same period with --enable-request-time-stats-logging or --log-requests on "
                 "both sides; upgrade to SGLang >= 0.5.22",
-                at.of_kinds("too_long", "kv_budget"),
+                places("POSSIBLE", "HANDED OVER"),
             )
         )  # fmt: skip
     unmatched = verdicts.get("unknown", [])
@@ -130,7 +141,7 @@ def abort_findings(sc: Scanner, at: Places, verdicts: dict[str, list[tuple[str, 
                 "would decide their fate is unknown",
                 "pass --sglang-version, or enable --enable-request-time-stats-logging or --log-requests on both sides "
                 "to join by bootstrap_room",
-                at.of_kinds("too_long", "kv_budget"),
+                places("unknown"),
             )
         )  # fmt: skip
     return out

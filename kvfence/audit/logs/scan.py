@@ -50,7 +50,7 @@ def scan_logs(
             gc.enable()
     runs = [r for r in sc.runs if r.start or r.model or r.pool_tokens or r.requests]
 
-    verdicts: dict[str, list[tuple[str, int | None]]] = {}
+    verdicts: dict[str, list[tuple[str, str, int | None]]] = {}  # status head -> [(window, side, line)]
     judged = []
     for a in sc.aborts_by_order:
         room = a.note.room.encode() if a.note.room else None
@@ -60,7 +60,14 @@ def scan_logs(
         if not head and not v.status.startswith(("not handed over", "stopped")):
             head = "unknown"
         if head:
-            verdicts.setdefault(head, []).append((window_label(a.note.time[: sc.wlen], window), v.line))
+            line: int | None
+            if v.line:  # decode's line that shows it finished the request
+                side, line = "decode", v.line
+            elif v.evidence.startswith("prefill ReqTimeStats"):  # prefill's time-stats line
+                side, line = "prefill", a.stats_line or a.note.line
+            else:  # the abort line itself
+                side, line = "prefill", a.note.line
+            verdicts.setdefault(head, []).append((window_label(a.note.time[: sc.wlen], window), side, line))
         if head == TRANSFERRED:
             sc.win(a.note.time).candidates += 1
         judged.append((_PRIORITY.get(head, 3), a.note))

@@ -240,24 +240,22 @@ class Scanner:
             self._decode_stats(w, rows, run)
 
     def _prefill_stats(self, rows: list[fm.Row], rids: list[bytes], run: Run) -> None:
-        pool = run.pool_tokens
-        if self.aborts:
-            aborts = self.aborts
-            for rid in [r for r in set(rids) if r in aborts]:
-                a = self.aborts[rid]
-                row = rows[rids.index(rid)]
-                room = row[fm.ROOM]
-                if room and room != b"None" and not a.note.room:
-                    a.note.room = room.decode()
-                a.input_len = int(row[fm.INPUT_LEN])
-                if row[fm.TRANSFER_MB]:
-                    a.transfer_mb = float(row[fm.TRANSFER_MB])
-        if pool:
-            for row in rows:
-                n = int(row[fm.INPUT_LEN])
-                if n > pool:
-                    rid, room = row[fm.RID], row[fm.ROOM]
-                    line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",")
+        """Rows of requests aborted earlier (their fate on prefill) and of inputs above the pool, in file order."""
+        pool, aborts = run.pool_tokens, self.aborts
+        rid_i, in_i = fm.RID, fm.INPUT_LEN
+        if aborts or pool:
+            notable = [r for r in rows if r[rid_i] in aborts or (pool and int(r[in_i]) > pool)]
+            for row in notable:
+                rid, room, n = row[fm.RID], row[fm.ROOM], int(row[fm.INPUT_LEN])
+                line = self.cursor.locate(b"ReqTimeStats(rid=" + rid + b",")
+                a = aborts.get(rid)
+                if a is not None:
+                    if room and room != b"None" and not a.note.room:
+                        a.note.room = room.decode()
+                    a.input_len, a.stats_line = n, line
+                    if row[fm.TRANSFER_MB]:
+                        a.transfer_mb = float(row[fm.TRANSFER_MB])
+                if pool and n > pool:
                     ts = (row[fm.KEY] + row[fm.REST]).decode()
                     self.book.add(
                         RequestNote("prefill", rid.decode(), room.decode() if room and room != b"None" else None, ts,
