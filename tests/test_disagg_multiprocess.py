@@ -261,6 +261,17 @@ def test_launcher_stops_everything_when_a_worker_cannot_start(monkeypatch: pytes
     }
 
 
+def test_a_router_refused_on_configuration_is_not_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that exits 2 (e.g. its port is taken) stops the deployment at once: restarting it, and the workers
+    that register with it, three times would only fail the same way (and blame someone else at the end)."""
+    refused = "import time, sys; time.sleep(0.3); sys.exit(2)"
+    launcher = _fake_launcher(monkeypatch, LaunchConfig(), {"router": [refused]})
+    launcher.start()
+    assert launcher.watch() == 1
+    assert launcher.starts["router"] == 1 and launcher.restarts == {}
+    assert launcher.procs["router"].returncode == 2
+
+
 def test_launcher_restarts_a_worker_that_dies_in_its_slot_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     dies = "import os, time; time.sleep(0.3); os.kill(os.getpid(), 9)"  # killed -9
     launcher = _fake_launcher(

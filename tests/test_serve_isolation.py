@@ -178,3 +178,23 @@ def test_without_the_flag_a_worker_whose_context_exceeds_its_pool_refuses_to_sta
     assert p.returncode == 2
     assert "context length 256 tokens does not fit in the KV pool of 128 tokens" in p.stderr, p.stderr[-2000:]
     assert "--allow-context-above-pool" in p.stderr
+
+
+@pytest.mark.parametrize("role", [["--role", "aggregated"], []], ids=["aggregated", "disaggregated"])
+def test_a_port_in_use_is_one_line_and_exit_2_before_anything_loads_or_starts(
+    tiny_llama_dir: Path, role: list[str]
+) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        argv = ["--model", str(tiny_llama_dir), "--port", str(port), *role]
+        p = subprocess.run(
+            [sys.executable, "-m", "kvfence", "serve", *argv], capture_output=True, text=True, timeout=120,
+            env=worker_env(),
+        )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("kvfence: error: --port") and "cannot listen" in lines[-1], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert "loading" not in p.stderr and "router http" not in p.stderr  # no model loaded, no process started

@@ -107,9 +107,10 @@ def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run_aggregated(args: argparse.Namespace) -> int:
-    from kvfence.server.launch import run_server
+    from kvfence.server.launch import listen, run_server
     from kvfence.server.startup import startup_line
 
+    sock = listen(args.host, args.port)  # a taken port is refused before the model loads
     app, client = build_aggregated(args)
     required = app.state.context.settings.api_key is not None
     client.start()
@@ -120,6 +121,7 @@ def run_aggregated(args: argparse.Namespace) -> int:
             args.port,
             args.log_level,
             banner=lambda url: startup_line(AGGREGATED, client.server_info(), {"serving": url}, required),
+            sock=sock,
         )
     finally:
         client.shutdown()

@@ -15,9 +15,10 @@ when a child exits:
 * a worker that dies (killed, crashed) is restarted in its slot (same id, same ports) up
   to `max_worker_restarts` times; it registers again and takes traffic, while the router
   has failed the requests that were on it and routed new ones to the others;
-* a worker that exits with code 2 (the router refused it, or its flags are wrong:
-  starting it again would fail the same way), or anything past its restart limit, stops
-  the whole deployment with the exit codes reported, for the supervisor above.
+* a process that exits with code 2 (the router refused a worker, its flags are wrong, a port
+  it needs is taken: starting it again would fail the same way), or anything past its
+  restart limit, stops the whole deployment with the exit codes reported, for the supervisor
+  above; the router is no exception.
 
 Ctrl-C / SIGTERM stops all of them (workers first).
 
@@ -227,7 +228,7 @@ class Launcher:
         after stopping everything (see the module docstring for the rules)."""
         for slot, code in self.dead():
             limit = self.config.max_router_restarts if slot == "router" else self.config.max_worker_restarts
-            refused = slot != "router" and code == CONFIG_ERROR_EXIT
+            refused = code == CONFIG_ERROR_EXIT  # any process refused on configuration fails the same way again
             if refused or self.restarts[slot] >= limit:
                 why = "it cannot start as configured" if refused else f"restarted {self.restarts[slot]} time(s) already"
                 print(f"kvfence: {_describe([(slot, code)])} ({why}); stopping the others", file=sys.stderr)

@@ -213,7 +213,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvfence.server.api import ApiSettings, build_app
     from kvfence.server.args import flag_values, grammar_budget
     from kvfence.server.auth import api_key_from
-    from kvfence.server.launch import run_server
+    from kvfence.server.launch import check_free, listen, run_server
     from kvfence.server.role_engine import load_tokenizer
     from kvfence.server.startup import startup_line
     from kvfence.server.tool_parsers import resolve_parser
@@ -223,6 +223,8 @@ def run_router(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         _exit_with_parent()
     key = cluster_key(args, ROUTER)
+    sock = listen(args.host, args.port)  # both ports are checked before the router waits for anyone
+    check_free(args.host, args.control_port, "--control-port")
     set_torch_threads(ROUTER, args.torch_threads)
     model_dir = resolve_model_dir(args.model)
     hub = P.ZmqHub(args.host, args.control_port, curve=curve_keys(key), events=SecurityEvents(ROUTER))
@@ -260,6 +262,7 @@ def run_router(args: argparse.Namespace) -> int:
             args.host,
             args.port,
             args.log_level,
+            sock=sock,
             banner=lambda url: startup_line(
                 ROUTER,
                 router.server_info(),
@@ -281,6 +284,10 @@ def run_worker_role(args: argparse.Namespace) -> int:
     from kvfence.server.startup import engine_info, loading_line, startup_line
 
     key = cluster_key(args, args.role)
+    if args.role == DECODE and args.handoff_port:
+        from kvfence.server.launch import check_free
+
+        check_free(args.handoff_host, args.handoff_port, "--handoff-port")  # before the model loads
     set_torch_threads(args.role, args.torch_threads)
     model_dir = resolve_model_dir(args.model)
     print(loading_line(args.role, model_dir), file=sys.stderr, flush=True)
@@ -400,6 +407,9 @@ def run_launch(args: argparse.Namespace) -> int:
     key = key or ClusterKey.generate()
     if not key.secure:
         print(f"kvfence: {INSECURE_WARNING}", file=sys.stderr)
+    from kvfence.server.launch import check_free
+
+    check_free(args.host, args.port, "--port")  # before any process starts (the router would die on it)
     common, prefill, decode = launch_command_args(args)
     workers = args.prefill_workers + args.decode_workers
     core_budget = None
