@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,50 @@ def test_a_stalled_transfer_holding_prefills_pages_does_not_fail_the_requests_qu
     for rid, _, _ in innocents:
         assert got[rid][-1].error is None, got[rid][-1].error
         assert tokens(got[rid]) == want[rid] and got[rid][-1].integrity["status"] == "verified"
+
+
+def test_a_slow_grammar_compiles_off_the_workers_loops_and_its_neighbours_are_not_held(
+    loaded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar that takes seconds to compile (here: every compile made 4 s slow) used to be compiled inside the
+    prefill and decode loops, stalling every neighbour (and, long enough, the heartbeats). Now it compiles on a
+    thread while the neighbours run; the request itself still gets its constrained output. (In the loops, every
+    neighbour waited at least one 4 s compile.)"""
+    from kvfence.engine.sampling_params import StructuredOutputs
+    from kvfence.engine.structured_output import GrammarCompiler
+
+    real = GrammarCompiler._compile_ebnf
+
+    def slow(self: GrammarCompiler, ebnf: str, param: str) -> Any:
+        time.sleep(4.0)
+        return real(self, ebnf, param)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_ebnf", slow)
+    rng = random.Random(3)
+    schema = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    constrained: Req = ("json", prompt_of(rng, 20), SamplingParams(max_tokens=12, temperature=0.0, detokenize=False,
+                                                                   structured_outputs=schema))  # fmt: skip
+    neighbours: list[Req] = [(f"n{i}", prompt_of(rng, 30), greedy(6)) for i in range(4)]
+    with deploy(loaded) as dep:
+
+        async def timed(req: Req) -> tuple[list[GenerationChunk], float]:
+            t0 = time.monotonic()
+            chunks = await _collect(dep, *req)
+            return chunks, time.monotonic() - t0
+
+        async def main() -> list[tuple[list[GenerationChunk], float]]:
+            first = asyncio.ensure_future(timed(constrained))
+            await asyncio.sleep(0.1)  # the grammar's compile is under way when the neighbours arrive
+            rest = await asyncio.gather(*[timed(r) for r in neighbours])
+            return [await first, *rest]
+
+        (got, t_json), *rest = asyncio.run(main())
+        assert_baseline(dep)
+    assert got[-1].error is None and t_json >= 4.0
+    want = reference(loaded, neighbours)
+    for (rid, _, _), (chunks, seconds) in zip(neighbours, rest, strict=True):
+        assert tokens(chunks) == want[rid] and chunks[-1].integrity["status"] == "verified"
+        assert seconds < 3.0, f"{rid} took {seconds:.2f} s: held behind a grammar compile"
 
 
 # -- verification off: what the checks protect against --------------------------------------------------------

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
+from kvfence.disagg.grammars import GrammarWaits
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
 from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.disagg.worker_engine import DecodeEngine
 from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.structured_output import GrammarBudget
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
@@ -54,6 +56,7 @@ class DecodeConfig:
     verify: bool = True  # False ONLY to demonstrate what the checks protect against
     strict: bool = False  # poison quarantined and released pages
     io_timeout_s: float = 10.0  # a data connection that moves no byte this long in the middle of a frame is dropped
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # response_format compiles, off the loop
 
     def __post_init__(self) -> None:
         require_choice(self, "transport", TRANSFER_BACKENDS)
@@ -198,6 +201,7 @@ class DecodeWorker:
         self.send_msg: Callable[[P.Message], None] | None = None  # set by `attach`
         self.requests: dict[str, _DecodeRequest] = {}  # every request not FINISHED, in arrival order
         self._settled: list[str] = []  # entered the batch this step: HandoffSettled goes out after their first tokens
+        self._grammars = GrammarWaits(engine, self.config.grammar_budget)  # compiled while the KV travels
         self.counts: dict[str, int] = {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
@@ -217,6 +221,7 @@ class DecodeWorker:
     def _finish(self, req: _DecodeRequest) -> None:
         req.advance(_R.FINISHED)
         del self.requests[req.request_id]
+        self._grammars.forget(req.request_id)
 
     def registration(self) -> P.Register:
         from kvfence.disagg.worker import registration_for
@@ -268,6 +273,7 @@ class DecodeWorker:
             self._out(P.RequestFailed(rid, self.role, f"cannot prepare request: {e}"))
             return
         self.requests[rid] = _DecodeRequest(msg, params, handoff, time.monotonic())
+        self._grammars.start(rid, params)  # compiles while the pages are reserved and the KV travels
         self._start_queued()
 
     def _start_queued(self) -> None:
@@ -333,7 +339,10 @@ class DecodeWorker:
         if self.engine.has_unfinished_requests():
             return True
         return any(
-            req.first_token is not None and req.handoff.state == DecodeState.READY for req in self._in(_R.HANDOFF)
+            req.first_token is not None
+            and req.handoff.state == DecodeState.READY
+            and not self._grammars.waiting(req.request_id)
+            for req in self._in(_R.HANDOFF)
         )
 
     def set_waker(self, wake: Callable[[], None]) -> None:
@@ -431,8 +440,18 @@ class DecodeWorker:
         req.first_logprobs = first[0] if first else None
 
     def _enter_batch(self, req: _DecodeRequest) -> None:
-        """A verified handoff with its first token: the request joins the engine's continuous batch."""
+        """A verified handoff with its first token: the request joins the engine's continuous batch (once its
+        grammar, if it has one, has compiled off the loop)."""
         rid, h = req.request_id, req.handoff
+        if self._grammars.waiting(rid):
+            return  # still compiling: the next step looks again
+        why = self._grammars.outcome(rid)
+        if why:
+            self.engine.release(rid)
+            self._finish(req)
+            record = h.record.to_dict() if h.record is not None else None
+            self._out(P.RequestFailed(rid, self.role, f"response_format: {why}", integrity=record))
+            return
         record = h.record.to_dict() if h.record is not None else None
         self.counts["verified" if self.config.verify else "unverified"] += 1
         first_token = req.first_token
@@ -511,6 +530,7 @@ class DecodeWorker:
         return not self.requests and not self.busy
 
     def close(self) -> None:
+        self._grammars.close()
         try:
             self.receiver.close()
         except Exception:

@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING, Any
 from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
+from kvfence.disagg.grammars import GrammarWaits
 from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
 from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.disagg.worker_engine import PrefillEngine
 from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.structured_output import GrammarBudget
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig, is_transfer_id
@@ -50,6 +52,7 @@ class PrefillConfig:
     deadline_s: float = 60.0  # send deadline, then verdict deadline, for one handoff
     strict: bool = False  # poison source pages before they are freed
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # response_format compiles, off the loop
 
     def __post_init__(self) -> None:
         require_choice(self, "transport", TRANSFER_BACKENDS)
@@ -154,6 +157,7 @@ class PrefillWorker:
         )
         self.send_msg: Callable[[P.Message], None] | None = None  # set by `attach`
         self.requests: dict[str, _PrefillRequest] = {}  # every request not FINISHED, in arrival order
+        self._grammars = GrammarWaits(engine, self.config.grammar_budget)  # COMPUTING requests not in the engine yet
         self.counts: dict[str, int] = {"prefilled": 0, "released": 0, "failed": 0, "aborted": 0}
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
@@ -205,13 +209,24 @@ class PrefillWorker:
             return
         try:
             params = P.params_from_wire(msg.params)
-            self.engine.add_request(
-                rid, sampling_params=params, prompt_token_ids=msg.prompt_token_ids, prefill_only=True
-            )
         except KvfenceError as e:
             self._fail(rid, str(e))
             return
-        self.requests[rid] = _PrefillRequest(msg, params)
+        req = _PrefillRequest(msg, params)
+        self.requests[rid] = req
+        if not self._grammars.start(rid, params):  # else it enters the engine once its grammar compiled
+            self._compute(req)
+
+    def _compute(self, req: _PrefillRequest) -> None:
+        """Into the engine (prefill_only); a request the engine refuses fails here."""
+        try:
+            self.engine.add_request(
+                req.request_id, sampling_params=req.params, prompt_token_ids=req.order.prompt_token_ids,
+                prefill_only=True,
+            )  # fmt: skip
+        except KvfenceError as e:
+            self._finish(req)
+            self._fail(req.request_id, str(e))
 
     def _reserved(self, msg: P.DecodeReserved) -> None:
         """Decode reserved the pages: the order now knows where to send (at once, if the prompt is done)."""
@@ -232,6 +247,7 @@ class PrefillWorker:
             self.counts["aborted"] += 1
         elif req.state is _Q.COMPUTING:
             self._finish(req)
+            self._grammars.forget(rid)
             self.engine.abort_request(rid)  # frees its pages: nothing was sent yet
             self.counts["aborted"] += 1
         elif req.handoff is not None:
@@ -247,6 +263,16 @@ class PrefillWorker:
 
     def step(self) -> bool:
         worked = False
+        for rid in self._grammars.ended():  # grammars compiled off the loop: into the engine, or failed
+            why = self._grammars.outcome(rid)
+            req = self.requests.get(rid)
+            if req is None or req.state is not _Q.COMPUTING:
+                continue
+            if why:
+                self._finish(req)
+                self._fail(rid, why)
+            else:
+                self._compute(req)
         if self.engine.has_unfinished_requests():
             worked = True
             for out in self.engine.step():
@@ -388,6 +414,7 @@ class PrefillWorker:
         return not self.requests and not self.engine.has_unfinished_requests()
 
     def close(self) -> None:
+        self._grammars.close()
         try:
             self.sender.close()
         except Exception:  # closing at shutdown must not mask the real exit reason

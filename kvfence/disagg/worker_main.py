@@ -82,6 +82,7 @@ def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> W
     """The prefill or decode worker the flags describe (engine with its own pool, transport, faults, keys)."""
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
+    from kvfence.server.args import grammar_budget
     from kvfence.server.role_engine import build_role_engine
     from kvfence.transfer.base import TransferConfig
 
@@ -111,6 +112,7 @@ def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> W
             deadline_s=args.handoff_deadline_s,
             strict=args.strict_kv,
             transfer=TransferConfig(io_timeout_s=args.kv_io_timeout_s),
+            grammar_budget=grammar_budget(args),
         )
         if args.throttle_kv_send:
             if args.transport != "tcp":
@@ -133,6 +135,7 @@ def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> W
             verify=not args.no_verify,
             strict=args.strict_kv,
             io_timeout_s=args.kv_io_timeout_s,
+            grammar_budget=grammar_budget(args),
         ),
         faults=faults,
         auth=auth,
