@@ -23,11 +23,30 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 
 
+def _join_quoted(lines: list[str]) -> list[str]:
+    """Lines joined while a quote is open: a JSON body may span lines inside its quotes, as a shell reads it."""
+    out: list[str] = []
+    for line in lines:
+        if out and _open_quote(out[-1]):
+            out[-1] += "\n" + line
+        else:
+            out.append(line)
+    return out
+
+
+def _open_quote(text: str) -> bool:
+    try:
+        shlex.split(text, comments=True)
+    except ValueError:
+        return True
+    return False
+
+
 def commands(path: Path) -> list[str]:
     """The command lines of `path`'s fenced blocks (continuations joined, `&&` chains split)."""
     out: list[str] = []
     for block in _BLOCK.findall(path.read_text()):
-        lines = block.replace("\\\n", " ").splitlines()
+        lines = _join_quoted(block.replace("\\\n", " ").splitlines())
         marked = any(line.lstrip().startswith("$ ") for line in lines)
         for line in lines:
             text = line.strip()
