@@ -13,7 +13,7 @@ import sys
 
 from kvfence.errors import KvfenceError
 
-_COMMANDS = ["generate", "serve", "bench", "audit", "probe"]
+_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "proxy"]
 
 
 def build_parser() -> argparse.ArgumentParser:
