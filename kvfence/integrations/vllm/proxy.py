@@ -209,7 +209,9 @@ class VllmPDClient:
     # -- the two instances ----------------------------------------------------------------------------------------
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            # idle connections are dropped before vLLM's server (uvicorn, 5 s) closes them, so a request is never sent
+            # on a connection the server is closing
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s, connect=10.0), limits=limits)
         return self._http
 
@@ -225,9 +227,12 @@ class VllmPDClient:
         }
         if params.prompt_logprobs is not None:
             body["prompt_logprobs"] = params.prompt_logprobs
+        url = f"{self.prefill_url}/v1/completions"
         try:
-            url = f"{self.prefill_url}/v1/completions"
-            r = await self._client().post(url, json=body, headers={"X-Request-Id": rid})
+            try:
+                r = await self._client().post(url, json=body, headers={"X-Request-Id": rid})
+            except (httpx.RemoteProtocolError, httpx.ReadError):  # a kept-alive connection the server had closed
+                r = await self._client().post(url, json=body, headers={"X-Request-Id": rid})
         except httpx.HTTPError as e:
             raise _Failure(Reason.TRANSFER_ERROR, f"prefill at {self.prefill_url} did not answer: {e!r}") from None
         if r.status_code != 200:
