@@ -300,8 +300,10 @@ def test_52234_lease_expiry(dep: Deployment) -> None:
 def test_prompt_not_the_routers_is_refused(dep: Deployment) -> None:
     """Decode's prompt must hash to the expectation, or verified KV would be read for another prompt."""
     a, b = _prompt(17, 64), _prompt(18, 64)
-    r = _decode_direct(dep, b, _consume(dep, a, secrets.token_hex(16), _pull_address(dep)))
+    xid = secrets.token_hex(16)
+    r = _decode_direct(dep, b, _consume(dep, a, xid, _pull_address(dep)))
     assert r.status_code != 200
+    assert _wait_record(dep, xid)["reason"] == "token_hash_mismatch"
 
 
 def test_plain_requests_still_served_alone(dep: Deployment) -> None:

@@ -379,6 +379,7 @@ class _Load:
     aborted: bool = False
     slot_open: bool = False
     quarantine_deadline: float | None = None
+    concluded: bool = False  # its result was told, counted and recorded
     record: IntegrityRecord | None = None
     record_to: str | None = None  # the front end's record address
     timings: dict[str, float] = field(default_factory=dict)
@@ -467,8 +468,9 @@ class ConsumerHandoff:
         for load in loads:
             if load.result is None:
                 load.result = self._check(load, now)
-                if load.result is not None:
-                    self._conclude(load, now)
+            if load.result is not None and not load.concluded:
+                load.concluded = True
+                self._conclude(load, now)
             if load.result is None or not self._settled(load, now):
                 continue
             with self._lock:
