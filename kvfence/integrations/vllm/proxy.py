@@ -355,7 +355,12 @@ class VllmPDClient:
         if record.transfer_id != xid:
             return {"t": "refused", "reason": "the record is for another transfer"}
         loop, fut = self._waiting[xid]
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(record))
+
+        def deliver() -> None:
+            if not fut.done():
+                fut.set_result(record)
+
+        loop.call_soon_threadsafe(deliver)
         return {"t": "ok"}
 
     def _proxy_record(self, rid: str, xid: str, ids: list[int], reason: Reason, detail: str, t0: float):

@@ -34,7 +34,7 @@ _OUTCOMES = ("verified", "rejected", "send_failed", "lease_expired")
 @dataclass
 class KvfenceStats(KVConnectorStats):
     def reset(self) -> None:
-        self.data = {}
+        self.data = dict[str, Any]()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
