@@ -87,7 +87,8 @@ def outcome(run: Run, status: int, body: Any, asked: list[int]) -> dict[str, Any
     out: dict[str, Any] = {"status": status}
     if status == 200:
         tokens = list(body["choices"][0]["token_ids"])
-        out["tokens"] = "equal to a single instance" if tokens == run.solo(asked) else "DIFFERENT from a single instance"
+        same = tokens == run.solo(asked)
+        out["tokens"] = "equal to a single instance" if same else "DIFFERENT from a single instance"
     else:
         out["error"] = str(body)[:160]
     out["decode healthy after"] = run.healthy(run.decode)
@@ -100,7 +101,8 @@ def outcome(run: Run, status: int, body: Any, asked: list[int]) -> dict[str, Any
 def nixl_specs(model: str) -> list[VllmSpec]:
     def spec(label: str) -> VllmSpec:
         tc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-              "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}  # fmt: skip
+              "kv_load_failure_policy": "fail",
+              "kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}  # fmt: skip
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self,sm", "PYTHONFAULTHANDLER": "1"}
         return VllmSpec(label, model, tc, block_size=BLOCK, max_model_len=1024, prefix_caching=False, env=env)
 
@@ -124,7 +126,11 @@ def _shift_blocks(ids: Any, by: int) -> Any:
 
 
 def _map_blocks(ids: Any, f: Callable[[list[int]], list[int]]) -> Any:
-    return [f(g) if g and isinstance(g[0], int) else _map_blocks(g, f) for g in ids] if ids and isinstance(ids[0], list) else f(ids)  # noqa: E501
+    return (
+        [f(g) if g and isinstance(g[0], int) else _map_blocks(g, f) for g in ids]
+        if ids and isinstance(ids[0], list)
+        else f(ids)
+    )  # noqa: E501
 
 
 def nixl_cases(run: Run) -> dict[str, dict[str, Any]]:
@@ -134,11 +140,14 @@ def nixl_cases(run: Run) -> dict[str, dict[str, Any]]:
     res["normal handoff"] = outcome(run, *nixl_decode(run, a, p), a)
 
     p = nixl_prefill(run, a)
-    res["unknown remote request id"] = outcome(run, *nixl_decode(run, a, {**p, "remote_request_id": "cmpl-nobody-0"}), a)
+    unknown = {**p, "remote_request_id": "cmpl-nobody-0"}
+    res["unknown remote request id"] = outcome(run, *nixl_decode(run, a, unknown), a)
     nixl_decode(run, a, p)  # release the real one
 
     p = nixl_prefill(run, a)
-    res["out-of-range block ids"] = outcome(run, *nixl_decode(run, a, {**p, "remote_block_ids": _shift_blocks(p["remote_block_ids"], 10**6)}), a)  # noqa: E501
+    res["out-of-range block ids"] = outcome(
+        run, *nixl_decode(run, a, {**p, "remote_block_ids": _shift_blocks(p["remote_block_ids"], 10**6)}), a
+    )  # noqa: E501
     nixl_decode(run, a, p)
 
     p = nixl_prefill(run, a)
@@ -160,11 +169,17 @@ def nixl_cases(run: Run) -> dict[str, dict[str, Any]]:
 
     run.ensure_decode()
     p = nixl_prefill(run, a)
-    res["reordered pages"] = outcome(run, *nixl_decode(run, a, {**p, "remote_block_ids": _map_blocks(p["remote_block_ids"], lambda g: g[::-1])}), a)  # noqa: E501
+    res["reordered pages"] = outcome(
+        run, *nixl_decode(run, a, {**p, "remote_block_ids": _map_blocks(p["remote_block_ids"], lambda g: g[::-1])}), a
+    )  # noqa: E501
 
     run.ensure_decode()
     p = nixl_prefill(run, a)
-    res["dropped page (one block named twice)"] = outcome(run, *nixl_decode(run, a, {**p, "remote_block_ids": _map_blocks(p["remote_block_ids"], lambda g: [g[0], *g[:-1]])}), a)  # noqa: E501
+    res["dropped page (one block named twice)"] = outcome(
+        run,
+        *nixl_decode(run, a, {**p, "remote_block_ids": _map_blocks(p["remote_block_ids"], lambda g: [g[0], *g[:-1]])}),
+        a,
+    )  # noqa: E501
     return res
 
 
