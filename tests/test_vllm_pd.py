@@ -237,6 +237,19 @@ def test_52234_unknown_remote_request(dep: Deployment) -> None:
     assert rec["reason"] == "transfer_error" and "unknown transfer id" in rec["detail"], rec
 
 
+def test_streamed_failure_carries_no_token(dep: Deployment) -> None:
+    """Streamed straight from decode, a failed load is an error event and nothing else: vLLM's stream has sent its
+    200 headers before the failure, but no token (the load fails before the first decode step)."""
+    ids, xid = _prompt(21, 120), secrets.token_hex(16)
+    body = {"model": dep.decode.spec.model, "prompt": ids, "max_tokens": 8, "temperature": 0, "stream": True,
+            "kv_transfer_params": _consume(dep, ids, xid, _pull_address(dep))}  # fmt: skip
+    with httpx.stream("POST", f"{dep.decode.url}/v1/completions", json=body, timeout=120) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+    assert events and "error" in events[-1], events
+    assert not any(e.get("choices") and e["choices"][0].get("text") for e in events), events
+    assert "unknown transfer id" in _wait_record(dep, xid)["detail"]
+
+
 def test_52234_out_of_range_block_ids(dep: Deployment) -> None:
     """NIXL-shaped params naming blocks far outside any pool: not a kvfence message, refused before any read."""
     ids = _prompt(12, 120)
