@@ -1,19 +1,22 @@
 """The `kvfence` command line: a thin dispatcher over `kvfence.commands.*`.
 
-What it knows: the list of subcommand modules, and that a `KvfenceError` is shown
-as one line on stderr with exit code 2 instead of a traceback. What it does not
-know: what any subcommand does; each module registers its own parser.
+What it knows: the list of subcommand modules, that a `KvfenceError` is shown
+as one line on stderr with exit code 2 instead of a traceback, and that a flag a
+subcommand does not know is reported with that subcommand's own usage and the closest
+flag it does know ("did you mean"), not the top-level usage argparse would print. What
+it does not know: what any subcommand does; each module registers its own parser.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
 from kvfence.errors import KvfenceError
 
-_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "proxy"]
+_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key", "proxy"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,18 +28,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         try:
-            module = importlib.import_module(f"kvfence.commands.{name}")
+            module = importlib.import_module(f"kvfence.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name != f"kvfence.commands.{name}":
+            if e.name != f"kvfence.commands.{name.replace('-', '_')}":
                 raise
             continue
         module.register(sub)
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]  # type: ignore[no-any-return]
+    return parser
+
+
+def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """The error for arguments `parser` does not take, with the closest flag it does take."""
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subcommand(parser, getattr(args, "command", None)).error(_unknown(_subcommand(parser, args.command), extras))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -13,6 +13,7 @@ engine resolves those), nor anything about HTTP, routing or transfers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from kvfence.errors import CapacityConfigError, KvfenceError
 
 _DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "native")
+# How long the first use of the native kernels takes to build them; the README, --help and the build's log line say
+# this same text
+NATIVE_BUILD_ESTIMATE = "30-60 s on two idle cores, a few minutes on a busy machine"
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -152,9 +156,12 @@ def add_engine_arguments(parser: Any) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument(
         "--model",
+        "--model-path",
+        dest="model",
         metavar="DIR",
         default=None,
-        help="local Hugging Face model directory (default: the built-in tiny model, created on first use)",
+        help="local Hugging Face model directory (default: the built-in tiny model, created on first use); models "
+        "load only from local directories, never from the hub",
     )
     g.add_argument("--dtype", default=ModelConfig.dtype, choices=list(_DTYPES), help="weights and KV cache dtype")
     g.add_argument("--device", default=ModelConfig.device, help=f"torch device (default: {ModelConfig.device})")
@@ -163,7 +170,7 @@ def add_engine_arguments(parser: Any) -> None:
         default=ModelConfig.kernels,
         choices=list(KERNEL_BACKENDS),
         help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm, and a Llama-family "
-        "decode step in one call; built on first use, about a minute, then cached; CPU float32 only); auto: "
+        f"decode step in one call; built on first use, {NATIVE_BUILD_ESTIMATE}, then cached; CPU float32 only); auto: "
         f"native where they apply and build, else torch (default: {ModelConfig.kernels})",
     )
     g.add_argument(
@@ -180,7 +187,15 @@ def add_engine_arguments(parser: Any) -> None:
         metavar="N",
         help=f"KV pool capacity in tokens (default: max(context length, {DEFAULT_MIN_POOL_TOKENS}))",
     )
-    g.add_argument("--context-length", type=int, default=None, metavar="N", help="serve at most N tokens per request")
+    g.add_argument(
+        "--context-length",
+        "--max-model-len",
+        dest="context_length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve at most N tokens per request, prompt + output (default: the model's max_position_embeddings)",
+    )
     g.add_argument(
         "--chunked-prefill-size",
         type=int,
@@ -225,6 +240,9 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
     )
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # org/name, as the hub spells them
+
+
 def resolve_model_dir(model: str | None, log: Any = None) -> str:
     """--model, or the built-in default model (built on first use, which `log` is told about).
 
@@ -238,6 +256,14 @@ def resolve_model_dir(model: str | None, log: Any = None) -> str:
             if log is not None and not (cache_dir() / "models" / model / "config.json").is_file():
                 log(f"building model preset {model} in {cache_dir() / 'models' / model} (first use only)")
             return str(ensure_preset_model(model))
+        if not Path(model).exists() and _HUB_ID.fullmatch(model):
+            local = f"/models/{model.split('/')[1]}"
+            raise ConfigError(
+                f"{model} is not a local directory; it looks like a Hugging Face hub id, and kvfence loads models only "
+                f"from local directories (it never downloads). On a machine with network access run "
+                f"`hf download {model} --local-dir {local}` (or `huggingface-cli download ...`), make that directory "
+                f"available here, and pass it: kvfence serve {local}"
+            )
         return model
 
     if log is not None and not (default_model_dir() / "config.json").is_file():

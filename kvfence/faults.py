@@ -12,8 +12,9 @@ requests of a running `kvfence serve` and watch the others stay intact:
 
     --inject-fault NAME[@PATTERN][#PAGE][%N],...
 
-PATTERN is a glob over request ids (`fnmatch`: `*victim*`, `cmpl-bad-*`, or one exact id;
-clients choose ids with the `X-Request-Id` header), PAGE the logical page it damages,
+PATTERN is a glob (`fnmatch`) over request ids, matched against the id the client chose with the
+`X-Request-Id` header (`victim-*` selects `X-Request-Id: victim-1`) and against the engine's id for each
+choice, `<cmpl|chatcmpl|resp>-<client id>-<choice>` (`cmpl-victim-1-0`); PAGE the logical page it damages,
 and %N fires it on every Nth matching request (the 1st, the N+1th, ...), counted in the
 order requests first reach the fault in this process.
 
@@ -38,6 +39,7 @@ Faults:
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,6 +56,13 @@ FAULT_NAMES: tuple[str, ...] = (
 
 
 _REMEMBERED = 4096  # requests whose every-Nth verdict a fault remembers (a request asks several times)
+_ENGINE_ID = re.compile(r"(?:cmpl|chatcmpl|resp)-(?P<client>.+)-\d+")  # kvfence.server.context.request_id
+
+
+def client_request_id(request_id: str) -> str | None:
+    """The id the client gave (`X-Request-Id`) inside an engine request id, or None when it is not one."""
+    m = _ENGINE_ID.fullmatch(request_id)
+    return m.group("client") if m else None
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,11 @@ class FaultPoint:
             raise ValueError(f"fault {self.name}: page >= 0, every >= 1 and delay >= 0 are required")
 
     def matches(self, request_id: str) -> bool:
-        return self.request_id is None or fnmatch.fnmatchcase(request_id, self.request_id)
+        """Whether the fault aims at this request: its engine id or the client's id inside it matches."""
+        if self.request_id is None or fnmatch.fnmatchcase(request_id, self.request_id):
+            return True
+        client = client_request_id(request_id)
+        return client is not None and fnmatch.fnmatchcase(client, self.request_id)
 
     @classmethod
     def parse(cls, spec: str) -> FaultPoint:

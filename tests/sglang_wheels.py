@@ -5,7 +5,12 @@ as `pip download --no-deps sglang==X -d DIR` names them), how to read one source
 from the zip, and how to extract, statically with `ast` (nothing of SGLang is imported or run), two facts per
 version: every `ServerArgs` field name, and every launch option with its destination, arity and value parser,
 following the rules of SGLang's own `add_cli_args_from_dataclass` (arg_groups/arg_utils.py) plus the options
-`ServerArgs.add_cli_args` registers by hand.
+`ServerArgs.add_cli_args` registers by hand. The fields are ALL fields of the record, with or without CLI metadata
+(`stat_loggers`, `custom_sigquit_handler`, ... have none): 0.5.19's `ServerArgs` is a dataclass in server_args.py;
+from 0.5.20 it is a msgspec struct assembled from the classes listed in `_INPUT_NAMESPACES` (server_args.py, each
+declared in arg_groups/fields/*.py) plus the annotations of the `ServerArgs` class body, so its fields are the
+annotated attributes of those classes (`ClassVar`s excluded). `resolved_dict()` (the start-up line and
+`/server_info`) prints exactly these fields.
 What it does not know: anything decided at run time (resolution hooks, dynamic choices).
 
 `python tests/sglang_wheels.py --write` rewrites kvfence/audit/sglang_flags.py from the cached wheels;
@@ -119,9 +124,45 @@ def _zero_arity(action_src: str) -> bool:
 
 
 @cache
+def _record_classes(version: str) -> list[ast.ClassDef]:
+    """The class bodies whose annotated attributes are the fields of that version's ServerArgs record."""
+    tree = ast.parse(source(version, "server_args.py") or "")
+    record = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
+    listed: list[str] | None = None
+    for st in tree.body:
+        if isinstance(st, ast.Assign) and any(getattr(t, "id", None) == "_INPUT_NAMESPACES" for t in st.targets):
+            listed = [e.id for e in st.value.elts if isinstance(e, ast.Name)]  # type: ignore[attr-defined]
+    if listed is None:  # 0.5.19: one dataclass
+        return [record]
+    declared: dict[str, ast.ClassDef] = {}
+    for text in _field_sources(version):
+        for cls in (n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)):
+            declared.setdefault(cls.name, cls)
+    missing = [n for n in listed if n not in declared]
+    if missing:
+        raise ValueError(f"sglang {version}: _INPUT_NAMESPACES names classes not found: {missing}")
+    return [declared[n] for n in listed] + [record]
+
+
+def _field_statements(cls: ast.ClassDef) -> list[ast.AnnAssign]:
+    return [
+        st
+        for st in cls.body
+        if isinstance(st, ast.AnnAssign)
+        and isinstance(st.target, ast.Name)
+        and "ClassVar" not in ast.unparse(st.annotation)
+    ]
+
+
+@cache
+def record_fields(version: str) -> frozenset[str]:
+    """Every field of that version's ServerArgs record: the keys of its `server_args={...}` line."""
+    return frozenset(st.target.id for cls in _record_classes(version) for st in _field_statements(cls))  # type: ignore[union-attr]
+
+
+@cache
 def extract(version: str) -> tuple[frozenset[str], dict[str, tuple[str, object, str]]]:
     """(ServerArgs field names, {option string: (dest, nargs, kind)}) of one version."""
-    fields: set[str] = set()
     options: dict[str, tuple[str, object, str]] = {}
     for text in _field_sources(version):
         tree = ast.parse(text)
@@ -133,7 +174,6 @@ def extract(version: str) -> tuple[frozenset[str], dict[str, tuple[str, object, 
                 if ann is None:
                     continue
                 name = st.target.id
-                fields.add(name)
                 typ, kw = ann
                 if kw is None or _lit(kw.get("no_cli"), False):
                     continue
@@ -193,7 +233,7 @@ def extract(version: str) -> tuple[frozenset[str], dict[str, tuple[str, object, 
                 kind = "false" if "store_false" in act else ("true" if n_ == 0 else _kind(type_src))
                 for n in names:
                     options[n] = (dest, n_, kind)
-    return frozenset(fields), options
+    return record_fields(version), options
 
 
 def _default(node: ast.AST | None) -> object:
@@ -205,9 +245,12 @@ def _default(node: ast.AST | None) -> object:
     except (ValueError, SyntaxError, TypeError):
         pass
     if isinstance(node, ast.Call):
-        factory = {k.arg: k.value for k in node.keywords}.get("default_factory")
+        kw = {k.arg: k.value for k in node.keywords}
+        factory = kw.get("default_factory")
         if isinstance(factory, ast.Name) and factory.id in ("list", "dict"):
             return [] if factory.id == "list" else {}
+        if "default" in kw:  # field(default=X, ...)
+            return _default(kw["default"])
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
         a, b = _default(node.left), _default(node.right)
         if isinstance(a, int) and isinstance(b, int):
@@ -222,13 +265,18 @@ def field_defaults(version: str) -> dict[str, object]:
 
 @cache
 def _field_defaults(version: str) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for text in _field_sources(version):
-        for cls in (n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)):
-            for st in cls.body:
-                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and _annotated(st.annotation):
-                    out[st.target.id] = _default(st.value)
-    return out
+    return {
+        st.target.id: _default(st.value)  # type: ignore[union-attr]
+        for cls in _record_classes(version)
+        for st in _field_statements(cls)
+    }
+
+
+def dataclass_fields(version: str, relpath: str, name: str) -> list[tuple[str, object]]:
+    """(field, declared default) of a dataclass of that version, in declaration order (its repr's order)."""
+    tree = ast.parse(source(version, relpath) or "")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return [(st.target.id, _default(st.value)) for st in _field_statements(cls)]  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,12 +297,14 @@ def render_table() -> str:
     all_opts = sorted(set().union(*(o.keys() for _, o in per.values())))
     lines = [
         "# ruff: noqa: E501",
+        "# fmt: off",
         '"""SGLang 0.5.19 .. 0.5.23: every ServerArgs field and every launch option (generated; do not edit).',
         "",
-        "What it knows: for each version (an index into VERSIONS), which ServerArgs fields exist (the keys of the",
-        "`server_args={...}` start-up line and of `/server_info`) and which options `sglang serve` /",
-        "`python -m sglang.launch_server` accept, with destination field, arity (0, 1, '+', '*', '?') and value kind",
-        "('true'/'false' for flags, 'hri' for SGLang's human_readable_int, 'int', 'float', 'str').",
+        "What it knows: for each version (an index into VERSIONS), which ServerArgs fields exist (all of them, with",
+        "or without a launch option: the keys of the `server_args={...}` start-up line and of `/server_info`), and",
+        "which options `sglang serve` / `python -m sglang.launch_server` accept, with destination field, arity (0, 1,",
+        "'+', '*', '?') and value kind ('true'/'false' for flags, 'hri' for SGLang's human_readable_int, 'int',",
+        "'float', 'str').",
         "What it does not know: defaults or choices. Written by `python tests/sglang_wheels.py --write` from the",
         "PyPI wheels (sglang/srt/server_args.py and sglang/srt/arg_groups/fields/*.py, read with ast).",
         '"""',
@@ -269,8 +319,13 @@ def render_table() -> str:
         by_span.setdefault(_span([name in per[v][0] for v in VERSIONS]), []).append(name)
     for span in sorted(by_span):
         lines.append(f"    {span}: (")
-        lines += textwrap.wrap(" ".join(f"{n!r}," for n in by_span[span]), 112, initial_indent=" " * 8,
-                               subsequent_indent=" " * 8, break_on_hyphens=False)
+        lines += textwrap.wrap(
+            " ".join(f"{n!r}," for n in by_span[span]),
+            112,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 8,
+            break_on_hyphens=False,
+        )
         lines.append("    ),")
     lines += [
         "}",

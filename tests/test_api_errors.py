@@ -152,7 +152,7 @@ def test_unsupported_values_are_refused_not_ignored(base_url: str, engine: FakeE
         ("/v1/completions", good(min_p=0.1), "min_p"),
         ("/v1/completions", good(prompt_logprobs=1), "prompt_logprobs"),
         ("/v1/completions", good(guided_json={"type": "object"}), "guided_json"),
-        ("/v1/chat/completions", {**chat, "tools": [{}]}, "tools"),
+        ("/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": "resp-1"}, "previous_response_id"),
         ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
         ("/v1/chat/completions", {**chat, "use_beam_search": True}, "use_beam_search"),
     ]

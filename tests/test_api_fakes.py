@@ -35,3 +35,15 @@ def test_fake_engine_raises_configured_error() -> None:
 
     with pytest.raises(InvalidRequestError):
         asyncio.run(run())
+
+
+def test_fake_engine_plays_its_script_and_stops_at_its_end() -> None:
+    engine = FakeEngine(script="héllo")
+
+    async def run(max_tokens: int) -> list[GenerationChunk]:
+        return [c async for c in engine.generate("r", [1], SamplingParams(max_tokens=max_tokens))]
+
+    whole = asyncio.run(run(50))
+    assert "".join(c.text for c in whole) == "héllo" and whole[-1].finish_reason == "stop"
+    cut = asyncio.run(run(3))
+    assert "".join(c.text for c in cut) == "hél" and cut[-1].finish_reason == "length"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
-PATHS = ["/v1/completions", "/v1/chat/completions"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+_ANSWER = {"/v1/responses": "output", "/tokenize": "tokens", "/detokenize": "prompt"}  # what a 200 carries
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def check(r: httpx.Response) -> None:
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["type"] == "invalid_request_error"
     elif r.headers["content-type"].startswith("application/json"):
-        assert r.json()["choices"]
+        assert _ANSWER.get(r.url.path, "choices") in r.json()
 
 
 json_values = st.recursive(
@@ -52,6 +53,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 small_ints = st.integers(min_value=-3, max_value=60)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 messages = st.lists(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "user", "assistant", "tool", "bogus"]), "content": st.text(max_size=30)}
@@ -74,8 +76,16 @@ def near_valid() -> st.SearchStrategy[dict[str, Any]]:
         "seed": st.none() | st.integers(min_value=-(2**64), max_value=2**64),
         "stream": st.booleans(),
         "logprobs": st.none() | st.integers(min_value=-1, max_value=6) | st.booleans(),
-        "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "stream_options": st.none()
+        | st.fixed_dictionaries({"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}),
         "model": st.sampled_from([MODEL, MODEL, "other"]),
+        "tools": st.none() | st.just([TOOL]) | st.lists(json_values, max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}])
+        | json_values,
+        "input": st.text(max_size=30) | messages | json_values,
+        "instructions": st.none() | st.text(max_size=10),
+        "max_output_tokens": small_ints,
+        "tokens": st.lists(st.integers(min_value=-1, max_value=300), max_size=10) | json_values,
     }
     return st.fixed_dictionaries({"model": fields.pop("model")}, optional=fields)
 

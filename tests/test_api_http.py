@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.helpers.api_fakes import MODEL, ByteTokenizer, FakeEngine, expected_text, serve
+from tests.helpers.prom import value
 
 TOK = ByteTokenizer()
 
@@ -139,26 +140,26 @@ def test_models_health_server_info(base_url: str, client: openai.OpenAI) -> None
     assert info["stats"]["roles"]["aggregated"]["pages_total"] == 64
 
 
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def test_metrics_count_requests_tokens_and_integrity(base_url: str, client: openai.OpenAI) -> None:
     before = httpx.get(base_url + "/metrics").text
     client.completions.create(model=MODEL, prompt="count", max_tokens=6)
     text = httpx.get(base_url + "/metrics").text
-    key = 'kvfence_requests_total{endpoint="/v1/completions",status="200"}'
-    assert _metric(text, key) == _metric(before, key) + 1 if key in before else _metric(text, key) >= 1
-    assert _metric(text, "kvfence_generation_tokens_total") - _metric(before, "kvfence_generation_tokens_total") == 6
-    assert _metric(text, "kvfence_prompt_tokens_total") - _metric(before, "kvfence_prompt_tokens_total") == 5
-    assert _metric(text, 'kvfence_integrity_results_total{status="verified"}') >= 1
-    assert _metric(text, "kvfence_time_to_first_token_seconds_count") >= 1
-    assert _metric(text, "kvfence_time_per_output_token_seconds_count") >= 1
-    assert _metric(text, 'kvfence_kv_pages_total{role="aggregated"}') == 64
-    assert _metric(text, 'kvfence_kv_transfers_total{result="failed"}') == 1
+    completions_200 = {"endpoint": "/v1/completions", "status": "200"}
+    done = value(text, "kvfence_requests_total", **completions_200)
+    assert done == (
+        value(before, "kvfence_requests_total", **completions_200) + 1 if "/v1/completions" in before else 1
+    )
+    model = {"model_name": MODEL}
+    generated = value(text, "kvfence_generation_tokens_total", **model)
+    assert generated - value(before, "kvfence_generation_tokens_total", **model) == 6
+    assert (
+        value(text, "kvfence_prompt_tokens_total", **model) - value(before, "kvfence_prompt_tokens_total", **model) == 5
+    )
+    assert value(text, "kvfence_integrity_results_total", status="verified") >= 1
+    assert value(text, "kvfence_time_to_first_token_seconds_count", **model) >= 1
+    assert value(text, "kvfence_time_per_output_token_seconds_count", **model) >= 1
+    assert value(text, "kvfence_kv_pages_total", role="aggregated") == 64
+    assert value(text, "kvfence_kv_transfers_total", result="failed") == 1
 
 
 def test_engine_registry_is_appended_to_metrics() -> None:
@@ -170,7 +171,7 @@ def test_engine_registry_is_appended_to_metrics() -> None:
     server = serve(engine)
     try:
         text = httpx.get(server.url + "/metrics").text
-        assert _metric(text, "kvfence_handoff_verified_total") == 3
+        assert value(text, "kvfence_handoff_verified_total") == 3
         assert "kvfence_requests_total" in text
     finally:
         server.stop()

@@ -275,9 +275,12 @@ def test_every_choice_carries_its_integrity_record(
         "pages",
         "digest_algorithm",
         "layout_fingerprint",
-        "transfer_id",
+        "transfer_ref",
+        "authenticated",
         "tokens_before_verdict",
     }
+    # the record names its transfer by a hash, never by the capability itself; disaggregated manifests are sealed
+    assert all(rec["authenticated"] is (None if mode == "aggregated" else True) for rec in records)
     # disaggregated: each choice's first token (prefill's own KV) was released before decode's verdict
     assert [rec["tokens_before_verdict"] for rec in records] == [0 if mode == "aggregated" else 1] * 4
     one, two = (len(engine.tokenizer.encode(t)) for t in ("one", "two words"))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from xml.etree import ElementTree as ET
+
+import pytest
 
 from kvfence.audit import logs as lg
 from kvfence.audit.findings import Severity
@@ -12,6 +16,9 @@ from kvfence.cli import main
 
 FIX = Path(__file__).parent / "fixtures" / "sglang"
 P19, D19 = str(FIX / "prefill_0.5.19_incident.log"), str(FIX / "decode_0.5.19_incident.log")
+P19_DEFAULT = str(FIX / "prefill_0.5.19_default_logging.log")
+D19_DEFAULT = str(FIX / "decode_0.5.19_default_logging.log")
+P23_GLM, D23_GLM = str(FIX / "prefill_0.5.23_glm5.log"), str(FIX / "decode_0.5.23_glm5.log")
 P21 = str(FIX / "prefill_0.5.21_fixed.log")
 P23, D23 = str(FIX / "prefill_0.5.23_checksum.log"), str(FIX / "decode_0.5.23_checksum.log")
 METRICS = str(FIX / "metrics_decode_0.5.23.txt")
@@ -60,9 +67,15 @@ def test_serverargs_repr_form_is_read_without_evaluating_it():
     assert fields["page_size"] == 64 and fields["stat_loggers"] == "__import__('os').system('false')"
 
 
-def test_dict_with_an_object_repr_still_yields_its_scalars():
-    fields = lg.parse_server_args("server_args={'model_path': '/m/y', 'mode': <Mode.LOG: 'log'>, 'page_size': 16}")
-    assert fields == {"model_path": "/m/y", "page_size": 16}
+def test_dict_with_an_object_repr_still_yields_every_key():
+    fields = lg.parse_server_args(
+        "server_args={'model_path': '/m/y', 'mode': <Mode.LOG: 'log'>, 'hook': <function f at 0x7f>, "
+        "'nested': {'a': [1, '}']}, 'page_size': 16}"
+    )
+    assert fields == {
+        "model_path": "/m/y", "mode": "<Mode.LOG: 'log'>", "hook": "<function f at 0x7f>", "nested": {"a": [1, "}"]},
+        "page_size": 16,
+    }  # fmt: skip
 
 
 # --- defect 2: a leak candidate needs evidence of the handoff ----------------------------------
@@ -103,7 +116,7 @@ def test_unknown_release_without_evidence_is_not_critical(tmp_path):
                 "entry_time=1.000, transfer_speed=0.00 GB/s, transfer_total=0.00 MB")
     )  # fmt: skip
     r = lg.scan_logs(str(p))
-    assert r.requests[0].status == "decode log not given"
+    assert r.requests[0].status == "decode log not given; release unknown" and r.requests[0].evidence == "none"
     assert max(f.severity for f in r.findings) == Severity.WARNING
 
 
@@ -272,11 +285,15 @@ def test_marker_text_inside_a_prompt_is_ignored(tmp_path):
 
 
 def test_chunk_boundaries_do_not_lose_lines(monkeypatch):
+    from kvfence.audit.logs import reader
+
     ref = lg.scan_logs(P23, D23, window="minute")
-    monkeypatch.setattr(lg, "CHUNK_BYTES", 97)  # lines straddle many window boundaries
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 97)  # lines straddle many window boundaries, some longer than one
     r = lg.scan_logs(P23, D23, window="minute")
     assert r.coverage == ref.coverage and len(r.runs) == len(ref.runs)
-    assert [(n.kind, n.rid, n.status) for n in r.requests] == [(n.kind, n.rid, n.status) for n in ref.requests]
+    assert [(n.kind, n.rid, n.status, n.line) for n in r.requests] == [
+        (n.kind, n.rid, n.status, n.line) for n in ref.requests
+    ]
     assert {k: v.prefill_tokens for k, v in r.windows.items()} == {k: v.prefill_tokens for k, v in ref.windows.items()}
 
 
@@ -290,3 +307,120 @@ def test_benchmark_generator_writes_parseable_log(tmp_path):
     assert r.lines_matched > 1000
     assert any(n.kind == "too_long" for n in r.requests)
     assert sum(w.prefill_batches for w in r.windows.values()) > 0 and r.coverage.get("verified (inferred)", 0) > 100
+
+
+# --- issue 24 -----------------------------------------------------------------------------------
+
+
+def test_clean_0_5_23_glm5_pair_is_clean(capsys):
+    code = main(["audit", "logs", P23_GLM, D23_GLM, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert [f for f in doc["findings"] if f["severity"] != "info"] == [] and code == 0
+    assert {(r["side"], r["version"], r["version_source"]) for r in doc["runs"]} == {
+        ("prefill", "0.5.23", "server_args fields"), ("decode", "0.5.23", "server_args fields"),
+    }  # fmt: skip
+    (abort,) = [n for n in doc["requests"] if n["kind"] == "too_long"]
+    assert abort["status"].startswith("not handed over: SGLang 0.5.23") and abort["evidence"].startswith("release")
+    assert next(c for c in doc["checks"] if c["side"] == "decode")["deferred_decode_release"] == (
+        "SGLang 0.5.23 default on"
+    )
+
+
+def test_log_requests_on_decode_count_each_request_once():
+    # each decoded request writes Receive, ReqTimeStats and Finish on decode; prefill writes Receive, stats, Finish
+    r = lg.scan_logs(P23_GLM, D23_GLM)
+    decode = next(c for c in r.checks if c["side"] == "decode")
+    prefill = next(c for c in r.checks if c["side"] == "prefill")
+    assert decode["requests"] == 3 and prefill["requests"] == 4  # three served, one rejected
+    assert sum(w.decode_requests for w in r.windows.values()) == 3 and r.coverage == {"verified (inferred)": 3}
+
+
+def test_default_logging_abort_on_0_5_19_follows_the_release_rule():
+    r = lg.scan_logs(P19_DEFAULT, D19_DEFAULT)
+    note = _note(r, "dflt-long-1")
+    assert note.status.startswith("HANDED OVER (release rule): SGLang 0.5.19 handed to decode as a 1-token stub")
+    assert note.evidence.startswith("release rule (SGLang 0.5.19)")
+    rules = _rules(r)
+    assert "too-long-unmatched" not in rules and rules["possible-stub-handoff"] == Severity.WARNING
+    assert rules["pool-below-context"] == Severity.CRITICAL
+    handoff = next(f for f in r.findings if f.rule == "possible-stub-handoff")
+    assert "release rule alone" in handoff.message
+
+
+def test_every_verdict_names_its_evidence():
+    for p, d in ((P19, D19), (P19_DEFAULT, D19_DEFAULT), (P23, D23), (P23_GLM, D23_GLM)):
+        for n in lg.scan_logs(p, d).requests:
+            assert n.evidence, (p, n)
+
+
+def test_foreign_fields_leave_the_release_unknown(tmp_path):
+    from kvfence.audit import sglang_flags
+
+    fields = {n: None for n, (a, b) in sglang_flags.FIELDS.items() if a <= 4 <= b}
+    assert lg.infer_release(set(fields)) == ("0.5.23", "server_args fields")
+    fields["enable_something_new"] = False  # a field no release 0.5.19 .. 0.5.23 has
+    p = tmp_path / "p.log"
+    p.write_text(_line("server_args=" + repr(fields), "2026-05-01 00:00:00"))
+    r = lg.scan_logs(str(p))
+    assert r.runs[0].version is None and "enable_something_new" in r.runs[0].version_source
+    assert _rules(r)["release-unknown"] == Severity.INFO
+
+
+def test_a_field_dropped_by_a_patch_still_names_the_release():
+    from kvfence.audit import sglang_flags
+
+    d = {n for n, (a, b) in sglang_flags.FIELDS.items() if a <= 3 <= b}  # 0.5.22
+    only_22 = sorted(n for n, (a, b) in sglang_flags.FIELDS.items() if a <= 3 <= b and b == 3)
+    assert lg.infer_version(d - set(only_22[:1])) == "0.5.22"
+    assert lg.infer_version(set(list(d)[:40])) is None  # an incomplete line says nothing
+
+
+def test_every_rare_line_kind_has_a_handler():
+    from kvfence.audit.logs.formats import FREQUENT_KINDS
+    from kvfence.audit.logs.handlers import HANDLERS
+
+    rare = {f.kind for f in lg.FORMATS if f.head and f.kind not in FREQUENT_KINDS} - {"server_args", "startup"}
+    assert rare == set(HANDLERS)
+
+
+def test_gzip_log_reads_like_the_plain_one(tmp_path):
+    import gzip
+
+    gz = tmp_path / "prefill.log.gz"
+    gz.write_bytes(gzip.compress(Path(P19).read_bytes()))
+    a, b = lg.scan_logs(P19, D19), lg.scan_logs(str(gz), D19)
+    assert [(n.kind, n.status, n.line) for n in a.requests] == [(n.kind, n.status, n.line) for n in b.requests]
+    assert {f.rule for f in a.findings} == {f.rule for f in b.findings}
+
+
+def test_listing_is_bounded_but_counts_are_exact(tmp_path, monkeypatch):
+    from kvfence.audit.logs import notes
+
+    monkeypatch.setattr(notes, "LISTED_PER_KIND", 3)
+    p = tmp_path / "p.log"
+    p.write_text("".join(
+        _line(f"Prefill transfer failed for request rank=0 req.rid='r{i}' req.bootstrap_room={i} with exception "
+              f"KVTransferError(bootstrap_room={i}): dead", f"2026-03-05 10:00:{i:02d}")
+        for i in range(20)
+    ))  # fmt: skip
+    r = lg.scan_logs(str(p))
+    assert len(r.requests) == 3 and r.requests_not_listed == {"transfer_failed": 17}
+    assert next(f for f in r.findings if f.rule == "transfer-failures").message.startswith("20 ")
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_as_the_log_grows(tmp_path):
+    """Peak RSS of a scan in a process of its own, on a 50 MB and a 500 MB log pair: the growth is under a fixed
+    bound (per-request state is bounded; the file is read in windows), not proportional to the size."""
+    from kvfence.bench.logscan import _SCAN, child_usage, write_log
+
+    rss = {}
+    for mb in (50, 500):
+        p, d = str(tmp_path / f"p{mb}.log"), str(tmp_path / f"d{mb}.log")
+        write_log(p, "prefill", mb * 500_000)
+        write_log(d, "decode", mb * 500_000)
+        _, _, rss[mb], out = child_usage([sys.executable, "-c", _SCAN, p, d])
+        assert json.loads(out)["decoded"] > mb * 300  # the scan did its work
+        os.remove(p)
+        os.remove(d)
+    assert rss[500] - rss[50] < 64 << 20, {k: v >> 20 for k, v in rss.items()}

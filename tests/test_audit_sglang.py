@@ -471,3 +471,26 @@ def test_live_urls_with_deprecated_endpoints(tmp_path, capsys):
     saved = json.loads((tmp_path / "b" / "decode.json").read_text())
     assert saved["server_info"]["max_total_num_tokens"] == 16384
     assert saved["model_info"]["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_metrics_label_values_with_commas_equals_and_quotes():
+    from kvfence.audit.metrics import parse_metrics
+
+    text = (
+        "# TYPE sglang:num_transfer_failed_reqs_total counter\n"
+        'sglang:num_transfer_failed_reqs_total{model_name="org/m,v=2",engine_type="decode",note="a \\"b\\", c=d"} 3\n'
+        'sglang:max_total_num_tokens{model_name="org/m,v=2",engine_type="decode"} 20000\n'
+    )
+    m = parse_metrics(text, "scrape")
+    assert m.label_values("model_name") == {"org/m,v=2"} and m.label_values("engine_type") == {"decode"}
+    assert m.label_values("note") == {'a "b", c=d'}
+    assert m.counter("sglang:num_transfer_failed_reqs_total", engine_type="decode") == 3
+    assert m.gauge_min("sglang:max_total_num_tokens") == 20000
+
+
+def test_a_broken_scrape_is_a_read_error():
+    from kvfence.audit.metrics import parse_metrics
+    from kvfence.errors import KvfenceError
+
+    with pytest.raises(KvfenceError, match="not a Prometheus text scrape"):
+        parse_metrics('sglang:x{model_name="unterminated} 1\n', "scrape")

@@ -65,6 +65,35 @@ def test_line_formats_occur_in_the_source(fmt):
             assert not all(present), f"{fmt.kind}: {fmt.source} of {version} has it; fix the release range"
 
 
+@needs_wheels
+@pytest.mark.parametrize("version", wh.VERSIONS)
+def test_release_from_the_wheels_own_field_list(version, tmp_path):
+    """The start-up line SGLang prints (every field of the record, CLI or not) names its release."""
+    if version not in HAVE:
+        pytest.skip(f"sglang {version} wheel not cached under {wh.wheel_dir()}")
+    fields = wh.field_defaults(version)
+    assert set(fields) == wh.record_fields(version)
+    if version != "0.5.19":  # msgspec fields without CLI metadata, printed all the same
+        assert {"kv_canary_real_data", "reasoning_parser", "tool_call_parser", "stat_loggers",
+                "custom_sigquit_handler"} <= set(fields)  # fmt: skip
+    line = f"[2026-05-01 00:00:00] server_args={fields!r}\n"
+    log = tmp_path / "p.log"
+    log.write_text(line)
+    run = next(r for r in lg.scan_logs(str(log)).runs if r.start)
+    assert (run.version, run.version_source) == (version, "server_args fields")
+    assert lg.infer_version(set(fields)) == version
+
+
+@needs_wheels
+def test_record_field_sets_against_the_source():
+    """0.5.20+ assemble ServerArgs from the classes in _INPUT_NAMESPACES: each listed class exists, and every field
+    SGLang declares without `A[...]` metadata is in our table."""
+    for version in HAVE:
+        i = wh.VERSIONS.index(version)
+        ours = {n for n, (a, b) in sglang_flags.FIELDS.items() if a <= i <= b}
+        assert ours == wh.record_fields(version), version
+
+
 @functools.cache
 def _sglang_human_readable_int(version: str):
     """SGLang's own function, compiled alone from utils/common.py (it needs only re, Decimal, argparse)."""

@@ -191,6 +191,39 @@ def test_fault_fails_only_its_request_and_pools_return_to_baseline(loaded: Any, 
     assert decode_stats["handoffs_verified"] == 3
 
 
+def test_a_stalled_transfer_holding_prefills_pages_does_not_fail_the_requests_queued_behind_it(loaded: Any) -> None:
+    """One sender stalls while holding most of prefill's pool; the prompts queued behind it wait for pages. Decode
+    has reserved theirs meanwhile, but a transfer's clock starts when its sender starts sending, so they succeed
+    once the stalled transfer is gone (they used to fail as decode `timeout`, "0/9 pages landed")."""
+    rng = random.Random(7)
+    stalled: Req = ("stall", prompt_of(rng, 400), greedy(4))  # 25 of prefill's 32 pages
+    innocents: list[Req] = [(f"ok{i}", prompt_of(rng, 120), greedy(4)) for i in range(12)]  # 8 pages each
+    faults = FaultInjector().enable("delayed_write_after_abort", request_id="stall", delay_s=0.3)
+    router = RouterConfig(handoff_deadline_s=60, request_timeout_s=120)
+    with deploy(
+        loaded, prefill_pool=512, decode_pool=4096, context_length=512, faults=faults, deadline_s=2.0,
+        router_config=router,
+    ) as dep:  # fmt: skip
+        real = dep.prefill.handle  # a prefill whose sender holds its pages past decode's abort
+        dep.prefill.handle = lambda m: None if isinstance(m, P.Abort) else real(m)  # type: ignore[method-assign]
+        dep.prefill._handoff_config = dataclasses.replace(dep.prefill._handoff_config, transfer_timeout_s=10.0)
+
+        async def main() -> dict[str, list[GenerationChunk]]:
+            first = asyncio.ensure_future(_collect(dep, *stalled))
+            await asyncio.sleep(0.3)  # the stalled prompt takes prefill's pages first
+            rest = await asyncio.gather(*[_collect(dep, *r) for r in innocents])
+            return {"stall": await first, **{r[0]: c for r, c in zip(innocents, rest, strict=True)}}
+
+        got = asyncio.run(main())
+        assert_baseline(dep)
+    assert faults.fired["delayed_write_after_abort"] >= 1
+    assert got["stall"][-1].finish_reason == "error"
+    want = reference(loaded, innocents)
+    for rid, _, _ in innocents:
+        assert got[rid][-1].error is None, got[rid][-1].error
+        assert tokens(got[rid]) == want[rid] and got[rid][-1].integrity["status"] == "verified"
+
+
 # -- verification off: what the checks protect against --------------------------------------------------------
 
 
@@ -411,6 +444,19 @@ def test_silent_prefill_times_out_and_frees_decode(loaded: Any) -> None:
         chunks = run(dep, [("t", [4] * 20, greedy(3))])["t"]
         assert_baseline(dep)
     assert chunks[-1].finish_reason == "error" and chunks[-1].integrity["reason"] == "timeout"
+    assert "no sender started the transfer" in (chunks[-1].error or "")  # decode waited longer than it should
+
+
+def test_a_request_prefill_never_computes_fails_at_the_routers_deadline_saying_so(loaded: Any) -> None:
+    router = RouterConfig(handoff_deadline_s=0.5, request_timeout_s=60)  # the router's deadline comes first
+    with deploy(loaded, deadline_s=30.0, router_config=router) as dep:
+        real = dep.prefill.handle
+        dep.prefill.handle = lambda m: None if isinstance(m, P.PrefillOrder) else real(m)  # type: ignore[method-assign]
+        chunks = run(dep, [("t", [4] * 20, greedy(3))])["t"]
+        assert_baseline(dep)
+    assert chunks[-1].integrity["reason"] == "timeout"
+    assert "prefill worker prefill-0 did not compute the prompt within 0.5s" in (chunks[-1].error or "")
+    assert "KV pages free" in (chunks[-1].error or "")
 
 
 def test_router_refuses_prompt_that_does_not_fit_before_sending_anything(loaded: Any) -> None:

@@ -24,12 +24,12 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import messages as P
 from kvfence.disagg.core_board import CoreBoard
 from kvfence.disagg.launcher import LaunchConfig, Launcher, free_port
 from kvfence.disagg.router import Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
+from tests.helpers.auth import secure_hub, worker_env
 
 CTX = "256"
 ROLES = ("prefill", "decode")
@@ -54,7 +54,7 @@ class WorkerProcesses:
     """Prefill + decode child processes registered with a Router (ZmqHub) living in this process."""
 
     def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None, transport: str = "tcp") -> None:
-        self.hub = P.ZmqHub("127.0.0.1", 0)
+        self.hub = secure_hub()
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
         common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
@@ -70,7 +70,7 @@ class WorkerProcesses:
         }  # fmt: skip
         self.logs = {role: open(log_dir / f"{role}.log", "wb") for role in self.procs}  # noqa: SIM115
         self.popen = {
-            role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT)
+            role: subprocess.Popen(cmd, stdout=self.logs[role], stderr=subprocess.STDOUT, env=worker_env())
             for role, cmd in self.procs.items()
         }
         self.router.wait_for_workers(timeout=180)
@@ -261,6 +261,17 @@ def test_launcher_stops_everything_when_a_worker_cannot_start(monkeypatch: pytes
     }
 
 
+def test_a_router_refused_on_configuration_is_not_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that exits 2 (e.g. its port is taken) stops the deployment at once: restarting it, and the workers
+    that register with it, three times would only fail the same way (and blame someone else at the end)."""
+    refused = "import time, sys; time.sleep(0.3); sys.exit(2)"
+    launcher = _fake_launcher(monkeypatch, LaunchConfig(), {"router": [refused]})
+    launcher.start()
+    assert launcher.watch() == 1
+    assert launcher.starts["router"] == 1 and launcher.restarts == {}
+    assert launcher.procs["router"].returncode == 2
+
+
 def test_launcher_restarts_a_worker_that_dies_in_its_slot_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     dies = "import os, time; time.sleep(0.3); os.kill(os.getpid(), 9)"  # killed -9
     launcher = _fake_launcher(
@@ -316,7 +327,8 @@ def test_kvfence_serve_forwards_every_engine_flag_to_every_worker() -> None:
     }  # fmt: skip
     engine_flags = argparse.ArgumentParser()
     add_engine_arguments(engine_flags)
-    flags = {s for a in engine_flags._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    # one name per flag (its first: --model-path and --max-model-len are spellings of --model and --context-length)
+    flags = {a.option_strings[0] for a in engine_flags._actions if a.option_strings and a.option_strings[0] != "-h"}
     assert flags == set(values), "a new engine flag: give it a value here so this test checks it is forwarded"
     args = build_parser().parse_args(["serve", *[x for kv in values.items() for x in kv]])
     common, prefill, decode = launch_command_args(args)

@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from kvfence.auth.curve import CurveKeys
+from kvfence.auth.keys import ClusterKey
 from kvfence.disagg import messages as P
 from kvfence.disagg.worker_main import torch_threads_for
+from tests.helpers.auth import plane_auth
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 
 def _tokens(rid: str, n: int, finished: bool = False) -> P.Tokens:
@@ -45,8 +50,9 @@ def test_queue_hub_hands_out_a_batch_one_message_at_a_time() -> None:
 
 
 def test_zmq_hub_unpacks_a_batch_sent_as_one_frame() -> None:
-    hub = P.ZmqHub("127.0.0.1", 0)
-    ch = P.ZmqChannel(hub.address, "decode-3")
+    keys = CurveKeys.from_cluster_key(ClusterKey.generate())
+    hub = P.ZmqHub("127.0.0.1", 0, curve=keys)
+    ch = P.ZmqChannel(hub.address, "decode-3", keys)
     try:
         ch.send(P.Batch([_tokens("a", 1), _tokens("b", 2, finished=True)]))
         got = []
@@ -88,14 +94,15 @@ def test_decode_waits_instead_of_spinning_while_a_handoff_is_in_flight(tiny_llam
         engine,
         WorkerIdentity("decode-0", "tiny", "fp", {}),
         DecodeConfig(transport="local", deadline_s=30),
-        receiver=LocalReceiver(LocalFabric(), "decode-0", engine.pool),
+        receiver=LocalReceiver(LocalFabric(), "decode-0", engine.pool, auth=AUTH),
+        auth=AUTH,
     )
     sent: list[P.Message] = []
     worker.attach(sent.append)
     assert not worker.busy and worker.poll_interval_s is None  # idle: the loop's own idle wait
     prompt = list(range(10, 50))
     sp = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
-    worker.handle(P.DecodePrepare("r1", prompt, len(prompt), token_hash(prompt), P.params_to_wire(sp), 30.0))
+    worker.handle(P.DecodePrepare("r1", prompt, len(prompt), token_hash(prompt), "f" * 32, P.params_to_wire(sp), 30.0))
     assert isinstance(sent[-1], P.DecodeReserved)
     assert worker.step() is False  # nothing to compute until the KV lands
     assert not worker.busy and worker.poll_interval_s == 0.001  # a short wait, not a spin

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from kvfence.auth.curve import CurveKeys
+from kvfence.auth.keys import ClusterKey
 from kvfence.disagg import messages as P
 from kvfence.disagg.registration import check_pair
 from kvfence.disagg.router import Router, RouterConfig
@@ -41,7 +43,7 @@ def reg(role: str, **over: object) -> P.Register:
 def test_messages_round_trip_through_json() -> None:
     msgs = [
         reg("decode"),
-        P.DecodePrepare("r1", [1, 2, 3], 3, "abcd", {"max_tokens": 4}, 5.0),
+        P.DecodePrepare("r1", [1, 2, 3], 3, "abcd", "f" * 32, {"max_tokens": 4}, 5.0),
         P.Tokens("r1", [7, 8], text="hi", finished=True, finish_reason="length", integrity={"status": "verified"}),
         P.Abort("r1", "client gone"),
         P.Shutdown(),
@@ -55,7 +57,9 @@ def test_messages_round_trip_through_json() -> None:
 def test_sampling_params_survive_the_wire() -> None:
     sp = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("xy",), stop_token_ids=(4,))
     assert (
-        P.params_from_wire(P.decode(P.encode(P.PrefillOrder("r", [1], P.params_to_wire(sp), "a", {}, 1.0))).params)
+        P.params_from_wire(
+            P.decode(P.encode(P.PrefillOrder("r", [1], "f" * 32, P.params_to_wire(sp), "a", {}, 1.0))).params
+        )
         == sp
     )
 
@@ -448,8 +452,9 @@ def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> Non
 
 
 def test_zmq_hub_and_channel_exchange_messages_both_ways() -> None:
-    hub = P.ZmqHub("127.0.0.1", 0)
-    ch = P.ZmqChannel(hub.address, "decode-7")
+    keys = CurveKeys.from_cluster_key(ClusterKey.generate())
+    hub = P.ZmqHub("127.0.0.1", 0, curve=keys)
+    ch = P.ZmqChannel(hub.address, "decode-7", keys)
     try:
         ch.send(reg("decode", worker_id="decode-7"))
         got = None
@@ -481,8 +486,9 @@ def test_zmq_hub_and_channel_exchange_messages_both_ways() -> None:
 
 @pytest.mark.parametrize("kind", ["zmq", "queue"])
 def test_a_wake_from_another_thread_ends_a_waiting_recv_with_no_message(kind: str) -> None:
-    hub: Any = P.ZmqHub("127.0.0.1", 0) if kind == "zmq" else P.QueueHub()
-    ch = P.ZmqChannel(hub.address, "w") if kind == "zmq" else hub.connect("w")
+    keys = CurveKeys.from_cluster_key(ClusterKey.generate())
+    hub: Any = P.ZmqHub("127.0.0.1", 0, curve=keys) if kind == "zmq" else P.QueueHub()
+    ch = P.ZmqChannel(hub.address, "w", keys) if kind == "zmq" else hub.connect("w")
     try:
         timer = threading.Timer(0.2, ch.wake)
         timer.start()

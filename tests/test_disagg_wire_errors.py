@@ -65,7 +65,8 @@ def test_a_field_of_the_wrong_json_type_is_named(field: str, value: object, expe
 
 
 def test_optional_and_float_fields_accept_what_the_encoder_writes() -> None:
-    msg = P.PrefillOrder("r", [1, 2], P.params_to_wire(SamplingParams()), "", {}, 60)  # an int deadline is a float
+    # an int deadline is a float
+    msg = P.PrefillOrder("r", [1, 2], "f" * 32, P.params_to_wire(SamplingParams()), "", {}, 60)
     assert P.decode(P.encode(msg)) == msg
     tokens = P.Tokens("r", [3], finish_reason=None, integrity=None, logprobs=None)
     assert P.decode(P.encode(tokens)) == tokens

@@ -244,6 +244,21 @@ def test_reserve_refuses_when_the_pool_is_short_and_release_undoes_it(loaded: An
     engine.allocator.check()
 
 
+def test_a_prefill_only_request_needs_room_for_its_prompt_and_first_token_only(loaded: Any) -> None:
+    """Prefill of a disaggregated pair never holds the output: its max_tokens are decode's pool's business."""
+    engine = make_engine(loaded, max_total_tokens=128, page_size=16, context_length=128)
+    params = SamplingParams(max_tokens=100, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="do not fit in the KV pool of 128"):
+        engine.add_request("whole", prompt_token_ids=list(range(1, 101)), sampling_params=params)
+    engine.add_request("prefill", prompt_token_ids=list(range(1, 101)), sampling_params=params, prefill_only=True)
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == ["prefill_done"]
+    with pytest.raises(InvalidRequestError, match="first token do not fit"):
+        engine.add_request("long", prompt_token_ids=list(range(1, 129)), sampling_params=params, prefill_only=True)
+    engine.release("prefill")
+    engine.allocator.check()
+
+
 def test_prefilled_request_with_wrong_page_table_is_refused(loaded: Any) -> None:
     engine = make_engine(loaded)
     pages = engine.reserve("a", 20)

@@ -15,7 +15,10 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
+from tests.helpers.auth import plane_auth
 from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
@@ -39,11 +42,11 @@ class Rig:
         tcfg = TransferConfig(max_transfer_pages=2, max_inflight_bytes=3 * LAYOUT.bytes_per_page)
         if transport == "local":
             fabric = LocalFabric()
-            self.receiver = LocalReceiver(fabric, "decode0", self.d_pool, faults)
-            self.sender = LocalSender(fabric, self.p_pool, tcfg, faults)
+            self.receiver = LocalReceiver(fabric, "decode0", self.d_pool, faults, auth=AUTH)
+            self.sender = LocalSender(fabric, self.p_pool, tcfg, faults, auth=AUTH)
         else:
-            self.receiver = TcpReceiver(self.d_pool, faults=faults)
-            self.sender = TcpSender(self.p_pool, tcfg, faults)
+            self.receiver = TcpReceiver(self.d_pool, faults=faults, auth=AUTH)
+            self.sender = TcpSender(self.p_pool, tcfg, faults, auth=AUTH)
 
     def pair(self, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
         return handoff_pair(self, rid, num_tokens, seed)
@@ -73,6 +76,17 @@ def test_a_fault_spec_selects_requests_by_id_pattern_page_and_every_nth() -> Non
     assert hit == ["cmpl-bad-0", "cmpl-bad-3", "cmpl-bad-6"]  # matching ids only, every 3rd from the first
     assert faults.point("corrupt_byte", "cmpl-bad-3") is not None  # asked again: the same verdict
     assert faults.point("corrupt_byte", "cmpl-bad-4") is None
+
+
+def test_a_pattern_matches_the_id_the_client_gave_as_well_as_the_engine_id() -> None:
+    """`--inject-fault NAME@victim-*` with `X-Request-Id: victim-1` aims at the engine's `cmpl-victim-1-0` (it used
+    to match nothing: a test built on it passed without any fault firing)."""
+    point = FaultPoint.parse("drop_page@victim-*")
+    for rid in ("cmpl-victim-1-0", "chatcmpl-victim-7-2", "resp-victim-x-0"):
+        assert point.matches(rid), rid
+    for rid in ("cmpl-innocent-1-0", "cmpl-1-victim-0", "victim"):
+        assert not point.matches(rid), rid
+    assert FaultPoint.parse("drop_page@cmpl-victim-1-*").matches("cmpl-victim-1-0")  # engine ids still work
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])

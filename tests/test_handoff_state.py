@@ -26,6 +26,9 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import SendStatus, fill_from_bytes
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
+from tests.helpers.auth import cap, plane_auth, sealed
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (2, 4)), KVBufferSpec("v", (2, 4))), 4, torch.float32)
 N = 16
@@ -43,8 +46,8 @@ def setup(one_sided: bool = False, **cfg):
     fabric = LocalFabric()
     d_pool, p_pool = KVPool(LAYOUT, N), KVPool(LAYOUT, N)
     p_pool.tensors[0]["k"].normal_()
-    receiver = LocalReceiver(fabric, "d", d_pool, one_sided=one_sided)
-    sender = LocalSender(fabric, p_pool)
+    receiver = LocalReceiver(fabric, "d", d_pool, one_sided=one_sided, auth=AUTH)
+    sender = LocalSender(fabric, p_pool, auth=AUTH)
     config = HandoffConfig(**{"transfer_timeout_s": 5, "verdict_timeout_s": 5, "quarantine_timeout_s": 5, **cfg})
     return fabric, d_pool, p_pool, receiver, sender, config
 
@@ -63,7 +66,7 @@ def test_terminal_states_have_no_exit_and_illegal_transitions_raise() -> None:
     ):
         assert {s for s, nxt in table.items() if not nxt} == terminals
     _, d_pool, _, receiver, _, config = setup()
-    dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5))), PageAllocator(N), d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5)), cap("r")), PageAllocator(N), d_pool, receiver, config)
     with pytest.raises(IllegalTransition, match="waiting -> ready"):
         dec._m.advance(DecodeState.READY)
     assert dec.state == DecodeState.WAITING
@@ -75,9 +78,9 @@ def test_prefill_keeps_source_pages_until_decode_verdict() -> None:
     p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
     ids = list(range(10))
     src = p_alloc.allocate("r", 4)  # 3 pages for the prompt + 1 for the first decoded token
-    dec = DecodeHandoff(Expectation("r", 10, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 10, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
-    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("r"))
     assert pre.state == PrefillState.PREFILLING
     handle = pre.send()
     wait_for(lambda: handle.status == SendStatus.AWAITING_VERDICT and handle.sender_done)
@@ -97,8 +100,10 @@ def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_verdict_dea
     p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
     ids = list(range(6))
     p_alloc.allocate("r", 2)
-    DecodeHandoff(Expectation("r", 6, token_hash(ids)), d_alloc, d_pool, receiver, config).start()  # never polled
-    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    DecodeHandoff(
+        Expectation("r", 6, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config
+    ).start()  # never polled
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("r"))
     pre.send()
     wait_for(lambda: pre.poll() == PrefillState.AWAITING_VERDICT)
     assert p_alloc.num_free == N - 2
@@ -108,13 +113,14 @@ def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_verdict_dea
 
 
 def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
-    _, d_pool, _, receiver, _, config = setup(transfer_timeout_s=0.05, strict=True)
+    _, d_pool, _, receiver, _, config = setup(sender_wait_s=0.05, strict=True)
     d_alloc, metrics = PageAllocator(N), IntegrityMetrics()
-    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9))), d_alloc, d_pool, receiver, config, metrics)
+    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config, metrics)
     pages = dec.start()
     assert len(pages) == 3 and d_alloc.num_free == N - 3
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "timeout" and dec.record.status == "failed"
+    assert "no sender started the transfer" in dec.record.detail
     assert dec.released and d_alloc.num_free == N and d_alloc.num_quarantined == 0  # two-sided: settled at once
     assert torch.isnan(d_pool.tensors[1]["v"][pages]).all()  # strict mode poisoned them
     assert metrics.value("kvfence_handoff_failed_total", {"reason": "timeout"}) == 1
@@ -123,9 +129,9 @@ def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
 
 
 def test_one_sided_slot_no_sender_ever_bound_settles_when_it_fails() -> None:
-    _, d_pool, _, receiver, _, config = setup(one_sided=True, transfer_timeout_s=0.05)
+    _, d_pool, _, receiver, _, config = setup(one_sided=True, sender_wait_s=0.05)
     d_alloc = PageAllocator(N)
-    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9))), d_alloc, d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "timeout"
@@ -141,11 +147,15 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
     now = [0.0]
     d_alloc = PageAllocator(N)
     ids = list(range(9))
-    dec = DecodeHandoff(Expectation("r", 9, token_hash(ids)), d_alloc, d_pool, receiver, config, clock=lambda: now[0])
+    dec = DecodeHandoff(
+        Expectation("r", 9, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config, clock=lambda: now[0]
+    )
     dec.start()
     core, link = receiver.core, FakeLink()
     core.on_frame(
-        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1, 2]).to_bytes()
+        link,
+        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
     assert dec.poll() == DecodeState.TRANSFERRING
     dec.abort("client went away")
@@ -160,7 +170,7 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
     core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": "y"})  # another transfer's fence: not ours
     dec.poll()
     assert not dec.released
-    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": "x"})  # on a new connection
+    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": cap("r")})  # on a new connection
     dec.poll()
     assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N
     d_alloc.check()
@@ -171,15 +181,17 @@ def test_sender_abort_frame_ends_decode_as_aborted_and_settles_the_slot() -> Non
     _, d_pool, p_pool, receiver, _, config = setup()
     d_alloc = PageAllocator(N)
     ids = list(range(12))
-    dec = DecodeHandoff(Expectation("r", 12, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 12, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     core, link = receiver.core, FakeLink()
     core.on_frame(
-        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1, 2]).to_bytes()
+        link,
+        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
-    core.receive_page("r", "x", 0, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(0)))
+    core.receive_page("r", cap("r"), 0, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(0)))
     assert dec.poll() == DecodeState.TRANSFERRING
-    core.on_frame(link, {"t": "abort", "rid": "r", "xid": "x", "reason": "prefill OOM"})
+    core.on_frame(link, {"t": "abort", "rid": "r", "xid": cap("r"), "reason": "prefill OOM"})
     assert dec.poll() == DecodeState.ABORTED
     assert dec.record.reason == "aborted" and "prefill OOM" in dec.record.detail
     assert dec.released and d_alloc.num_free == N
@@ -189,17 +201,21 @@ def test_sender_abort_frame_ends_decode_as_aborted_and_settles_the_slot() -> Non
 def test_receiver_refuses_unknown_requests_and_second_manifests() -> None:
     _, d_pool, p_pool, receiver, sender, config = setup()
     core, link = receiver.core, FakeLink()
-    m = build_manifest("r", "x", [1, 2, 3], p_pool, [0])
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
+    m = build_manifest("r", cap("r"), [1, 2, 3], p_pool, [0])
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
     assert link.sent[-1]["t"] == "error" and "does not expect" in link.sent[-1]["reason"]
-    core.expect("r", [5])
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "y"}, m.to_bytes())
-    assert link.sent[-1]["t"] == "error" and "expects transfer x" in link.sent[-1]["reason"]
+    core.expect("r", [5], cap("r"))
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
+    assert link.sent[-1]["t"] == "error" and "second manifest" in link.sent[-1]["reason"]
+    other = build_manifest("r", "0" * 32, [1, 2, 3], p_pool, [0])
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "0" * 32}, sealed(other, AUTH))
+    assert link.sent[-1]["t"] == "error" and "expects another transfer" in link.sent[-1]["reason"]
+    assert core.slot("r").manifest == m  # the first (right) manifest still holds
 
     p_alloc = PageAllocator(N)
     p_alloc.allocate("ghost", 1)
-    pre = PrefillHandoff("ghost", [1, 2], p_alloc, p_pool, sender, receiver.address, config)
+    pre = PrefillHandoff("ghost", [1, 2], p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("ghost"))
     pre.send()
     wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
     assert "does not expect request ghost" in pre.reason and p_alloc.num_free == N
@@ -211,11 +227,11 @@ def test_decode_abort_before_any_frame_quarantines_and_tells_a_late_sender_to_st
     p_alloc, d_alloc = PageAllocator(N), PageAllocator(N)
     ids = list(range(8))
     p_alloc.allocate("r", 2)
-    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     dec.abort("client went away")
     assert dec.state == DecodeState.ABORTED and dec.released and d_alloc.num_free == N
-    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config)
+    pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("r"))
     pre.send()
     wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
     assert "does not expect request r" in pre.reason  # the slot is gone: nothing of the late transfer lands
@@ -229,15 +245,17 @@ def test_the_receiver_notifies_decode_whenever_a_transfer_moves_on() -> None:
     receiver.core.notify = lambda: calls.append(receiver.core.slot("r").status.value)
     d_alloc = PageAllocator(N)
     ids = list(range(8))
-    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, config)
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     core, link = receiver.core, FakeLink()
     core.on_frame(
-        link, {"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, p_pool, [0, 1]).to_bytes()
+        link,
+        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1]), AUTH),
     )
     for i in range(2):
-        core.receive_page("r", "x", i, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(i)), link)
-    core.on_frame(link, {"t": "done", "rid": "r", "xid": "x", "pages": 2})
+        core.receive_page("r", cap("r"), i, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(i)), link)
+    core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r"), "pages": 2})
     assert calls == ["receiving", "complete"]  # manifest accepted, sender done: each wakes the worker
     assert dec.poll() == DecodeState.READY
     receiver.close()

@@ -15,6 +15,7 @@ from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import CoverageBitmap, Expectation, Reason, VerifyResult, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
+from tests.helpers.auth import cap
 
 GQA = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float16)
 DSA = KVLayout(
@@ -152,7 +153,7 @@ def _handoff(layout: KVLayout = GQA, tokens: int = 10):
     dst_pages = [1, 4, 2][: len(src_pages)]
     m = build_manifest("r1", "x1", ids, src, src_pages)
     cov = copy_pages(src, src_pages, dst, dst_pages)
-    return m, Expectation("r1", tokens, token_hash(ids)), dst, dst_pages, cov
+    return m, Expectation("r1", tokens, token_hash(ids), cap("r1")), dst, dst_pages, cov
 
 
 def test_verify_accepts_an_exact_handoff() -> None:

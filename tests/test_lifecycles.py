@@ -98,7 +98,7 @@ def test_a_flight_finished_by_the_event_loop_is_not_failed_again_by_the_receiver
     router = Router(P.QueueHub())
     loop = asyncio.new_event_loop()
     try:
-        flight = _Flight("r", [1, 2], SamplingParams(), 2, "h", loop, asyncio.Queue())
+        flight = _Flight("r", [1, 2], SamplingParams(), 2, "h", "f" * 32, loop, asyncio.Queue())
         record = IntegrityRecord("r", "failed", "aborted", "client gone", 2, 0, 0, role="router")
         router._finish(flight, record)
         router._fail_flight(flight, "router", "handoff deadline")  # the receiver thread, a moment too late

@@ -120,6 +120,17 @@ def test_context_length_is_capped_by_sliding_window(make_model) -> None:
     assert load_model(d, progress=False).context_length == 64
 
 
+def test_a_context_above_the_sliding_window_is_refused_naming_sliding_window(make_model) -> None:
+    from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.errors import KvfenceError
+
+    d = make_model("MistralForCausalLM", sliding_window=64, max_position_embeddings=256)
+    with pytest.raises(KvfenceError, match=r"context length 64 \(sliding_window 64 in config.json") as info:
+        LLMEngine(EngineConfig(ModelConfig(str(d)), CacheConfig(16, 512), context_length=128))
+    assert "max_position_embeddings is larger" in str(info.value)
+
+
 # --- errors, each naming the file at fault -------------------------------------------------------------
 
 

@@ -32,10 +32,10 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import messages as P
 from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
+from tests.helpers.auth import secure_hub, worker_env
 
 CTX = 256
 DEADLINE_S = 3.0
@@ -145,7 +145,7 @@ class Hosts:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.all_procs: list[subprocess.Popen[bytes]] = []
         self.topo.up()
-        self.hub = P.ZmqHub(self.topo.router_host, 0)
+        self.hub = secure_hub(self.topo.router_host, 0)
         self.router = Router(
             self.hub,
             RouterConfig(
@@ -176,7 +176,9 @@ class Hosts:
             cmd += ["--role", "decode", "--max-total-tokens", "2048"]
             cmd += ["--handoff-host", self.topo.kv_host(host), "--handoff-port", str(DECODE_KV_PORT)]
         log = open(self.log_dir / f"{wid}-{len(self.all_procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(["ip", "netns", "exec", self.topo.ns(host), *cmd], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.topo.ns(host), *cmd], stdout=log, stderr=subprocess.STDOUT, env=worker_env()
+        )
         log.close()
         self.procs[host] = proc
         self.all_procs.append(proc)

@@ -3,7 +3,10 @@
 The honest server tokenizes by whitespace, rejects over-length prompts with 400 the way SGLang
 words it, and answers deterministically. The faulty servers reproduce the incident: one accepts
 over-length prompts with 200 and usage.prompt_tokens=1 (a stub) and answers with a stale previous
-reply; the other leaks the previous request's secret into the next reply.
+reply; one leaks the previous request's secret into the next reply; one ("echo") appends words of the
+previous request's prompt to each reply, the leak signature of a reply decoded over another request's KV;
+"bigpool" is honest but reports a KV pool far larger than the probe's traffic. The echo and bigpool servers
+also run as separate processes (`serve_main`), probed through their port only.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -30,8 +37,9 @@ CTX, POOL = 64, 48
 
 def make_app(mode: str) -> FastAPI:
     app = FastAPI()
-    state = {"last_text": " hello", "last_code": None}
+    state = {"last_text": " hello", "last_code": None, "last_prompt": ""}
     max_req_input_len = min(CTX - 1, POOL - 1) - 5
+    pool = 10**7 if mode == "bigpool" else POOL
 
     def answer(prompt: str, max_tokens: int) -> str:
         codes = re.findall(r"secret code is (KVF[0-9A-F]+)", prompt)
@@ -46,6 +54,11 @@ def make_app(mode: str) -> FastAPI:
                 text += " " + state["last_code"]
             if codes:
                 state["last_code"] = codes[0]
+        if mode == "echo":  # the previous prompt's last lower-case hex words, verbatim (never a canary code)
+            words = re.findall(r"(?<![0-9a-zA-Z])[0-9a-f]{4}(?![0-9a-zA-Z])", state["last_prompt"])
+            if words and state["last_prompt"] != prompt:
+                text += " " + " ".join(words[-4:])
+            state["last_prompt"] = prompt
         return text
 
     @app.get("/v1/models")
@@ -56,7 +69,7 @@ def make_app(mode: str) -> FastAPI:
     def server_info():
         return {
             "context_length": CTX,
-            "max_total_num_tokens": POOL,
+            "max_total_num_tokens": pool,
             "max_req_input_len": max_req_input_len,
             "disaggregation_mode": "null",
             "version": "0.5.23",
@@ -241,4 +254,99 @@ def test_refuses_non_loopback_without_authorisation():
 
 def test_cli_refusal_exit_code(capsys):
     code = main(["probe", "http://192.0.2.10:30000", "--model", "m", "--no-progress"])
-    assert code == 2 and "not a loopback" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 3 and "not a loopback" in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Servers in processes of their own: the probe sees only their port.
+# ----------------------------------------------------------------------------------------------
+
+
+def serve_main(mode: str) -> None:
+    """Entry of a server process: bind 127.0.0.1:0, print the port, serve until killed."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(make_app(mode), log_level="error", lifespan="off")).run(sockets=[sock])
+
+
+@pytest.fixture
+def serve_process():
+    procs: list[subprocess.Popen] = []
+
+    def _start(mode: str) -> str:
+        code = f"from tests.test_probe import serve_main; serve_main({mode!r})"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        procs.append(proc)
+        port = int(proc.stdout.readline())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        return f"http://127.0.0.1:{port}"
+
+    yield _start
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+def test_another_requests_text_in_a_reply_is_critical(serve_process, capsys):
+    url = serve_process("echo")
+    code = main(
+        ["probe", url, "--model", "fake", "--max-requests", "80", "--golden", "2", "--canaries", "4", "--aborts", "2",
+         "--max-tokens", "4", "--concurrency", "4", "--no-progress", "--json"]
+    )  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    echoed = [f for f in doc["findings"] if f["rule"] == "foreign-text-echo"]
+    assert code == 2 and echoed and all(f["severity"] == "critical" for f in echoed)
+    assert any(f["role"] == "golden-replay" and "churn" in f["message"] for f in echoed)
+    assert not any(f["rule"] == "canary-leak" for f in doc["findings"])  # only prompt words leaked, no code
+
+
+def test_a_pool_larger_than_the_traffic_is_reported_as_not_established(serve_process, capsys):
+    url = serve_process("bigpool")
+    code = main(
+        ["probe", url, "--model", "fake", "--max-requests", "60", "--golden", "2", "--canaries", "4", "--aborts", "2",
+         "--max-tokens", "4", "--concurrency", "4", "--no-progress"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "not established by this probe:" in out
+    assert "page reuse not established" in out and "KV pool of 10000000" in out
+
+
+def test_honest_small_pool_has_page_reuse(serve):
+    report = run_probe(_cfg(serve("honest")))
+    assert not any("page reuse" in x.why for x in report.not_established)
+    assert any(x.check == "golden" for x in report.not_established)  # drift is a warning without --expect-...
+
+
+def test_server_down_is_a_tool_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the probe connects
+    code = main(["probe", f"http://127.0.0.1:{port}", "--model", "m", "--no-progress", "--request-timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 3 and "answered neither" in err and len(err.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_4_in_one_line(capsys):
+    url = "http://127.0.0.1:1"
+    for argv in (["probe", url], ["probe", url, "--model", "m", "--max-requests", "0"],
+                 ["probe", url, "--model", "m", "--no-such-flag"]):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 4, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and "error" in err

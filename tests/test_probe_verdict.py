@@ -55,3 +55,24 @@ def test_golden_drift_after_churn_is_critical_only_for_a_deterministic_server() 
     base, replay = [golden("the same answer")], [golden("the other answer")]
     assert verdict([], base, base, replay)["golden-drift-replay"] == Severity.WARNING
     assert verdict([], base, base, replay, deterministic=True)["golden-drift-replay"] == Severity.CRITICAL
+
+
+def test_another_prompts_unique_text_in_a_reply_is_critical() -> None:
+    churn = Reply("churn", 40, 200, text="ok", prompt_tokens=40, owner="churn 0", markers=("a1b2 c3d4 e5f6",))
+    replay = Reply("golden-replay", 40, 200, text="blue a1b2 c3d4 e5f6", prompt_tokens=40, owner="golden 0")
+    own = Reply("churn", 40, 200, text="a1b2 c3d4 e5f6", prompt_tokens=40, owner="churn 0", markers=("a1b2 c3d4 e5f6",))
+    assert verdict([churn, replay])["foreign-text-echo"] == Severity.CRITICAL
+    assert "foreign-text-echo" not in verdict([churn, own])  # a reply may repeat its own prompt
+
+
+def test_limits_name_what_the_run_could_not_establish() -> None:
+    from kvfence.audit.probe_verdict import limits
+
+    replies = [Reply("golden-idle", 40, 200, text="a b", prompt_tokens=40)]
+    got = {x.check: x.why for x in limits(replies, FACTS, sized=True, exact_counts=False, expect_deterministic=True,
+                                          churn=1)}  # fmt: skip
+    assert "page reuse not established" in got["golden-replay"] and "4096" in got["golden-replay"]
+    assert "usage.prompt_tokens" in got["prompt-tokens"] and "canary" in got and "golden" not in got
+    small = ServerFacts(context_length=1024, pool_tokens=10)
+    got = {x.check for x in limits(replies, small, sized=True, exact_counts=True, expect_deterministic=True, churn=1)}
+    assert "golden-replay" not in got and "prompt-tokens" not in got

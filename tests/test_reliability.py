@@ -28,12 +28,12 @@ import httpx
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
-from kvfence.disagg import messages as P
 from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.http import ApiError
+from tests.helpers.auth import secure_hub, worker_env
 
 CTX = 256
 DEADLINE_S = 3.0  # handoff deadline of router and workers
@@ -55,7 +55,7 @@ class Deployment:
     def __init__(self, model_dir: Path, log_dir: Path) -> None:
         self.model_dir, self.log_dir = model_dir, log_dir
         self.port = free_port()
-        self.router = Router(P.ZmqHub("127.0.0.1", self.port), router_config())
+        self.router = Router(secure_hub(port=self.port), router_config())
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.all_procs: list[subprocess.Popen[bytes]] = []
         self.spawn("prefill")
@@ -73,7 +73,7 @@ class Deployment:
         else:
             cmd += ["--max-total-tokens", "2048", "--handoff-port", str(free_port())]
         log = open(self.log_dir / f"{role}-{len(self.all_procs)}.log", "wb")  # noqa: SIM115
-        self.procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[role] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
         self.all_procs.append(self.procs[role])
         log.close()
 
@@ -226,9 +226,7 @@ def test_slow_transfer_past_the_deadline_fails_only_that_request(
 
 
 @pytest.mark.slow  # worker processes killed and timed; in-process: test_disagg_scaleout, test_stalled_writers
-def test_decode_killed_mid_transfer(
-    dep: Deployment, healthy_ref: tuple[list[int], list[int]], slow_first: int
-) -> None:
+def test_decode_killed_mid_transfer(dep: Deployment, healthy_ref: tuple[list[int], list[int]], slow_first: int) -> None:
     c = Client(dep.router, "slow-decode-kill", SLOW_PROMPT)
     wait_for(lambda: flight_state(dep.router, c.rid) is FlightState.DECODING, 15, "the transfer to start")
     dep.procs["decode"].send_signal(signal.SIGKILL)
@@ -311,7 +309,7 @@ def test_router_restart_workers_register_with_the_new_router(
     c.result(5)
     assert_fault_failed_cleanly(c, slow_first)
     assert "router" in c.last.error
-    dep.router = Router(P.ZmqHub("127.0.0.1", dep.port), router_config())
+    dep.router = Router(secure_hub(port=dep.port), router_config())
     t0 = time.monotonic()
     dep.router.wait_for_workers(timeout=60)  # the workers notice the silence and register again
     dep.router.start()
@@ -327,15 +325,15 @@ def test_router_restart_workers_register_with_the_new_router(
 @pytest.mark.slow
 def test_worker_gives_up_and_exits_when_no_router_comes_back(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """With nobody answering, a worker that lost its router exits non-zero with a clear message."""
-    hub = P.ZmqHub("127.0.0.1", 0)
+    hub = secure_hub()
     router = Router(hub, router_config())
     cmd = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(tiny_llama_dir)]
     cmd += ["--context-length", str(CTX), "--router-address", hub.address, "--log-level", "WARNING"]
     cmd += ["--router-timeout-s", "1", "--reconnect-timeout-s", "1"]
     procs = {
-        "prefill": subprocess.Popen([*cmd, "--role", "prefill"], stderr=subprocess.PIPE),
+        "prefill": subprocess.Popen([*cmd, "--role", "prefill"], stderr=subprocess.PIPE, env=worker_env()),
         "decode": subprocess.Popen(
-            [*cmd, "--role", "decode", "--handoff-port", str(free_port())], stderr=subprocess.PIPE
+            [*cmd, "--role", "decode", "--handoff-port", str(free_port())], stderr=subprocess.PIPE, env=worker_env()
         ),
     }
     try:

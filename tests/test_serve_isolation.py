@@ -22,6 +22,7 @@ from kvfence.bench.launch import LaunchedServer, launch_server
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
+from tests.helpers.auth import worker_env
 
 CTX = 256
 FAULTS = "placeholder_handoff@*victim*,corrupt_byte@*corrupt*#1"
@@ -171,7 +172,29 @@ def test_allow_context_above_pool_starts_a_disaggregated_deployment_and_limits_r
 def test_without_the_flag_a_worker_whose_context_exceeds_its_pool_refuses_to_start(tiny_llama_dir: Path) -> None:
     argv = ["--model", str(tiny_llama_dir), "--context-length", "256", "--max-total-tokens", "128"]
     argv += ["--role", "prefill", "--router-address", "tcp://127.0.0.1:9"]  # refused before it looks for one
-    p = subprocess.run([sys.executable, "-m", "kvfence", "serve", *argv], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvfence", "serve", *argv], capture_output=True, text=True, timeout=120, env=worker_env()
+    )
     assert p.returncode == 2
     assert "context length 256 tokens does not fit in the KV pool of 128 tokens" in p.stderr, p.stderr[-2000:]
     assert "--allow-context-above-pool" in p.stderr
+
+
+@pytest.mark.parametrize("role", [["--role", "aggregated"], []], ids=["aggregated", "disaggregated"])
+def test_a_port_in_use_is_one_line_and_exit_2_before_anything_loads_or_starts(
+    tiny_llama_dir: Path, role: list[str]
+) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        argv = ["--model", str(tiny_llama_dir), "--port", str(port), *role]
+        p = subprocess.run(
+            [sys.executable, "-m", "kvfence", "serve", *argv], capture_output=True, text=True, timeout=120,
+            env=worker_env(),
+        )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("kvfence: error: --port") and "cannot listen" in lines[-1], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert "loading" not in p.stderr and "router http" not in p.stderr  # no model loaded, no process started

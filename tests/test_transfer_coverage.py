@@ -13,6 +13,9 @@ from kvfence.integrity.verify import Expectation, Reason, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import ReceiverCore, SlotStatus, fill_from_bytes
+from tests.helpers.auth import cap, plane_auth, sealed
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout("LlamaForCausalLM", 2, (KVBufferSpec("k", (1, 4)), KVBufferSpec("v", (1, 4))), 2, torch.float32)
 N = 12
@@ -55,19 +58,21 @@ def test_verification_passes_iff_every_page_landed_exactly_once(num_tokens: int,
     elif mutation == "outside":
         sends = [*sends, num_pages]  # an index beyond decode's allocation
     ids = list(range(num_tokens))
-    m = build_manifest("r", "x", ids, SRC, src_pages)
-    core = ReceiverCore(dst)
-    slot = core.expect("r", dst_pages)
+    m = build_manifest("r", cap("r"), ids, SRC, src_pages)
+    core = ReceiverCore(dst, AUTH)
+    slot = core.expect("r", dst_pages, cap("r"))
     link = _Link()  # every frame of a transfer comes on the connection its manifest came on
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes())
+    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
     payload = {i: SRC.read_page(p) for i, p in enumerate(src_pages)}
     payload[num_pages] = SRC.read_page(src_pages[0])
     for i in sends:
-        core.receive_page("r", "x", i, LAYOUT.bytes_per_page, fill_from_bytes(payload[i]))
-    core.on_frame(link, {"t": "done", "rid": "r", "xid": "x"})
+        core.receive_page("r", cap("r"), i, LAYOUT.bytes_per_page, fill_from_bytes(payload[i]))
+    core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r")})
     assert slot.status == SlotStatus.COMPLETE and slot.settled
 
-    res = verify_handoff(m, Expectation("r", num_tokens, token_hash(ids)), LAYOUT, dst_pages, slot.coverage, dst)
+    res = verify_handoff(
+        m, Expectation("r", num_tokens, token_hash(ids), cap("r")), LAYOUT, dst_pages, slot.coverage, dst
+    )
     assert res.ok == (mutation == "none"), (sends, res)
     if res.ok:
         assert all(dst.read_page(d) == SRC.read_page(s) for s, d in zip(src_pages, dst_pages, strict=True))

@@ -8,10 +8,7 @@ One receiver and one sender (an engine each) serve the whole module: an engine t
 
 from __future__ import annotations
 
-import json
-import math
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -25,7 +22,7 @@ from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig, Pr
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.digest import token_hash
-from kvfence.integrity.manifest import build_manifest
+from kvfence.integrity.manifest import build_manifest, seal
 from kvfence.integrity.record import IntegrityMetrics
 from kvfence.integrity.verify import Expectation
 from kvfence.kv.allocator import PageAllocator
@@ -35,12 +32,13 @@ from kvfence.transfer.base import SendStatus, TransferConfig
 from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, parse_address
 from kvfence.transfer.mooncake_engine import (
     MooncakeTransferError,
-    default_max_batch,
-    lane_queue_limit,
     mooncake_available,
 )
+from tests.helpers.auth import cap, plane_auth
 from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
-from tests.helpers.kv import frame, seed_pool
+from tests.helpers.kv import WireClient, seed_pool, wait_for
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
@@ -57,7 +55,7 @@ def test_constructing_without_a_usable_engine_names_the_reason(monkeypatch: pyte
     ok, reason = mooncake_available.__wrapped__("127.0.0.1", "tcp")  # bypass the per-process cache
     assert not ok and reason
     pool = KVPool(LAYOUT, 2)
-    for make in (lambda: MooncakeSender(pool), lambda: MooncakeReceiver(pool)):
+    for make in (lambda: MooncakeSender(pool, auth=AUTH), lambda: MooncakeReceiver(pool, auth=AUTH)):
         with pytest.raises(KvfenceError) as info:
             make()
         assert str(info.value) == f"Mooncake backend not available: {reason}"
@@ -69,13 +67,13 @@ def test_constructing_without_the_package_says_how_to_install_it(monkeypatch: py
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(KvfenceError, match=r"^Mooncake backend not available: the Mooncake Python package is not "
                        r"installed \(pip install mooncake-transfer-engine-non-cuda"):  # fmt: skip
-        MooncakeReceiver(KVPool(LAYOUT, 2))
+        MooncakeReceiver(KVPool(LAYOUT, 2), auth=AUTH)
 
 
 def test_unacknowledged_tcp_framing_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MC_TCP_PROTO", "1")
     with pytest.raises(KvfenceError, match="MC_TCP_PROTO=1"):
-        MooncakeSender(KVPool(LAYOUT, 2))
+        MooncakeSender(KVPool(LAYOUT, 2), auth=AUTH)
 
 
 def test_parse_address() -> None:
@@ -92,9 +90,9 @@ class Pair:
 
     def __init__(self) -> None:
         self.d_pool, self.p_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
-        self.receiver = MooncakeReceiver(self.d_pool)
+        self.receiver = MooncakeReceiver(self.d_pool, auth=AUTH)
         try:
-            self.sender = MooncakeSender(self.p_pool, FAULT_CONFIG)
+            self.sender = MooncakeSender(self.p_pool, FAULT_CONFIG, auth=AUTH)
         except BaseException:
             self.receiver.close()
             raise
@@ -141,7 +139,9 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str
     assert good_pre.handle.entries > 0 and good_pre.handle.chunks_sent == 2  # 4 pages in chunks of 2, via Mooncake
 
 
-def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -> None:
+def test_a_delayed_write_after_abort_lands_only_in_its_landing_area_never_in_the_pool(pair: Pair) -> None:
+    """The sender keeps writing after decode aborted. Its writes land in the transfer's own landing area, which is
+    never copied into the pool once the slot is closed: decode's pool pages were never writable by the sender."""
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="late-bad", delay_s=0.02)
     rig = Rig(
         pair, faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5, strict=True)
@@ -152,7 +152,6 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -
     bad_dec.abort("client disconnected")
     quarantined = set(bad_dec.quarantined)
     assert bad_dec.state == DecodeState.ABORTED and len(quarantined) == 5
-    assert not bad_dec.released, "a one-sided write can still land: the pages must stay quarantined"
 
     good_pre, good_dec, good_src = rig.pair_of("late-good", 24, seed=4)
     assert not quarantined & set(good_dec.pages)
@@ -160,32 +159,35 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(pair: Pair) -
     drive(bad_pre, bad_dec, good_pre, good_dec)
 
     assert faults.fired["delayed_write_after_abort"] >= 1
-    assert bad_pre.handle.pages_sent == 5  # the late writes really went out, into the quarantined pages
-    assert bad_dec.released and not bad_dec.overdue  # released by the sender's `aborted`
+    assert bad_pre.handle.pages_sent == 5  # the late writes really went out, into the landing area
+    assert bad_dec.released and not bad_dec.overdue
     assert bad_dec.record.status == "failed" and bad_dec.record.reason == "aborted"
     assert good_dec.record.status == "verified" and same_bytes(good_src, rig.d_pool, good_dec.pages)
-    assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # poisoned on release
+    assert all(torch.isnan(rig.d_pool.tensors[0]["latent"][p]).all() for p in quarantined)  # poisoned, not written
+    assert rig.receiver.landing_bytes == 0  # freed on the sender's `aborted`: its writer had stopped
     rig.d_alloc.free("late-good")
     rig.d_alloc.check()
     assert rig.d_alloc.num_free == NUM_PAGES and rig.p_alloc.num_free == NUM_PAGES
 
 
-def test_a_chunk_above_the_lane_queue_is_written_in_bounded_batches(pair: Pair) -> None:
+def test_a_large_chunk_lands_in_scattered_pool_pages_in_one_entry_per_slice(pair: Pair) -> None:
+    """300 pages in one chunk into reversed decode pages: the staging and landing areas are laid out
+    buffer-major, so a chunk of consecutive logical pages is one Mooncake range whatever decode's page numbers,
+    and the copy from the landing area puts every page where decode's page table says."""
     rig = Rig(pair)
     n = 300
     seed_pool(rig.p_pool, 5)
     rig.sender.config = TransferConfig(max_transfer_pages=n, max_inflight_bytes=n * LAYOUT.bytes_per_page)
-    m = build_manifest("big", "x-big", list(range(n * LAYOUT.page_size)), rig.p_pool, list(range(n)))
-    dest = list(reversed(range(10, 10 + n)))  # reversed: no two slices merge, 4 x 300 = 1,200 entries
-    slot = rig.receiver.expect("big", dest)
+    m = build_manifest("big", cap("big"), list(range(n * LAYOUT.page_size)), rig.p_pool, list(range(n)))
+    dest = list(reversed(range(10, 10 + n)))
+    slot = rig.receiver.expect("big", dest, cap("big"))
     handle = rig.sender.send(rig.receiver.address, m, list(range(n)))
     end = time.monotonic() + 20
     while slot.status.value != "complete" and time.monotonic() < end:
         time.sleep(0.002)
     assert slot.status.value == "complete", (slot.status, handle.status, handle.reason)
     assert handle.chunks_sent == 1 and handle.max_chunk_pages == n
-    assert handle.entries == 4 * n > lane_queue_limit()
-    assert handle.batches == math.ceil(4 * n / default_max_batch())
+    assert handle.entries == 1 and handle.batches == 1  # the whole area in one range: slices are back to back
     assert slot.coverage.complete and slot.bytes_received == n * LAYOUT.bytes_per_page
     assert all(rig.p_pool.read_page(i) == rig.d_pool.read_page(d) for i, d in enumerate(dest))
     rig.receiver.verdict("big", True)
@@ -205,11 +207,13 @@ def test_decode_abort_mid_transfer_stops_the_sender_and_settles(pair: Pair) -> N
     pre.send()
     drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
     dec.abort("client disconnected")
-    assert dec.state == DecodeState.ABORTED and not dec.released  # one-sided: wait for the sender's last frame
+    # the sender never writes decode's pool (only its landing area, unregistered at the abort): settled at once
+    assert dec.state == DecodeState.ABORTED and dec.released
     drive(pre, dec)
-    assert pre.state == PrefillState.FAILED and pre.handle.status == SendStatus.ABORTED
+    assert pre.state == PrefillState.FAILED and pre.handle.status in (SendStatus.ABORTED, SendStatus.ERROR)
     assert 2 <= pre.handle.pages_sent < 40  # stopped early
-    assert dec.released and not dec.overdue and dec.record.reason == "aborted"
+    assert dec.record.reason == "aborted"
+    wait_for(lambda: rig.receiver.landing_bytes == 0)  # kept until the sender's last frame
     for alloc in (rig.p_alloc, rig.d_alloc):
         alloc.check()
         assert alloc.num_free == NUM_PAGES
@@ -230,10 +234,12 @@ def test_prefill_abort_mid_transfer_fails_decode_cleanly(pair: Pair) -> None:
         assert alloc.num_free == NUM_PAGES
 
 
-def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences(pair: Pair) -> None:
-    """Decode loses the control connection after prefill got the page table. The pages stay quarantined (no
-    deadline is short enough to free them: quarantine 600 s) until the sender's thread has ended and it says
-    so with `fenced` over a new connection."""
+def test_control_link_lost_mid_transfer_frees_pool_pages_and_keeps_the_landing_area_until_the_sender_fences(
+    pair: Pair,
+) -> None:
+    """Decode loses the control connection after prefill got its landing area. The pool pages are free at once
+    (no peer can write them); the landing area is closed to writers at once and its memory kept until the sender's
+    thread has ended and it says so with `fenced` over a new connection."""
     rig = _slow_rig(pair)
     rig.config = HandoffConfig(transfer_timeout_s=30, verdict_timeout_s=30, quarantine_timeout_s=600)
     pre, dec, _ = rig.pair_of("cut", 40 * LAYOUT.page_size, seed=8)
@@ -241,59 +247,55 @@ def test_control_link_lost_mid_transfer_quarantines_until_the_real_sender_fences
     drive(pre, dec, until=lambda: dec.slot.coverage.num_covered >= 2)
     dec.slot.link.sever()  # the control connection breaks; prefill's writer may be mid-write
     drive(pre, dec, until=lambda: dec.state == DecodeState.FAILED)
-    assert dec.record.reason == "transfer_error" and "control connection" in dec.record.detail
-    # the sender marks `fenced` sent once its send returned; decode may release on it before that
-    drive(pre, dec, until=lambda: pre.settled and dec.settled and pre.handle.final_sent)
+    assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
+    drive(pre, dec, until=lambda: dec.released)
+    assert not dec.overdue and rig.d_alloc.num_free == NUM_PAGES
+    # the sender marks `fenced` sent once its send returned
+    drive(pre, dec, until=lambda: pre.settled and pre.handle.final_sent)
     assert pre.handle.sender_done and pre.handle.final_sent  # its `fenced` frame went out on a new connection
-    assert dec.released and not dec.overdue and dec.slot.sender_final and not dec.slot.link_closed
+    wait_for(lambda: rig.receiver.landing_bytes_retained == 0)
     assert pre.handle.pages_sent < 40
     for alloc in (rig.p_alloc, rig.d_alloc):
         alloc.check()
         assert alloc.num_free == NUM_PAGES
 
 
-def _read_frame(s: socket.socket) -> dict:
-    hlen, plen = struct.unpack("<II", s.recv(8, socket.MSG_WAITALL))
-    header = json.loads(s.recv(hlen, socket.MSG_WAITALL))
-    assert plen == 0
-    return header
-
-
-def test_lost_control_link_after_the_page_table_keeps_pages_quarantined_until_the_sender_fences(pair: Pair) -> None:
+def test_a_lost_control_link_frees_the_pool_pages_and_keeps_the_landing_memory_until_the_sender_fences(
+    pair: Pair,
+) -> None:
     rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=0.3))
     ids = list(range(16))
     seed_pool(rig.p_pool, 8)
     for rid, get_table in (("lost-after", True), ("lost-before", False)):
-        dec = DecodeHandoff(Expectation(rid, 16, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
+        dec = DecodeHandoff(
+            Expectation(rid, 16, token_hash(ids), cap(rid)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config
+        )
         dec.start()
-        m = build_manifest(rid, "x", ids, rig.p_pool, [0, 1])
-        with socket.create_connection(parse_address(rig.receiver.address)) as s:
-            hello = _read_frame(s)
-            assert hello["t"] == "hello" and hello["session"] == rig.receiver.endpoint.session_id
-            assert len(hello["bases"]) == 4 and len(hello["regions"]) == 4
+        m = build_manifest(rid, cap(rid), ids, rig.p_pool, [0, 1])
+        with WireClient(rig.receiver.address, AUTH) as c:
+            hello = c.read()
+            assert hello == {"t": "hello", "session": rig.receiver.endpoint.session_id}  # no address of any memory
             if get_table:
-                s.sendall(frame({"t": "manifest", "rid": rid, "xid": "x"}, m.to_bytes()))
-                assert _read_frame(s) == {"t": "dest", "rid": rid, "xid": "x", "pages": dec.pages}
-            else:  # a malformed manifest is refused, so no page table goes out
-                s.sendall(frame({"t": "manifest", "rid": rid, "xid": "x"}, b"{not a manifest"))
-                assert _read_frame(s)["t"] == "error"
+                c.send_manifest(rid, cap(rid), m)
+                dest = c.read()
+                assert dest["t"] == "dest" and dest["num_pages"] == 2 and len(dest["bases"]) == 4
+                pool_addrs = {t.data_ptr() for layer in rig.d_pool.tensors for t in layer.values()}
+                assert not {a for a, _ in dest["bases"]} & pool_addrs  # a landing area, never the pool
+            else:  # a malformed manifest (sealed by a key holder) fails the transfer: no landing area is made
+                c.send({"t": "manifest", "rid": rid, "xid": cap(rid)}, seal(b"{not a manifest", AUTH.manifest_key))
+                assert c.read()["t"] == "error"
         drive(dec, until=lambda dec=dec: dec.state == DecodeState.FAILED)
         assert dec.record.reason == "transfer_error"
+        drive(dec)
+        assert dec.released and not dec.overdue  # pool pages: free at once either way
         if not get_table:
-            drive(dec)
-            assert dec.released and not dec.overdue
+            assert rig.receiver.landing_bytes_retained == 0
             continue
-        # prefill knew where to write and may still be writing: past the deadline the pages stay quarantined
-        end = time.monotonic() + 0.6
-        while time.monotonic() < end:
-            dec.poll()
-            time.sleep(0.01)
-        assert dec.overdue and not dec.released and rig.d_alloc.num_quarantined == 2
-        with socket.create_connection(parse_address(rig.receiver.address)) as s:  # the sender, reconnected
-            assert _read_frame(s)["t"] == "hello"
-            s.sendall(frame({"t": "fenced", "rid": rid, "xid": "x"}))
-            drive(dec, until=lambda dec=dec: dec.released)
-        assert rig.d_alloc.num_quarantined == 0
+        assert rig.receiver.landing_bytes_retained == 2 * LAYOUT.bytes_per_page  # a write may still copy in
+        with WireClient(rig.receiver.address, AUTH) as c:  # the sender, reconnected
+            assert c.read()["t"] == "hello"
+            c.send({"t": "fenced", "rid": rid, "xid": cap(rid)})
+            wait_for(lambda: rig.receiver.landing_bytes_retained == 0)
     assert rig.d_alloc.num_free == NUM_PAGES
     rig.d_alloc.check()
 
@@ -303,7 +305,9 @@ def test_handoff_between_two_processes(pair: Pair) -> None:
     # the child imports torch and Mooncake before it sends: on a loaded 2-core machine that can take 10 s
     rig = Rig(pair, config=HandoffConfig(transfer_timeout_s=60, verdict_timeout_s=60, quarantine_timeout_s=60))
     ids = list(range(500, 530))  # 30 tokens -> 4 pages of 8
-    dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config)
+    dec = DecodeHandoff(
+        Expectation("xproc", 30, token_hash(ids), cap("xproc")), rig.d_alloc, rig.d_pool, rig.receiver, rig.config
+    )
     dec.start()
     script = textwrap.dedent(
         f"""
@@ -313,6 +317,9 @@ def test_handoff_between_two_processes(pair: Pair) -> None:
         from kvfence.kv.layout import KVLayout
         from kvfence.kv.pool import KVPool
         from kvfence.transfer.base import TransferConfig
+        from kvfence.auth.keys import ClusterKey
+        from kvfence.auth.plane import PlaneAuth
+        AUTH = PlaneAuth(ClusterKey.from_hex({AUTH.key.to_hex()!r}, "test"))
         from kvfence.transfer.mooncake import MooncakeSender
         layout = KVLayout.from_description({LAYOUT.describe()!r})
         pool = KVPool(layout, 16)
@@ -323,8 +330,9 @@ def test_handoff_between_two_processes(pair: Pair) -> None:
         alloc = PageAllocator(16)
         alloc.allocate("filler", 3)
         alloc.allocate("xproc", 4)  # pages 3..6
-        sender = MooncakeSender(pool, TransferConfig(max_transfer_pages=3))
-        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {rig.receiver.address!r}, HandoffConfig())
+        sender = MooncakeSender(pool, TransferConfig(max_transfer_pages=3), auth=AUTH)
+        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {rig.receiver.address!r}, HandoffConfig(),
+                             transfer_id={cap("xproc")!r})
         pre.send()
         end = time.monotonic() + 20
         while not pre.settled and time.monotonic() < end:
@@ -356,15 +364,15 @@ def test_pages_beyond_decodes_allocation_are_counted_outside_and_never_written(p
     rig = Rig(pair)
     seed_pool(rig.p_pool, 9)
     before = [rig.d_pool.read_page(p) for p in range(NUM_PAGES)]
-    m = build_manifest("over", "x-over", list(range(3 * LAYOUT.page_size)), rig.p_pool, [0, 1, 2])  # claims 3 pages
-    slot = rig.receiver.expect("over", [40, 41])  # decode allocated 2
+    m = build_manifest("over", cap("over"), list(range(3 * LAYOUT.page_size)), rig.p_pool, [0, 1, 2])  # 3 pages
+    slot = rig.receiver.expect("over", [40, 41], cap("over"))  # decode allocated 2
     handle = rig.sender.send(rig.receiver.address, m, [0, 1, 2])
     end = time.monotonic() + 10
     while slot.status.value != "complete" and time.monotonic() < end:
         time.sleep(0.002)
     assert slot.coverage.counts.tolist() == [1, 1] and slot.coverage.outside == 1 and not slot.coverage.complete
     after = [rig.d_pool.read_page(p) for p in range(NUM_PAGES)]
-    assert [p for p in range(NUM_PAGES) if after[p] != before[p]] == [40, 41]  # prefill had no address for page 2
+    assert [p for p in range(NUM_PAGES) if after[p] != before[p]] == [40, 41]  # the landing area held 2 pages
     assert after[40] == rig.p_pool.read_page(0) and after[41] == rig.p_pool.read_page(1)
     rig.receiver.verdict("over", False, "coverage_gap")
     assert handle.wait(5) and handle.status == SendStatus.REJECTED
@@ -399,6 +407,6 @@ def test_sending_to_a_dead_address_fails_the_handle(pair: Pair) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    m = build_manifest("dead", "x", [1], pair.p_pool, [0])
+    m = build_manifest("dead", cap("dead"), [1], pair.p_pool, [0])
     handle = pair.sender.send(f"mooncake://127.0.0.1:{port}", m, [0])
     assert handle.status == SendStatus.ERROR and "cannot connect" in handle.reason and handle.sender_done

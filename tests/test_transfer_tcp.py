@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
@@ -21,9 +19,12 @@ from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
-from kvfence.transfer.tcp import TcpReceiver, TcpSender, parse_address
+from kvfence.transfer.tcp import TcpReceiver, TcpSender
 from tests.helpers import kv as helpers
-from tests.helpers.kv import frame, wait_for
+from tests.helpers.auth import cap, plane_auth
+from tests.helpers.kv import WireClient, wait_for
+
+AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
 LAYOUT = KVLayout("Qwen3ForCausalLM", 3, (KVBufferSpec("k", (2, 8)), KVBufferSpec("v", (2, 8))), 4, torch.float16)
 N = 24
@@ -35,9 +36,11 @@ def seeded_pool(seed: int) -> KVPool:
 
 def test_handoff_between_two_processes_over_tcp() -> None:
     d_pool, d_alloc = KVPool(LAYOUT, N), PageAllocator(N)
-    receiver = TcpReceiver(d_pool)
+    receiver = TcpReceiver(d_pool, auth=AUTH)
     ids = list(range(500, 530))  # 30 tokens -> 8 pages
-    dec = DecodeHandoff(Expectation("xproc", 30, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec = DecodeHandoff(
+        Expectation("xproc", 30, token_hash(ids), cap("xproc")), d_alloc, d_pool, receiver, HandoffConfig()
+    )
     dec.start()
     script = textwrap.dedent(
         f"""
@@ -47,6 +50,9 @@ def test_handoff_between_two_processes_over_tcp() -> None:
         from kvfence.kv.layout import KVLayout
         from kvfence.kv.pool import KVPool
         from kvfence.transfer.base import TransferConfig
+        from kvfence.auth.keys import ClusterKey
+        from kvfence.auth.plane import PlaneAuth
+        AUTH = PlaneAuth(ClusterKey.from_hex({AUTH.key.to_hex()!r}, "test"))
         from kvfence.transfer.tcp import TcpSender
         import time
         layout = KVLayout.from_description({LAYOUT.describe()!r})
@@ -58,8 +64,9 @@ def test_handoff_between_two_processes_over_tcp() -> None:
         alloc = PageAllocator({N})
         alloc.allocate("filler", 3)
         alloc.allocate("xproc", 8)  # pages 3..10
-        sender = TcpSender(pool, TransferConfig(max_transfer_pages=3))
-        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {receiver.address!r}, HandoffConfig())
+        sender = TcpSender(pool, TransferConfig(max_transfer_pages=3), auth=AUTH)
+        pre = PrefillHandoff("xproc", {ids!r}, alloc, pool, sender, {receiver.address!r}, HandoffConfig(),
+                             transfer_id={cap("xproc")!r})
         pre.send()
         end = time.monotonic() + 20
         while not pre.settled and time.monotonic() < end:
@@ -86,13 +93,13 @@ def test_chunks_and_bytes_in_flight_are_bounded(transport: str) -> None:
     src, dst = seeded_pool(1), KVPool(LAYOUT, N)
     cfg = TransferConfig(max_transfer_pages=3, max_inflight_bytes=4 * LAYOUT.bytes_per_page)
     if transport == "tcp":
-        receiver, sender = TcpReceiver(dst), TcpSender(src, cfg)
+        receiver, sender = TcpReceiver(dst, auth=AUTH), TcpSender(src, cfg, auth=AUTH)
     else:
         fabric = LocalFabric()
-        receiver, sender = LocalReceiver(fabric, "d", dst), LocalSender(fabric, src, cfg)
+        receiver, sender = LocalReceiver(fabric, "d", dst, auth=AUTH), LocalSender(fabric, src, cfg, auth=AUTH)
     ids = list(range(80))  # 20 pages
-    m = build_manifest("r", "x", ids, src, list(range(20)))
-    slot = receiver.expect("r", list(range(23, 3, -1)))
+    m = build_manifest("r", cap("r"), ids, src, list(range(20)))
+    slot = receiver.expect("r", list(range(23, 3, -1)), cap("r"))
     handle = sender.send(receiver.address, m, list(range(20)))
     wait_for(lambda: slot.status.value == "complete")
     assert handle.chunks_sent == 7 and handle.max_chunk_pages == 3
@@ -105,20 +112,18 @@ def test_chunks_and_bytes_in_flight_are_bounded(transport: str) -> None:
 
 def test_wire_format_and_a_connection_lost_mid_transfer_fails_the_request() -> None:
     src, d_pool, d_alloc = seeded_pool(2), KVPool(LAYOUT, N), PageAllocator(N)
-    receiver = TcpReceiver(d_pool)
+    receiver = TcpReceiver(d_pool, auth=AUTH)
     ids = list(range(16))
-    dec = DecodeHandoff(Expectation("r", 16, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec = DecodeHandoff(Expectation("r", 16, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, HandoffConfig())
     dec.start()
-    m = build_manifest("r", "x", ids, src, [0, 1, 2, 3])
+    xid = cap("r")
+    m = build_manifest("r", xid, ids, src, [0, 1, 2, 3])
     bpp = LAYOUT.bytes_per_page
-    with socket.create_connection(parse_address(receiver.address)) as s:
-        s.sendall(frame({"t": "manifest", "rid": "r", "xid": "x"}, m.to_bytes()))
-        s.sendall(frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
-                         src.read_page(0) + src.read_page(1)))  # fmt: skip
-        prefix = s.recv(8, socket.MSG_WAITALL)
-        hlen, plen = struct.unpack("<II", prefix)
-        ack = json.loads(s.recv(hlen, socket.MSG_WAITALL))
-        assert ack == {"t": "chunk_ack", "rid": "r", "xid": "x", "seq": 0, "n": 2 * bpp} and plen == 0
+    with WireClient(receiver.address, AUTH) as c:
+        c.send_manifest("r", xid, m)
+        c.send({"t": "pages", "rid": "r", "xid": xid, "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
+               src.read_page(0) + src.read_page(1))  # fmt: skip
+        assert c.read() == {"t": "chunk_ack", "rid": "r", "xid": xid, "seq": 0, "n": 2 * bpp}
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
     assert dec.slot.coverage.counts.tolist() == [1, 0, 0, 0] and dec.slot.coverage.outside == 1
@@ -134,26 +139,25 @@ def test_tcp_sender_to_a_dead_address_fails_the_handle() -> None:
     port = s.getsockname()[1]
     s.close()
     src = seeded_pool(3)
-    sender = TcpSender(src)
-    handle = sender.send(f"tcp://127.0.0.1:{port}", build_manifest("r", "x", [1], src, [0]), [0])
+    sender = TcpSender(src, auth=AUTH)
+    handle = sender.send(f"tcp://127.0.0.1:{port}", build_manifest("r", cap("r"), [1], src, [0]), [0])
     assert handle.status.value == "error" and "cannot connect" in handle.reason and handle.sender_done
 
 
 def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -> None:
     src, d_pool, d_alloc = seeded_pool(4), KVPool(LAYOUT, N), PageAllocator(N)
-    receiver = TcpReceiver(d_pool)
+    receiver = TcpReceiver(d_pool, auth=AUTH)
     ids = list(range(8))
-    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids)), d_alloc, d_pool, receiver, HandoffConfig())
+    dec = DecodeHandoff(Expectation("r", 8, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, HandoffConfig())
     dec.start()
     before = [d_pool.read_page(p) for p in dec.pages]
-    bpp = LAYOUT.bytes_per_page
-    with socket.create_connection(parse_address(receiver.address)) as s:
-        s.sendall(
-            frame({"t": "manifest", "rid": "r", "xid": "x"}, build_manifest("r", "x", ids, src, [0, 1]).to_bytes())
-        )
-        s.sendall(frame({"t": "pages", "rid": "r", "xid": "x", "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp)))
-        assert s.recv(1) == b""  # the receiver hung up
+    bpp, xid = LAYOUT.bytes_per_page, cap("r")
+    with WireClient(receiver.address, AUTH) as c:
+        c.send_manifest("r", xid, build_manifest("r", xid, ids, src, [0, 1]))
+        c.send({"t": "pages", "rid": "r", "xid": xid, "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp))
+        assert c.sock.recv(1) == b""  # the receiver hung up
     wait_for(lambda: dec.poll() == DecodeState.FAILED)
     assert dec.record.reason == "transfer_error"
     assert [d_pool.read_page(p) for p in dec.pages] == before  # nothing of the oversized page was written
+    assert AUTH.events.counts().get("frame_malformed", 0) >= 1  # counted as a security event, not a traceback
     receiver.close()

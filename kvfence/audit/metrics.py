@@ -1,7 +1,8 @@
 """A saved SGLang Prometheus scrape (the body of GET /metrics): pool, context, role and failure counters.
 
-What it knows: the Prometheus text exposition format (`# HELP` / `# TYPE` lines, `name{label="v",...} value
-[timestamp]`), and the SGLang metric names it reads, all from observability/metrics_collector.py of 0.5.19 ..
+What it knows: how to read the Prometheus text exposition format (prometheus_client's own parser, the library
+SGLang renders it with: label values may hold commas, `=`, quotes and newlines), and the SGLang metric names it
+reads, all from observability/metrics_collector.py of 0.5.19 ..
 0.5.23: the gauges `sglang:max_total_num_tokens` and `sglang:context_len`, the counters
 `sglang:num_transfer_failed_reqs_total`, `sglang:num_bootstrap_failed_reqs_total`,
 `sglang:num_aborted_requests_total`, `sglang:num_requests_total`, and from 0.5.22
@@ -13,8 +14,9 @@ server started.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.audit.findings import Finding, Severity
 from kvfence.errors import KvfenceError
@@ -27,9 +29,6 @@ ABORTED = "sglang:num_aborted_requests_total"
 REQUESTS = "sglang:num_requests_total"
 DEFERRED_RELEASE = "sglang:decode_deferred_kv_release_total"
 KNOWN = (POOL, CONTEXT, TRANSFER_FAILED, BOOTSTRAP_FAILED, ABORTED, REQUESTS, DEFERRED_RELEASE)
-
-_SAMPLE_RE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -80,26 +79,16 @@ class MetricsSnapshot:
         }
 
 
-def _unescape(v: str) -> str:
-    return v.replace(r"\"", '"').replace(r"\n", "\n").replace("\\\\", "\\")
-
-
 def parse_metrics(text: str, source: str) -> MetricsSnapshot:
-    """Samples of a Prometheus text scrape; KvfenceError when nothing in it parses as a sample."""
-    samples: list[Sample] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.fullmatch(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        labels = {k: _unescape(v) for k, v in _LABEL_RE.findall(m.group(2) or "")}
-        samples.append(Sample(m.group(1), labels, value))
+    """Samples of a Prometheus text scrape; KvfenceError when it is not one or holds no sample."""
+    try:
+        samples = [
+            Sample(s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+    except (ValueError, TypeError, IndexError) as e:
+        raise KvfenceError(f"{source}: not a Prometheus text scrape ({e})") from e
     if not samples:
         raise KvfenceError(f"{source}: no Prometheus samples found (expected the body of GET /metrics)")
     return MetricsSnapshot(source, samples)

@@ -10,6 +10,9 @@ and these checks, all over `/v1/completions` with temperature 0:
   (a reply counting 1 token is the placeholder signature of a too-long request served from a stub);
 - canary leak: unique canary strings planted in some requests must never appear in another
   request's output, under a burst mixed with over-length prompts and mid-stream aborts;
+- foreign text: every prompt carries text unique to it (its tagged header, a golden prompt's own heading, a churn
+  request's random words); a reply that echoes another prompt's unique text verbatim is the leak signature an
+  operator fears most, and is critical like a canary (`prompt_markers`);
 - golden drift: a temperature-0 golden set (multi-page prompts) answered idle, replayed idle after
   unrelated "churn" requests, answered under load and idle again must not change. Decode over
   pages that were never written (the placeholder handoff served without verification) makes a
@@ -22,8 +25,10 @@ and these checks, all over `/v1/completions` with temperature 0:
 What it does not know: the server's internals (it reads kvfence's `kvfence.integrity` status when
 a reply carries one, nothing else). The replay check is only as strong as page reuse: a small
 pool, or an allocator that hands freed pages out again soon, recycles the churn's pages into the
-replay; a huge pool with a FIFO free list may not. It is bounded (request count, concurrency, wall
-time) and refuses non-loopback targets unless explicitly authorised.
+replay; a huge pool with a FIFO free list may not. What a run could not establish (page reuse, sizes it could
+not count, checks it skipped) is listed in the report (`ProbeReport.not_established`). Only text this probe
+planted is recognised in a reply; another user's text cannot be told from model output. It is bounded (request
+count, concurrency, wall time) and refuses non-loopback targets unless explicitly authorised.
 """
 
 from __future__ import annotations
@@ -31,16 +36,17 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 import secrets
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
 from kvfence.audit.findings import Finding, Severity
-from kvfence.audit.probe_verdict import Reply, ServerFacts, judge
+from kvfence.audit.probe_verdict import Limit, Reply, ServerFacts, judge, limits
 from kvfence.errors import KvfenceError
 
 FILLER = " the"
@@ -64,6 +70,29 @@ def _error_text(doc: Any, raw: str) -> str:
         if isinstance(msg, str) and msg:
             return msg[:300]
     return raw[:300]
+
+
+_GOLDEN_HEAD_RE = re.compile(r"kvfence golden \d+:")
+_HEX_WORD_RE = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{4}(?![0-9a-zA-Z])")
+MARKER_WORDS = 3  # a run of this many random 4-hex-digit words (about 48 random bits) marks a churn prompt
+
+
+def prompt_markers(prompt: str, nonce: str) -> tuple[str, tuple[str, ...]]:
+    """(owner, the text only this prompt holds): the tagged header `kvfence probe NONCE TAG:` (owner TAG), a golden
+    prompt's heading `kvfence golden I:` (owner `golden I`, sent several times: its replies share the owner), and
+    for a churn prompt every run of MARKER_WORDS consecutive random words of its body."""
+    m = re.match(rf"kvfence probe {re.escape(nonce)} ([^:]+):", prompt)
+    if m:
+        owner, marks = m.group(1), [m.group(0)]
+        if owner.startswith("churn"):
+            body = prompt[m.end() :].split(". ", 1)[-1]
+            words = _HEX_WORD_RE.findall(body)
+            marks += [" ".join(words[i : i + MARKER_WORDS]) for i in range(len(words) - MARKER_WORDS + 1)]
+        return owner, tuple(marks)
+    g = _GOLDEN_HEAD_RE.match(prompt)
+    if g:
+        return "golden " + g.group(0)[len("kvfence golden ") : -1], (g.group(0),)
+    return "", ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,7 @@ class ProbeReport:
     requests_sent: int
     elapsed_s: float
     stopped_early: str | None = None
+    not_established: list[Limit] = field(default_factory=list)
 
     def summary_rows(self) -> list[tuple]:
         rows = []
@@ -131,6 +161,7 @@ class ProbeReport:
                 for row in self.summary_rows()
             ],
             "findings": [f.to_dict() for f in self.findings],
+            "not_established": [x._asdict() for x in self.not_established],
             "replies": [r.__dict__ for r in self.replies],
         }
 
@@ -152,7 +183,7 @@ def check_target(url: str, allow_remote: bool) -> str:
         infos = socket.getaddrinfo(host, parsed.port or 80, proto=socket.IPPROTO_TCP)
     except OSError as e:
         raise KvfenceError(f"cannot resolve {host}: {e}") from e
-    addrs = {info[4][0] for info in infos}
+    addrs = {str(info[4][0]) for info in infos}
     non_loopback = sorted(a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback)
     if non_loopback:
         raise KvfenceError(
@@ -210,7 +241,7 @@ class Prober:
         self.sized = False  # prompt sizes can be computed (calibration worked)
         self.base_tokens = 0  # tokens of an empty-filler prompt, fitted
         self.per_unit = 1.0
-        self.bar = None
+        self.bar: Any = None  # the tqdm bar while run() runs
 
     # -- HTTP helpers --------------------------------------------------------------------------
     async def _get_json(self, path: str) -> Any | None:
@@ -241,12 +272,13 @@ class Prober:
             "temperature": 0,
             "seed": 0,
         }
+        owner, marks = prompt_markers(prompt, self.nonce)
         async with self.sem:
             try:
                 r = await self.client.post(
                     "/v1/completions", json=body, timeout=min(self.cfg.request_timeout_s, self.budget.remaining_s() + 1)
                 )
-                reply = Reply(check, sent, r.status_code, canary=canary)
+                reply = Reply(check, sent, r.status_code, canary=canary, owner=owner, markers=marks)
                 if r.status_code == 200:
                     doc = r.json()
                     reply.text = "".join(str(c.get("text") or "") for c in doc.get("choices") or [])
@@ -258,7 +290,9 @@ class Prober:
                     except ValueError:
                         reply.error = r.text[:300]
             except (httpx.HTTPError, ValueError) as e:
-                reply = Reply(check, sent, 0, error=f"{type(e).__name__}: {e}"[:300], canary=canary)
+                reply = Reply(
+                    check, sent, 0, error=f"{type(e).__name__}: {e}"[:300], canary=canary, owner=owner, markers=marks
+                )
         self._record(reply)
         return reply
 
@@ -274,7 +308,8 @@ class Prober:
             "temperature": 0,
             "stream": True,
         }
-        reply = Reply(check, None, -1, canary=canary)
+        owner, marks = prompt_markers(prompt, self.nonce)
+        reply = Reply(check, None, -1, canary=canary, owner=owner, markers=marks)
         async with self.sem:
             try:
                 async with self.client.stream("POST", "/v1/completions", json=body) as r:
@@ -402,17 +437,20 @@ class Prober:
                 f.models.append(str(card.get("id")))
                 if isinstance(card.get("max_model_len"), int):
                     max_model_len = card["max_model_len"]
-        info = await self._get_json("/server_info") or await self._get_json("/get_server_info") or {}
+        found = await self._get_json("/server_info") or await self._get_json("/get_server_info")
+        info: dict[str, Any] = found if isinstance(found, dict) else {}
         ctx_flag = info.get("context_length") if isinstance(info.get("context_length"), int) else None
         pool = info.get("max_total_num_tokens") if isinstance(info.get("max_total_num_tokens"), int) else None
-        capacity = info.get("capacity") if isinstance(info.get("capacity"), dict) else {}  # kvfence's /server_info
+        cap_doc = info.get("capacity")
+        capacity: dict[str, Any] = cap_doc if isinstance(cap_doc, dict) else {}  # kvfence's /server_info
         if ctx_flag is None and isinstance(capacity.get("context_length"), int):
             ctx_flag = capacity["context_length"]
         if pool is None:
             cap = capacity.get("max_total_tokens")
             sizes = list(cap.values()) if isinstance(cap, dict) else [cap]
-            if sizes and all(isinstance(x, int) for x in sizes):
-                pool = min(sizes)  # the smallest role pool bounds what a request can hold
+            ints = [x for x in sizes if isinstance(x, int)]
+            if ints and len(ints) == len(sizes):
+                pool = min(ints)  # the smallest role pool bounds what a request can hold
         if pool is None:
             for st in info.get("internal_states") or []:
                 cap = ((st or {}).get("memory_usage") or {}).get("token_capacity")
@@ -508,6 +546,15 @@ class Prober:
                 expect_deterministic=self.cfg.expect_deterministic,
                 stopped=self.budget.stopped,
             )
+            not_established = limits(
+                self.replies,
+                self.facts,
+                sized=self.sized,
+                exact_counts=self.has_tokenize,
+                expect_deterministic=self.cfg.expect_deterministic,
+                churn=self.cfg.churn,
+                stopped=self.budget.stopped,
+            )
         finally:
             self.bar.close()
             await self.client.aclose()
@@ -520,6 +567,7 @@ class Prober:
             requests_sent=self.budget.sent,
             elapsed_s=time.monotonic() - t0,
             stopped_early=self.budget.stopped,
+            not_established=not_established,
         )
 
     def planned(self) -> int:

@@ -1,17 +1,20 @@
 """The probe's verdict: what a set of replies from one server says about cross-request KV leaks.
 
 What it knows: the replies the probe collected (`Reply`: which check sent it, how many prompt tokens,
-status, text, planted canary, the server's own integrity status), what it learnt of the server
-(`ServerFacts`), and the rules that turn them into findings: over-length or over-pool prompts
-answered with 200, prompt-token accounting (the placeholder signature), canaries seen in another
-request's output, golden answers that drift between idle, replay and load, server errors within the
-limits, replies the server itself marked unverified. Pure: no I/O, no clock.
+status, text, planted canary, the prompt's owner and the text only that prompt held, the server's own integrity
+status), what it learnt of the server (`ServerFacts`), and the rules that turn them into findings: over-length
+or over-pool prompts answered with 200, prompt-token accounting (the placeholder signature), canaries seen in
+another request's output, another prompt's unique text echoed verbatim into a reply (both critical: the leak
+signature itself), golden answers that drift between idle, replay and load, server errors within the limits,
+replies the server itself marked unverified; and `limits`: what a run could not establish (page reuse in a pool
+larger than the traffic, checks skipped, inexact sizes, too few answered canaries). Pure: no I/O, no clock.
 What it does not know: how the replies were obtained (kvfence.audit.probe sends them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvfence.audit.findings import Finding, Severity
 
@@ -30,6 +33,8 @@ class Reply:
     error: str = ""
     canary: str | None = None
     server_integrity: str | None = None  # kvfence's own `kvfence.integrity.status`, when the reply has one
+    owner: str = ""  # which prompt it answered (replies to the same prompt share it)
+    markers: tuple[str, ...] = ()  # text only that prompt held (kvfence.audit.probe.prompt_markers)
 
     @property
     def failed(self) -> bool:
@@ -116,8 +121,7 @@ def judge(
                     "prompt-tokens-mismatch",
                     Severity.CRITICAL,
                     r.check,
-                    f"sent {r.sent_tokens} prompt tokens, the reply counted "
-                    f"usage.prompt_tokens={r.prompt_tokens}{sig}",
+                    f"sent {r.sent_tokens} prompt tokens, the reply counted usage.prompt_tokens={r.prompt_tokens}{sig}",
                     "the answer was computed from a different prompt than the one sent; do not trust it",
                 )
             )
@@ -147,6 +151,27 @@ def judge(
                         "(kvfence audit sglang / logs)",
                     )
                 )
+    # Another prompt's unique text in a reply: the output (or KV) of another request was served into this one.
+    owners: dict[str, str] = {}
+    for r in replies:
+        for m in r.markers:
+            owners.setdefault(m, r.owner)
+    for r in replies:
+        if not r.text:
+            continue
+        for m, owner in owners.items():
+            if owner != r.owner and m in r.text:
+                out.append(
+                    Finding(
+                        "foreign-text-echo",
+                        Severity.CRITICAL,
+                        r.check,
+                        f"a {r.check} reply contains {m!r}, text that only the prompt of another request "
+                        f"({owner}) held: another request's KV or output was served into this reply",
+                        "cross-request leak: stop serving, audit the deployment and logs (kvfence audit sglang / logs)",
+                    )
+                )
+                break
     # Golden drift: the same prompt at temperature 0 must get the same answer whatever ran before or beside it.
     drift_sev = Severity.CRITICAL if expect_deterministic else Severity.WARNING
     drift_fix = (
@@ -266,3 +291,79 @@ def judge(
             msg = f"{len(fs)} replies; first: {first.message}"
             folded.append(Finding(first.rule, first.severity, first.role, msg, first.fix))
     return folded
+
+
+class Limit(NamedTuple):
+    """Something a probe run could not establish, and why."""
+
+    check: str
+    why: str
+
+
+def limits(
+    replies: list[Reply],
+    facts: ServerFacts,
+    *,
+    sized: bool,
+    exact_counts: bool,
+    expect_deterministic: bool,
+    churn: int,
+    stopped: str | None = None,
+) -> list[Limit]:
+    """What a clean result of this run does not rule out."""
+    out: list[Limit] = []
+    ctx, pool = facts.context_length, facts.pool_tokens
+    answered = [r for r in replies if r.status == 200 or (r.status == -1 and not r.error)]
+    through = sum((r.prompt_tokens or r.sent_tokens or 0) + len(r.text.split()) for r in answered)
+    if churn == 0:
+        out.append(Limit("golden-replay", "not run (--churn 0): no replay after other traffic"))
+    if pool is None:
+        out.append(
+            Limit(
+                "golden-replay",
+                "page reuse unknown: the KV pool size is unknown (pass --pool-tokens), so nothing says whether the "
+                "churn's pages were handed to the replayed prompts",
+            )
+        )
+    elif through < pool:
+        out.append(
+            Limit(
+                "golden-replay",
+                f"page reuse not established: about {through} tokens went through a KV pool of {pool}; an "
+                "allocator that hands out never-used pages first (a large decode pool) need not have reused any "
+                "page, so a clean replay does not show that decode never reads pages another request wrote "
+                "(raise --churn / --golden, or probe a server with a smaller pool)",
+            )
+        )
+    if ctx is None or not sized:
+        why = "context length unknown" if ctx is None else f"prompt tokens cannot be counted ({facts.counter})"
+        out.append(Limit("boundary", f"not run: {why}; over-length and over-pool prompts were not sent"))
+    elif pool is None:
+        out.append(Limit("over-pool", "not run: the KV pool size is unknown (pass --pool-tokens)"))
+    if sized and not exact_counts:
+        out.append(
+            Limit(
+                "prompt-tokens",
+                f"sizes fitted from usage.prompt_tokens ({facts.counter}), not counted by /tokenize: a reply "
+                "counting a few tokens off what was sent is tolerated, so only gross mismatches (a 1-token stub) show",
+            )
+        )
+    canaries = [r for r in replies if r.canary and r.status == 200]
+    if len(canaries) < 2:
+        out.append(
+            Limit("canary", f"{len(canaries)} canary request(s) answered: too few for a canary to show up elsewhere")
+        )
+    aborts = [r for r in replies if r.check == "midstream-abort"]
+    if aborts and not any(r.status == -1 and not r.error for r in aborts):
+        out.append(Limit("midstream-abort", "no stream was open when it was aborted: the abort path was not exercised"))
+    if not expect_deterministic:
+        out.append(
+            Limit(
+                "golden",
+                "drift is a warning only: the server does not claim batch-invariant greedy decoding "
+                "(--expect-deterministic), so a changed answer is not proof of a leak",
+            )
+        )
+    if stopped:
+        out.append(Limit("probe", f"stopped early ({stopped}): the checks after that point ran partially or not"))
+    return out

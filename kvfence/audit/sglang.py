@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.audit import sglang_releases as rel
-from kvfence.audit.findings import Finding, Rule, Severity
+from kvfence.audit.findings import Finding, Location, Rule, Severity
 from kvfence.audit.metrics import metric_findings
 from kvfence.audit.sglang_server import (
     CANARY_UNSUPPORTED,
@@ -78,8 +78,20 @@ RULES = [
 ]
 
 
-def _f(rule: str, sev: Severity, s: ServerSnapshot | None, role: str, message: str, fix: str) -> Finding:
-    return Finding(rule, sev, role, message, fix, s.source if s is not None else "")
+def _f(rule: str, sev: Severity, s: ServerSnapshot | None, role: str, message: str, fix: str, *names: str) -> Finding:
+    """A finding about one server, placed at the script / JSON line that sets the first of `names` it has."""
+    if s is None:
+        return Finding(rule, sev, role, message, fix)
+    return Finding(rule, sev, role, message, fix, s.source, s.line_of(*names))
+
+
+def _both(
+    rule: str, sev: Severity, p: ServerSnapshot, d: ServerSnapshot, message: str, fix: str, *names: str
+) -> Finding:
+    """A finding about the pair, placed on the prefill side's line and the decode side's."""
+    return Finding(
+        rule, sev, "both", message, fix, p.source, p.line_of(*names), (Location(d.source, d.line_of(*names)),)
+    )
 
 
 def _rule_input(s: ServerSnapshot) -> list[Finding]:
@@ -105,6 +117,7 @@ def _rule_input(s: ServerSnapshot) -> list[Finding]:
                 s.role,
                 "SGLang's argument parser would not accept this launch command as written: " + "; ".join(s.problems),
                 "fix the flags (see `sglang serve --help` for this release); values not read are treated as unknown",
+                "version",
             )
         )
     return out
@@ -159,6 +172,7 @@ def _rule_version(s: ServerSnapshot) -> list[Finding]:
             f"SGLang {s.version} is below 0.5.22: {why}",
             "upgrade prefill and decode to SGLang >= 0.5.22 (0.5.23 also warns at start-up when the pool is below "
             "the context)",
+            "version",
         )
     )
     return out
@@ -181,6 +195,7 @@ def _rule_role(s: ServerSnapshot) -> list[Finding]:
             s.role,
             f"given as the {s.role} server but it runs with --disaggregation-mode {', '.join(wrong)}",
             "check the URLs / files passed to --prefill and --decode; each side must run its own mode",
+            "disaggregation_mode",
         )
     ]
 
@@ -218,12 +233,14 @@ def _rule_context_vs_pool(s: ServerSnapshot) -> list[Finding]:
         return []
     reaches = rel.stub_reaches_decode(v)
     if reaches:
-        sev, what = Severity.CRITICAL, (
-            f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV across "
-            "requests"
+        sev = Severity.CRITICAL
+        what = (
+            f"in SGLang {s.version} an over-pool prompt is {rel.stub_fate(v)}: the abort path that leaked KV "
+            "across requests"
         )
     elif reaches is None:
-        sev, what = Severity.WARNING, (
+        sev = Severity.WARNING
+        what = (
             "SGLang version unknown: on 0.5.19 an over-pool prompt is handed to decode as a 1-token stub (the leak "
             "path); 0.5.20 and later refuse it"
         )
@@ -239,6 +256,9 @@ def _rule_context_vs_pool(s: ServerSnapshot) -> list[Finding]:
             f"one full-length request cannot fit; {what}",
             f"lower --context-length to <= {pool.value}, or give the pool more memory (--mem-fraction-static, "
             "--max-total-tokens) on this side",
+            "context_length",
+            "max_total_tokens",
+            "max_total_num_tokens",
         )
     ]
 
@@ -261,6 +281,7 @@ def _rule_checksum_single(s: ServerSnapshot) -> list[Finding]:
                 "--disaggregation-enable-kv-checksum is on for a DeepSeek V4 pool, whose state buffers the "
                 "checksum has no indices for (asserts or leaves them unverified)",
                 "do not rely on the checksum for this model; keep deferred release on and audit logs for failures",
+                "disaggregation_enable_kv_checksum",
             )
         ]
     return []
@@ -280,6 +301,7 @@ def _rule_canary(s: ServerSnapshot) -> list[Finding]:
                     s.role,
                     f"--kv-canary is off; it does not support this pool ({POOL_KIND_LABEL[kind]}, {evidence}) anyway",
                     _checksum_advice(v) + "; keep deferred decode release on",
+                    "kv_canary",
                 )
             ]
         return [
@@ -291,6 +313,7 @@ def _rule_canary(s: ServerSnapshot) -> list[Finding]:
                 "--kv-canary is off: stale or foreign KV in this engine's pool goes undetected (the canary checks one "
                 "engine's pool, not the handoff)",
                 "start with --kv-canary log (or raise)",
+                "kv_canary",
             )
         ]
     if kind in CANARY_UNSUPPORTED:
@@ -304,6 +327,7 @@ def _rule_canary(s: ServerSnapshot) -> list[Finding]:
                 "attaches only to MHA, MHA-FP4, SWA and DeepSeek V4 pools and raises NotImplementedError at startup "
                 "otherwise (kv_canary/pool_patcher/api.py)",
                 "drop --kv-canary for this model (use --kv-canary none); " + _checksum_advice(v),
+                "kv_canary",
             )
         ]
     return []
@@ -331,6 +355,7 @@ def _rule_deferred_release(s: ServerSnapshot) -> list[Finding]:
                 + _NO_PREFILL_RELEASE,
                 f"use a backend that supports it in this release ({', '.join(sorted(backends))}); no setting enables "
                 "it on this one",
+                "disaggregation_transfer_backend",
             )
         ]
     if ev.value is True:
@@ -344,6 +369,7 @@ def _rule_deferred_release(s: ServerSnapshot) -> list[Finding]:
                 s.role,
                 f"cannot tell whether deferred decode KV release is on: {ev.source}",
                 f"pass --sglang-version or --decode-env {ENV_DEFERRED_RELEASE}=...; it must be on (decode side only)",
+                ENV_DEFERRED_RELEASE,
             )
         ]
     return [
@@ -355,6 +381,7 @@ def _rule_deferred_release(s: ServerSnapshot) -> list[Finding]:
             f"deferred decode KV release is off ({ev.source}): on abort, decode frees pages that a prefill transfer "
             f"may still write into, and the next request can read them; {_NO_PREFILL_RELEASE}",
             f"set {ENV_DEFERRED_RELEASE}=1 on the decode server (on by default from 0.5.21)",
+            ENV_DEFERRED_RELEASE,
         )
     ]
 
@@ -381,6 +408,7 @@ def _rule_mooncake(s: ServerSnapshot) -> list[Finding]:
             f"Mooncake sends all layers of a request in one unbounded batch ({ev.source}); very large batches fail "
             "the session and surface as KVTransferError on decode",
             fix,
+            ENV_MOONCAKE_BATCH,
         )
     ]
 
@@ -390,71 +418,70 @@ def _rule_metrics(s: ServerSnapshot) -> list[Finding]:
 
 
 def _pair_mismatch(
-    rule: str, what: str, p: Any, d: Any, fix: str, severity: Severity = Severity.CRITICAL
-) -> list[Finding]:
-    if p is None or d is None or p == d:
+    rule: str, what: str, pv: Any, dv: Any, fix: str, p: ServerSnapshot, d: ServerSnapshot, *names: str,
+    severity: Severity = Severity.CRITICAL,
+) -> list[Finding]:  # fmt: skip
+    if pv is None or dv is None or pv == dv:
         return []
-    return [Finding(rule, severity, "both", f"{what} differs: prefill {p}, decode {d}", fix)]
+    return [_both(rule, severity, p, d, f"{what} differs: prefill {pv}, decode {dv}", fix, *names)]
 
 
 def _rules_pair(p: ServerSnapshot, d: ServerSnapshot) -> list[Finding]:
     out: list[Finding] = []
     out += _pair_mismatch(
         "pd-version-mismatch", "SGLang version", p.version, d.version, "run the same SGLang release on both sides",
-        Severity.WARNING,
+        p, d, "version", severity=Severity.WARNING,
     )  # fmt: skip
     out += _pair_mismatch(
-        "pd-context-length-mismatch",
-        "context length",
-        context_length(p).value,
-        context_length(d).value,
+        "pd-context-length-mismatch", "context length", context_length(p).value, context_length(d).value,
         "set the same --context-length on prefill and decode (no SGLang startup check compares them)",
-    )
+        p, d, "context_length",
+    )  # fmt: skip
     out += _pair_mismatch(
-        "pd-page-size-mismatch",
-        "page size",
-        page_size(p).value,
-        page_size(d).value,
-        "set the same --page-size on both sides",
-    )
+        "pd-page-size-mismatch", "page size", page_size(p).value, page_size(d).value,
+        "set the same --page-size on both sides", p, d, "page_size",
+    )  # fmt: skip
     out += _pair_mismatch(
         "pd-kv-dtype-mismatch", "KV cache dtype", kv_cache_dtype(p), kv_cache_dtype(d),
-        "set the same --kv-cache-dtype on both sides",
+        "set the same --kv-cache-dtype on both sides", p, d, "kv_cache_dtype",
     )  # fmt: skip
     out += _pair_mismatch(
-        "pd-dtype-mismatch", "model dtype", model_dtype(p), model_dtype(d), "set the same --dtype on both sides"
-    )
+        "pd-dtype-mismatch", "model dtype", model_dtype(p), model_dtype(d), "set the same --dtype on both sides",
+        p, d, "dtype",
+    )  # fmt: skip
     pm, dm = model_id(p), model_id(d)
     if pm and dm and pm != dm and Path(pm).name != Path(dm).name:
         out.append(
-            Finding(
-                "pd-model-mismatch", Severity.CRITICAL, "both", f"model differs: prefill {pm}, decode {dm}",
-                "serve the same model (same weights and revision) on prefill and decode",
+            _both(
+                "pd-model-mismatch", Severity.CRITICAL, p, d, f"model differs: prefill {pm}, decode {dm}",
+                "serve the same model (same weights and revision) on prefill and decode", "model_path",
             )
         )  # fmt: skip
     pa, da = architectures(p), architectures(d)
     if pa and da and pa != da:
         out.append(
-            Finding(
-                "pd-model-mismatch", Severity.CRITICAL, "both", f"architectures differ: prefill {pa}, decode {da}",
-                "serve the same model on prefill and decode",
+            _both(
+                "pd-model-mismatch", Severity.CRITICAL, p, d, f"architectures differ: prefill {pa}, decode {da}",
+                "serve the same model on prefill and decode", "model_path",
             )
         )  # fmt: skip
     out += _pair_mismatch(
         "pd-transfer-backend-mismatch", "transfer backend", transfer_backend(p).value, transfer_backend(d).value,
-        "set the same --disaggregation-transfer-backend on both sides",
+        "set the same --disaggregation-transfer-backend on both sides", p, d, "disaggregation_transfer_backend",
     )  # fmt: skip
     out += _pair_mismatch(
         "pd-allocation-policy-mismatch", "decode allocation policy", allocation_policy(p), allocation_policy(d),
         "set the same --disaggregation-decode-allocation-policy on both sides (SGLang >= 0.5.22)",
+        p, d, "disaggregation_decode_allocation_policy",
     )  # fmt: skip
     pp, dp = pool_tokens(p).value, pool_tokens(d).value
     if pp and dp and pp != dp:
         out.append(
-            Finding(
-                "pd-pool-size-differs", Severity.INFO, "both",
+            _both(
+                "pd-pool-size-differs", Severity.INFO, p, d,
                 f"KV pools differ: prefill {pp} tokens, decode {dp} tokens; each side admits prompts on its own",
                 "keep both pools at or above the context length so no prompt fits one side but not the other",
+                "max_total_tokens", "max_total_num_tokens",
             )
         )  # fmt: skip
     out += _checksum_pair(p, d)
@@ -467,36 +494,42 @@ def _checksum_pair(p: ServerSnapshot, d: ServerSnapshot) -> list[Finding]:
     pc, dc = checksum_enabled(p), checksum_enabled(d)
     if rel.has_kv_checksum(v) is False:
         return [
-            Finding(
+            _both(
                 "kv-checksum-unavailable",
                 Severity.WARNING,
-                "both",
+                p,
+                d,
                 f"SGLang {rel.label(v)} has no --disaggregation-enable-kv-checksum (added in 0.5.21): decode admits "
                 "transferred KV unverified",
                 _checksum_advice(v),
+                "version",
             )
         ]
     if pc != dc:
         on = "prefill" if pc else "decode"
         return [
-            Finding(
+            _both(
                 "kv-checksum-one-side",
                 Severity.CRITICAL,
-                "both",
+                p,
+                d,
                 f"--disaggregation-enable-kv-checksum is on only on {on}: the digest is 0 or never checked, and every "
                 "transfer is admitted unverified, silently",
                 "enable --disaggregation-enable-kv-checksum on both prefill and decode",
+                "disaggregation_enable_kv_checksum",
             )
         ]
     if not pc:
         unknown = " (version unknown: the flag exists from 0.5.21)" if v is None else ""
         return [
-            Finding(
+            _both(
                 "kv-checksum-off",
                 Severity.WARNING,
-                "both",
+                p,
+                d,
                 f"--disaggregation-enable-kv-checksum is off: decode admits transferred KV unverified{unknown}",
                 _checksum_advice(v),
+                "disaggregation_enable_kv_checksum",
             )
         ]
     diffs = [
@@ -518,12 +551,17 @@ def _checksum_pair(p: ServerSnapshot, d: ServerSnapshot) -> list[Finding]:
     else:
         what = "0.5.23 admits every such request unverified; 0.5.21/0.5.22 compare digests of different layouts"
     return [
-        Finding(
+        _both(
             "kv-checksum-skipped-layout",
             Severity.WARNING,
-            "both",
+            p,
+            d,
             f"the KV checksum is on but the layouts differ ({', '.join(diffs)}): {what}",
             "make the prefill and decode KV layouts identical (page size, KV dtype, TP and PP size)",
+            "page_size",
+            "kv_cache_dtype",
+            "tp_size",
+            "pp_size",
         )
     ]
 
@@ -532,13 +570,15 @@ def _truncate_pair(p: ServerSnapshot, d: ServerSnapshot) -> list[Finding]:
     pt, dt = bool(as_bool(p.args.get("allow_auto_truncate"))), bool(as_bool(d.args.get("allow_auto_truncate")))
     if pt != dt:
         return [
-            Finding(
+            _both(
                 "allow-auto-truncate",
                 Severity.CRITICAL,
-                "both",
+                p,
+                d,
                 f"--allow-auto-truncate is on only on {'prefill' if pt else 'decode'}: one side truncates the prompt "
                 "and the other allocates for the full length",
                 "turn --allow-auto-truncate off on both sides (reject too-long prompts with 400)",
+                "allow_auto_truncate",
             )
         ]
     if pt:
@@ -556,7 +596,8 @@ def _rule_truncate_single(s: ServerSnapshot, role: str | None = None) -> list[Fi
             role or s.role,
             "--allow-auto-truncate is on: too-long prompts are silently cut instead of rejected",
             "turn --allow-auto-truncate off so clients get a 400 and can shorten the prompt",
-            "" if role else s.source,
+            s.source,
+            s.line_of("allow_auto_truncate"),
         )
     ]
 
@@ -586,5 +627,3 @@ def audit(prefill: ServerSnapshot | None, decode: ServerSnapshot | None) -> list
             if s is not None and s.recognised:
                 out += _rule_truncate_single(s)
     return out
-
-

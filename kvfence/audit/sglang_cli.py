@@ -8,6 +8,8 @@ wheels), how argparse maps each token to a ServerArgs field: exact option string
 the value parsers: `int`, `float`, and SGLang's human_readable_int (utils/common.py, the same in 0.5.19 ..
 0.5.23): an integer, or a number with a case-sensitive suffix, SI k/M/G/T (decimals allowed, e.g. 25.6k) or
 IEC Ki/Mi/Gi/Ti (integers only, e.g. 1Mi = 1,048,576).
+It also says on which line of a script the launch starts and each option (and `export`ed variable) was given, so
+findings can point at the line to change.
 What it does not know: the contents of `--config FILE`, shell expansions (`$TP`), and resolution: a value that
 is not on the command line is absent from the result, never filled in with a guessed default.
 """
@@ -54,6 +56,15 @@ class LaunchCommand(NamedTuple):
     env: dict[str, str]  # KEY=VAL prefixes and export lines
     problems: list[str]  # what SGLang's parser would refuse, or what we could not evaluate
     table: str  # which version's option table read it
+    line: int = 1  # 1-based line of the text where the launch command starts
+    arg_lines: dict[str, int] = {}  # ServerArgs field -> 1-based line of the option that set it
+    env_lines: dict[str, int] = {}  # variable -> 1-based line that set it
+
+
+class ParsedArgv(NamedTuple):
+    args: dict[str, Any]
+    problems: list[str]
+    given: dict[str, str]  # ServerArgs field -> the option token that set it (as written, e.g. `--tp`)
 
 
 def version_index(version: tuple[int, int, int] | None) -> int | None:
@@ -105,11 +116,13 @@ def _resolve(tok: str, table: dict[str, tuple[str, int | str, str]]) -> tuple[st
     return None, None, f"unrecognized argument {tok}"
 
 
-def parse_argv(argv: list[str], index: int | None, serve: bool = False) -> tuple[dict[str, Any], list[str]]:
-    """ServerArgs values from the argument list after `launch_server` / `serve`, and the problems found."""
+def parse_argv(argv: list[str], index: int | None, serve: bool = False) -> ParsedArgv:
+    """ServerArgs values from the argument list after `launch_server` / `serve`, the problems found, and which
+    token set each value."""
     table = options_for(index)
     args: dict[str, Any] = {}
     problems: list[str] = []
+    given: dict[str, str] = {}
     if serve:
         argv = list(argv)
         if argv and not argv[0].startswith("-"):  # `sglang serve MODEL ...`
@@ -141,6 +154,7 @@ def parse_argv(argv: list[str], index: int | None, serve: bool = False) -> tuple
                 problems.append(f"{opt} takes no value (got {tok})")
                 continue
             args[dest] = kind != "false"
+            given[dest] = tok
             continue
         values: list[str] = []
         if explicit is not None:
@@ -166,7 +180,8 @@ def parse_argv(argv: list[str], index: int | None, serve: bool = False) -> tuple
             problems.append(f"{opt}: {e}")
             continue
         args[dest] = converted[0] if nargs in (1, "?") and converted else converted
-    return args, problems
+        given[dest] = tok.partition("=")[0]
+    return ParsedArgv(args, problems, given)
 
 
 def _split_launch(tokens: list[str]) -> tuple[list[str], list[str], bool] | None:
@@ -179,11 +194,40 @@ def _split_launch(tokens: list[str]) -> tuple[list[str], list[str], bool] | None
     return None
 
 
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """(1-based first physical line, text) of each line once backslash continuations are joined."""
+    out: list[tuple[int, str]] = []
+    parts: list[str] = []
+    first = 0
+    for n, physical in enumerate(text.splitlines(), start=1):
+        if not parts:
+            first = n
+        if physical.rstrip("\r").endswith("\\"):
+            parts.append(physical.rstrip("\r")[:-1])
+            continue
+        parts.append(physical)
+        out.append((first, " ".join(parts)))
+        parts = []
+    if parts:
+        out.append((first, " ".join(parts)))
+    return out
+
+
+def _token_line(physical: list[str], start: int, token: str) -> int:
+    """1-based line, from `start` on, where `token` stands as a word (an option or a KEY=VAL)."""
+    pat = re.compile(r"(?<![\w-])" + re.escape(token) + r"(?![\w-])")
+    for n in range(start, len(physical) + 1):
+        if pat.search(physical[n - 1]):
+            return n
+    return start
+
+
 def parse_launch_command(text: str, version: tuple[int, int, int] | None = None) -> LaunchCommand | None:
     """The first SGLang launch in a command line or shell script; None when there is none."""
-    joined = re.sub(r"\\\r?\n", " ", text)
+    physical = text.splitlines()
     env: dict[str, str] = {}
-    for raw in joined.splitlines():
+    env_lines: dict[str, int] = {}
+    for first, raw in _logical_lines(text):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -195,20 +239,28 @@ def parse_launch_command(text: str, version: tuple[int, int, int] | None = None)
         if split is None:
             if tokens and tokens[0] == "export":
                 tokens = tokens[1:]
-            env.update(dict(t.split("=", 1) for t in tokens if _ENV_RE.match(t)))
+            for t in tokens:
+                if _ENV_RE.match(t):
+                    key, val = t.split("=", 1)
+                    env[key], env_lines[key] = val, first
             continue
         before, argv, serve = split
-        env.update(dict(t.split("=", 1) for t in before if _ENV_RE.match(t)))
+        for t in before:
+            if _ENV_RE.match(t):
+                key, val = t.split("=", 1)
+                env[key], env_lines[key] = val, first
         for k, tok in enumerate(argv):
             if _SHELL_STOP_RE.fullmatch(tok):
                 argv = argv[:k]
                 break
         index = version_index(version)
-        args, problems = parse_argv(argv, index, serve=serve)
-        if "config" in args:
-            problems.append(f"--config {args['config']}: options in that file are not read here")
+        parsed = parse_argv(argv, index, serve=serve)
+        problems = parsed.problems
+        if "config" in parsed.args:
+            problems.append(f"--config {parsed.args['config']}: options in that file are not read here")
         table = f"SGLang {sglang_flags.VERSIONS[index]}" if index is not None else "all SGLang 0.5.19-0.5.23 options"
-        return LaunchCommand(args, env, problems, table)
+        arg_lines = {dest: _token_line(physical, first, tok) for dest, tok in parsed.given.items()}
+        return LaunchCommand(parsed.args, env, problems, table, first, arg_lines, env_lines)
     return None
 
 
@@ -227,4 +279,3 @@ def parse_env_lines(text: str) -> dict[str, str]:
             continue
         env.update(dict(t.split("=", 1) for t in tokens if _ENV_RE.match(t)))
     return env
-

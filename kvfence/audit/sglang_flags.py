@@ -1,10 +1,12 @@
 # ruff: noqa: E501
+# fmt: off
 """SGLang 0.5.19 .. 0.5.23: every ServerArgs field and every launch option (generated; do not edit).
 
-What it knows: for each version (an index into VERSIONS), which ServerArgs fields exist (the keys of the
-`server_args={...}` start-up line and of `/server_info`) and which options `sglang serve` /
-`python -m sglang.launch_server` accept, with destination field, arity (0, 1, '+', '*', '?') and value kind
-('true'/'false' for flags, 'hri' for SGLang's human_readable_int, 'int', 'float', 'str').
+What it knows: for each version (an index into VERSIONS), which ServerArgs fields exist (all of them, with
+or without a launch option: the keys of the `server_args={...}` start-up line and of `/server_info`), and
+which options `sglang serve` / `python -m sglang.launch_server` accept, with destination field, arity (0, 1,
+'+', '*', '?') and value kind ('true'/'false' for flags, 'hri' for SGLang's human_readable_int, 'int',
+'float', 'str').
 What it does not know: defaults or choices. Written by `python tests/sglang_wheels.py --write` from the
 PyPI wheels (sglang/srt/server_args.py and sglang/srt/arg_groups/fields/*.py, read with ast).
 """
@@ -14,9 +16,8 @@ VERSIONS = ('0.5.19', '0.5.20', '0.5.21', '0.5.22', '0.5.23')
 # (first version index, last version index) -> the field names that exist in exactly those versions
 _FIELDS_BY_SPAN: dict[tuple[int, int], tuple[str, ...]] = {
     (0, 0): (
-        'custom_sigquit_handler', 'dsa_prefill_cp_mode', 'enable_dsa_prefill_context_parallel',
-        'enable_prefill_context_parallel', 'kv_canary_real_data', 'prefill_cp_mode', 'reasoning_parser',
-        'stat_loggers', 'tool_call_parser',
+        'dsa_prefill_cp_mode', 'enable_dsa_prefill_context_parallel', 'enable_prefill_context_parallel',
+        'prefill_cp_mode',
     ),
     (0, 1): (
         'elastic_ep_rejoin', 'keep_mm_feature_on_device',
@@ -37,16 +38,17 @@ _FIELDS_BY_SPAN: dict[tuple[int, int], tuple[str, ...]] = {
         'constrained_json_disable_any_whitespace', 'constrained_json_whitespace_pattern', 'context_length',
         'cp_strategy', 'cpu_offload_gb', 'crash_dump_folder', 'cuda_graph_backend_decode',
         'cuda_graph_backend_prefill', 'cuda_graph_bs_decode', 'cuda_graph_bs_prefill', 'cuda_graph_config',
-        'cuda_graph_max_bs_decode', 'cuda_graph_max_bs_prefill', 'custom_weight_loader', 'dcp_comm_backend',
-        'dcp_replicate_q_proj', 'dcp_size', 'debug_cuda_graph', 'debug_tensor_dump_input_file',
-        'debug_tensor_dump_layers', 'debug_tensor_dump_output_folder', 'decode_attention_backend',
-        'decode_log_interval', 'decoupled_spec_bind_endpoint', 'decoupled_spec_connect_endpoints',
-        'decoupled_spec_rank', 'decoupled_spec_role', 'decrypted_config_file', 'decrypted_draft_config_file',
-        'deepep_config', 'deepep_dispatcher_output_dtype', 'deepep_mode', 'deepep_v2_mode',
-        'default_chat_template_kwargs', 'default_priority_value', 'delete_ckpt_after_loading',
-        'detokenizer_worker_num', 'device', 'disable_attn_tp_gather', 'disable_chunked_prefix_cache',
-        'disable_cuda_graph', 'disable_cuda_graph_padding', 'disable_custom_all_reduce',
-        'disable_decode_cuda_graph', 'disable_fast_image_processor', 'disable_flashinfer_autotune',
+        'cuda_graph_max_bs_decode', 'cuda_graph_max_bs_prefill', 'custom_sigquit_handler',
+        'custom_weight_loader', 'dcp_comm_backend', 'dcp_replicate_q_proj', 'dcp_size', 'debug_cuda_graph',
+        'debug_tensor_dump_input_file', 'debug_tensor_dump_layers', 'debug_tensor_dump_output_folder',
+        'decode_attention_backend', 'decode_log_interval', 'decoupled_spec_bind_endpoint',
+        'decoupled_spec_connect_endpoints', 'decoupled_spec_rank', 'decoupled_spec_role',
+        'decrypted_config_file', 'decrypted_draft_config_file', 'deepep_config',
+        'deepep_dispatcher_output_dtype', 'deepep_mode', 'deepep_v2_mode', 'default_chat_template_kwargs',
+        'default_priority_value', 'delete_ckpt_after_loading', 'detokenizer_worker_num', 'device',
+        'disable_attn_tp_gather', 'disable_chunked_prefix_cache', 'disable_cuda_graph',
+        'disable_cuda_graph_padding', 'disable_custom_all_reduce', 'disable_decode_cuda_graph',
+        'disable_fast_image_processor', 'disable_flashinfer_autotune',
         'disable_flashinfer_cutlass_moe_fp4_allgather', 'disable_hybrid_swa_memory',
         'disable_outlines_disk_cache', 'disable_overlap_schedule', 'disable_prefill_cuda_graph',
         'disable_priority_preemption', 'disable_radix_cache', 'disable_shared_experts_fusion',
@@ -106,8 +108,8 @@ _FIELDS_BY_SPAN: dict[tuple[int, int], tuple[str, ...]] = {
         'incremental_streaming_output', 'init_expert_location', 'int8_mamba_ckpt_size', 'is_embedding',
         'json_model_override_args', 'kt_cpuinfer', 'kt_max_deferred_experts_per_token', 'kt_method',
         'kt_num_gpu_experts', 'kt_threadpool_count', 'kt_weight_path', 'kv_cache_dtype', 'kv_canary',
-        'kv_canary_sweep_interval', 'kv_events_config', 'language_model_only', 'language_only',
-        'limit_mm_data_per_request', 'linear_attn_backend', 'linear_attn_decode_backend',
+        'kv_canary_real_data', 'kv_canary_sweep_interval', 'kv_events_config', 'language_model_only',
+        'language_only', 'limit_mm_data_per_request', 'linear_attn_backend', 'linear_attn_decode_backend',
         'linear_attn_prefill_backend', 'linear_attn_verify_backend', 'linear_replayssm_cache_len',
         'lmcache_config_file', 'load_balance_method', 'load_format', 'load_publish_endpoint',
         'load_snapshot_publish_interval', 'log_level', 'log_level_http', 'log_requests', 'log_requests_format',
@@ -134,8 +136,8 @@ _FIELDS_BY_SPAN: dict[tuple[int, int], tuple[str, ...]] = {
         'prefill_delayer_token_usage_low_watermark', 'prefill_delayer_wait_seconds_buckets',
         'prefill_max_requests', 'prefill_only_disable_kv_cache', 'priority_scheduling_preemption_threshold',
         'prompt_tokens_buckets', 'quantization', 'quantization_param_path', 'quantize_and_serve',
-        'radix_cache_backend', 'radix_eviction_policy', 'random_seed', 'remote_instance_weight_loader_backend',
-        'remote_instance_weight_loader_seed_instance_ip',
+        'radix_cache_backend', 'radix_eviction_policy', 'random_seed', 'reasoning_parser',
+        'remote_instance_weight_loader_backend', 'remote_instance_weight_loader_seed_instance_ip',
         'remote_instance_weight_loader_seed_instance_service_port',
         'remote_instance_weight_loader_send_weights_group_ports',
         'remote_instance_weight_loader_start_seed_via_transfer_engine', 'retraction_policy',
@@ -158,16 +160,17 @@ _FIELDS_BY_SPAN: dict[tuple[int, int], tuple[str, ...]] = {
         'speculative_ngram_max_bfs_breadth', 'speculative_ngram_max_trie_depth',
         'speculative_ngram_min_bfs_breadth', 'speculative_num_draft_tokens', 'speculative_num_steps',
         'speculative_token_map', 'speculative_use_rejection_sampling', 'ssl_ca_certs', 'ssl_certfile',
-        'ssl_keyfile', 'ssl_keyfile_password', 'startup_weight_load_mode', 'stream_interval',
+        'ssl_keyfile', 'ssl_keyfile_password', 'startup_weight_load_mode', 'stat_loggers', 'stream_interval',
         'stream_response_default_include_usage', 'strip_thinking_cache', 'swa_full_tokens_ratio',
         'tbo_token_distribution_threshold', 'tokenizer_backend', 'tokenizer_metrics_allowed_custom_labels',
         'tokenizer_metrics_custom_labels_header', 'tokenizer_mode', 'tokenizer_path', 'tokenizer_worker_num',
-        'tool_server', 'torch_compile_max_bs', 'tp_size', 'trace_modules', 'triton_attention_num_kv_splits',
-        'triton_attention_reduce_in_fp32', 'triton_attention_split_tile_size', 'trust_mm_content_hashes',
-        'trust_remote_code', 'use_ray', 'uses_mamba_radix_cache', 'uvicorn_access_log_exclude_prefixes',
-        'warmups', 'watchdog_timeout', 'weight_cache_mode', 'weight_cache_socket', 'weight_cache_timeout',
-        'weight_loader_disable_mmap', 'weight_loader_drop_cache_after_load',
-        'weight_loader_prefetch_checkpoints', 'weight_loader_prefetch_num_threads', 'weight_version',
+        'tool_call_parser', 'tool_server', 'torch_compile_max_bs', 'tp_size', 'trace_modules',
+        'triton_attention_num_kv_splits', 'triton_attention_reduce_in_fp32', 'triton_attention_split_tile_size',
+        'trust_mm_content_hashes', 'trust_remote_code', 'use_ray', 'uses_mamba_radix_cache',
+        'uvicorn_access_log_exclude_prefixes', 'warmups', 'watchdog_timeout', 'weight_cache_mode',
+        'weight_cache_socket', 'weight_cache_timeout', 'weight_loader_disable_mmap',
+        'weight_loader_drop_cache_after_load', 'weight_loader_prefetch_checkpoints',
+        'weight_loader_prefetch_num_threads', 'weight_version',
     ),
     (1, 4): (
         '_radix_eviction_policy_explicitly_set', 'dsv4_attn_backend', 'enable_response_store',

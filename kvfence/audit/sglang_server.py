@@ -21,6 +21,7 @@ unknown unless it exposes it. What is safe is kvfence.audit.sglang's business (t
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,20 @@ class ServerSnapshot:
     problems: tuple[str, ...] = ()  # what SGLang's parser would refuse in the launch command
     metrics: MetricsSnapshot | None = None
     recognised: bool = True  # False when the JSON had none of the fields /server_info reports
+    launch_line: int | None = None  # a launch script: the line where the launch command starts
+    arg_lines: dict[str, int] = field(default_factory=dict)  # a launch script: field -> line of its option
+    env_lines: dict[str, int] = field(default_factory=dict)  # a launch script: variable -> line that set it
+
+    def line_of(self, *names: str) -> int | None:
+        """The script line that sets the first of these fields or variables that it sets, else the launch line;
+        None when the input is no script."""
+        if self.launch_line is None:
+            return None
+        for n in names:
+            line = self.arg_lines.get(n) or self.env_lines.get(n)
+            if line:
+                return line
+        return self.launch_line
 
     @property
     def version(self) -> str | None:
@@ -109,13 +124,13 @@ def pool_tokens(s: ServerSnapshot) -> Fact:
     n = _as_int(s.args.get("max_total_num_tokens"))
     if n:
         return Fact(n, "/server_info max_total_num_tokens")
-    caps = [_as_int((st.get("memory_usage") or {}).get("token_capacity")) for st in rank_states(s)]
-    caps = [c for c in caps if c]
+    caps = [c for c in (_as_int((st.get("memory_usage") or {}).get("token_capacity")) for st in rank_states(s)) if c]
     if caps:
         return Fact(min(caps), "/server_info internal_states[].memory_usage.token_capacity")
-    n = s.metrics.gauge_min("sglang:max_total_num_tokens") if s.metrics is not None else None
-    if n:
-        return Fact(n, f"sglang:max_total_num_tokens ({s.metrics.source})")
+    m = s.metrics
+    n = m.gauge_min("sglang:max_total_num_tokens") if m is not None else None
+    if n and m is not None:
+        return Fact(n, f"sglang:max_total_num_tokens ({m.source})")
     n = _as_int(s.args.get("max_total_tokens"))
     if n:
         return Fact(n, "--max-total-tokens (an upper bound; the real pool may be smaller)")
@@ -140,9 +155,10 @@ def context_length(s: ServerSnapshot) -> Fact:
         n = _as_int(parse_argv(argv, version_index(s.version_tuple))[0].get("context_length"))
         if n:
             return Fact(n, "--context-length in /server_info launch_command")
-    n = s.metrics.gauge_min("sglang:context_len") if s.metrics is not None else None
-    if n:
-        return Fact(n, f"sglang:context_len ({s.metrics.source})")
+    m = s.metrics
+    n = m.gauge_min("sglang:context_len") if m is not None else None
+    if n and m is not None:
+        return Fact(n, f"sglang:context_len ({m.source})")
     if s.max_model_len:
         return Fact(s.max_model_len, "/v1/models max_model_len")
     mril = _as_int(s.args.get("max_req_input_len"))
@@ -374,8 +390,11 @@ def snapshot_from_bundle(
         args = {**nested, **args}
     env_out: dict[str, str] = {}
     env_source = ""
-    exposed = [st.get("env_vars") for st in args.get("internal_states") or [] if isinstance(st, dict)]
-    exposed = [e for e in exposed if isinstance(e, dict)]
+    exposed: list[dict[str, Any]] = [
+        e
+        for e in (st.get("env_vars") for st in args.get("internal_states") or [] if isinstance(st, dict))
+        if isinstance(e, dict)
+    ]
     if exposed:
         env_out.update({str(k): str(v) for k, v in exposed[0].items()})
         env_source = "/server_info internal_states[].env_vars"
@@ -436,8 +455,15 @@ def _load(
         return snapshot_from_bundle(role, src, bundle), bundle
     path = Path(src)
     if path.is_file():
-        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise KvfenceError(f"cannot read {src}: {e.strerror or e}") from e
         source = str(path)
+    elif len(src.split()) == 1 and not src.lstrip().startswith("{"):
+        # One word is a path, never a launch command (that has at least `sglang serve` or `-m ...`).
+        why = "is a directory" if path.is_dir() else "no such file"
+        raise KvfenceError(f"cannot read the {role} source {src}: {why}")
     else:
         text, source = src, "command line"
     if text.lstrip().startswith("{"):
@@ -445,7 +471,10 @@ def _load(
             bundle = json.loads(text)
         except json.JSONDecodeError as e:
             raise KvfenceError(f"{source}: invalid JSON: {e}") from e
-        return snapshot_from_bundle(role, source, bundle), None
+        snap = snapshot_from_bundle(role, source, bundle)
+        if source != "command line":
+            snap = replace(snap, launch_line=1, arg_lines=_json_key_lines(text))
+        return snap, None
     if _looks_like_metrics(text):
         metrics = parse_metrics(text, source)
         return ServerSnapshot(role=role, source=source, args={}, metrics=metrics, recognised=metrics.is_sglang), None
@@ -457,6 +486,7 @@ def _load(
             f"{source}: not an SGLang /server_info JSON, /metrics scrape, or launch command "
             "('python -m sglang.launch_server ...' or 'sglang serve ...')"
         )
+    in_file = source != "command line"
     snap = ServerSnapshot(
         role=role,
         source=source,
@@ -466,8 +496,22 @@ def _load(
         env_source=f"{source} (command line)",
         from_command_line=True,
         problems=tuple(cmd.problems),
+        launch_line=cmd.line if in_file else None,
+        arg_lines=dict(cmd.arg_lines) if in_file else {},
+        env_lines=dict(cmd.env_lines) if in_file else {},
     )
     return snap, None
+
+
+_JSON_KEY_RE = re.compile(r'^\s*"([A-Za-z_][A-Za-z0-9_]*)":', re.MULTILINE)
+
+
+def _json_key_lines(text: str) -> dict[str, int]:
+    """Key -> 1-based line of its first occurrence in a pretty-printed JSON file (the top-level fields come first)."""
+    out: dict[str, int] = {}
+    for m in _JSON_KEY_RE.finditer(text):
+        out.setdefault(m.group(1), text.count("\n", 0, m.start()) + 1)
+    return out
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,14 @@ from typing import Any
 
 import torch
 
+from kvfence.auth.keys import ClusterKey
+from kvfence.auth.plane import PlaneAuth
 from kvfence.integrity.digest import PageBytes, page_digests, token_hash
 from kvfence.integrity.manifest import HandoffManifest, build_manifest
 from kvfence.integrity.verify import Expectation, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout, dtype_from_name
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import SendHandle, SlotStatus, TransferConfig
+from kvfence.transfer.base import SendHandle, SlotStatus, TransferConfig, new_transfer_id
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 
 
@@ -64,12 +66,12 @@ def _source_pool(layout: KVLayout, num_pages: int) -> KVPool:
 class _Prefill:
     """The sending side, in this process: raw copy, manifest, kvfence send."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig, key_hex: str) -> None:
         self.src = _source_pool(layout, num_pages)
         self.pages = list(range(num_pages))
         self.ids = list(range(num_pages * layout.page_size))
         self.contiguous = bytearray(b"".join(b for p in self.pages for b in PageBytes(self.src).views(p)))
-        self.sender = TcpSender(self.src, cfg)
+        self.sender = TcpSender(self.src, cfg, auth=PlaneAuth(ClusterKey.from_hex(key_hex, "bench")))
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
 
@@ -102,8 +104,8 @@ class _Prefill:
 
 def _prefill_process(conn: Any, args: tuple) -> None:
     """Child process: a `_Prefill` driven by (verb, *args) commands on a pipe."""
-    layout_desc, num_pages, cfg = args
-    prefill = _Prefill(KVLayout.from_description(layout_desc), num_pages, cfg)
+    layout_desc, num_pages, cfg, key_hex = args
+    prefill = _Prefill(KVLayout.from_description(layout_desc), num_pages, cfg, key_hex)
     conn.send("ready")
     while True:
         verb, *rest = conn.recv()
@@ -117,10 +119,10 @@ def _prefill_process(conn: Any, args: tuple) -> None:
 class _ChildPrefill:
     """The same verbs as `_Prefill`, run in a child process (no GIL shared with the receiver)."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig, key_hex: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_process, args=(child, (layout.describe(), num_pages, cfg)))
+        self.proc = ctx.Process(target=_prefill_process, args=(child, (layout.describe(), num_pages, cfg, key_hex)))
         self.proc.start()
         assert self.conn.recv() == "ready"
 
@@ -168,8 +170,9 @@ def run_handoff_bench(
     dest = list(range(num_pages))[::-1]  # a non-trivial page table
     expect_hash = token_hash(list(range(num_pages * page_size)))
     sink = bytearray(total)
-    prefill: Any = _ChildPrefill(layout, num_pages, cfg) if processes else _Prefill(layout, num_pages, cfg)
-    receiver = TcpReceiver(dst)
+    key = ClusterKey.generate()  # the pair authenticates as a deployment does (handshake, frame MACs, sealed manifest)
+    prefill: Any = (_ChildPrefill if processes else _Prefill)(layout, num_pages, cfg, key.to_hex())
+    receiver = TcpReceiver(dst, auth=PlaneAuth(key))
     listener = socket.create_server(("127.0.0.1", 0))
 
     raw_s, tcp_s, digest_s, manifest_s, verify_s = [], [], [], [], []
@@ -192,11 +195,12 @@ def run_handoff_bench(
                 prefill.done()
 
             rid = f"bench-{r}"
-            mbytes, d_s, m_s = prefill.manifest_for(rid, f"x{r}")
+            xid = new_transfer_id()
+            mbytes, d_s, m_s = prefill.manifest_for(rid, xid)
             digest_s.append(d_s)
             manifest_s.append(m_s)
             m = HandoffManifest.from_bytes(mbytes)
-            slot = receiver.expect(rid, dest)
+            slot = receiver.expect(rid, dest, xid)
             t0 = time.perf_counter()
             prefill.send(receiver.address)
             while slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
@@ -207,7 +211,8 @@ def run_handoff_bench(
                 prefill.done()
 
             t0 = time.perf_counter()
-            res = verify_handoff(m, Expectation(rid, m.num_tokens, expect_hash), layout, dest, slot.coverage, dst)
+            expect = Expectation(rid, m.num_tokens, expect_hash, xid)
+            res = verify_handoff(m, expect, layout, dest, slot.coverage, dst)
             verify_s.append(time.perf_counter() - t0)
             assert res.ok, res
             receiver.verdict(rid, True)

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfence.auth.curve import for_key as curve_keys
+from kvfence.auth.keys import ENV_KEY, ClusterKey
 from kvfence.disagg import messages as P
 from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import Router, RouterConfig
@@ -45,16 +47,18 @@ class Deployment:
 
     def __init__(self, model_dir: str, worker_args: list[str], verify: bool, log_dir: Path) -> None:
         self.verify = verify
-        self.hub = P.ZmqHub("127.0.0.1", 0)
-        self.router = Router(self.hub, RouterConfig(handoff_deadline_s=120, request_timeout_s=600))
+        key = ClusterKey.generate()  # the workers get it in their environment, as `kvfence serve` gives it
+        self.hub = P.ZmqHub("127.0.0.1", 0, curve=curve_keys(key))
+        self.router = Router(self.hub, RouterConfig(handoff_deadline_s=120, request_timeout_s=600), auth=key.describe())
         base = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", model_dir, *worker_args]
         base += ["--router-address", self.hub.address, "--log-level", "warning", "--exit-with-parent"]
         decode = ["--role", "decode", "--handoff-port", str(free_port())] + ([] if verify else ["--no-verify"])
         name = "on" if verify else "off"
         self.logs = [open(log_dir / f"{name}-{r}.log", "wb") for r in ("prefill", "decode")]  # noqa: SIM115
+        env = {**os.environ, ENV_KEY: key.to_hex()}
         self.procs = [
-            subprocess.Popen([*base, "--role", "prefill"], stdout=self.logs[0], stderr=subprocess.STDOUT),
-            subprocess.Popen([*base, *decode], stdout=self.logs[1], stderr=subprocess.STDOUT),
+            subprocess.Popen([*base, "--role", "prefill"], stdout=self.logs[0], stderr=subprocess.STDOUT, env=env),
+            subprocess.Popen([*base, *decode], stdout=self.logs[1], stderr=subprocess.STDOUT, env=env),
         ]
 
     def cpu_seconds(self) -> float:

@@ -4,10 +4,12 @@ What it knows: how to write a prefill and a decode log of a requested size quick
 SGLang 0.5.23 writes (the templates of kvfence.audit.logs.FORMATS: DP/TP/EP rank prefixes, millisecond
 timestamps, `Prefill batch` / `Decode batch` lines, `ReqTimeStats(...)` lines, uvicorn access lines, and rare
 too-long / transfer-failure lines), and how to time the scanner against baselines on the same files in the
-same run: `wc -l`, `grep -c ReqTimeStats`, and a plain Python `for line in file` loop; each method runs
-`--repeat` times and the spread is printed, as wall time and as CPU time of the process doing the work (the
-scanner is single-threaded, so MB per CPU-second is its throughput per core, and stays meaningful on a shared
-machine where wall time is inflated by other load). What it does not know: real traffic mixes.
+same run: `wc -l`, `grep -c ReqTimeStats`, a plain Python `for line in file` loop, and Python importing the
+scanner without scanning (the memory floor). Every method runs in a child process of its own, in `--repeat`
+interleaved rounds, and is measured from that child's own rusage: wall time, CPU time (the scanner is
+single-threaded, so MB per CPU-second is its throughput per core, and stays meaningful on a shared machine where
+wall time is inflated by other load) and peak resident memory (ru_maxrss), so the scanner's memory is shown next
+to its throughput. What it does not know: real traffic mixes.
 
 Run: kvfence bench logscan --size-mb 1024 --repeat 3
 """
@@ -15,17 +17,14 @@ Run: kvfence bench logscan --size-mb 1024 --repeat 3
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-
-from kvfence.audit.logs import iter_lines_baseline, scan_logs
 
 _MINUTE = "2026-03-02 10:00"
 
@@ -127,21 +126,42 @@ def write_log(path: str, mode: str, target_bytes: int) -> int:
     return written
 
 
-def _cpu_seconds() -> float:
-    """CPU time (user + system) of this process and of its finished children."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+# Runs argv[1:] as a child and prints that child's wall time, CPU time and peak RSS from its own rusage. The bench
+# runs every method through this small launcher: a child's ru_maxrss starts from the memory of the process that
+# spawned it (Linux carries the pre-exec high-water mark over exec), so it must be spawned by a small process, not
+# by the bench, which holds the generator's memory. The launcher's own ~10 MiB are the floor of every method.
+_LAUNCHER = (
+    "import json, os, subprocess, sys, time\n"
+    "t0 = time.perf_counter()\n"
+    "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)\n"
+    "out = p.stdout.read()\n"
+    "_, status, ru = os.wait4(p.pid, 0)\n"
+    "print(json.dumps({'wall': time.perf_counter() - t0, 'cpu': ru.ru_utime + ru.ru_stime,\n"
+    "                  'maxrss': ru.ru_maxrss * 1024, 'rc': os.waitstatus_to_exitcode(status),\n"
+    "                  'out': out.decode(errors='replace')}))\n"
+)
 
 
-def _timed(fn: Callable[[], object], repeat: int) -> tuple[list[float], list[float], object]:
-    """(wall seconds, CPU seconds, last result) of `repeat` runs."""
-    wall, cpu, out = [], [], None
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), _cpu_seconds()
-        out = fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(_cpu_seconds() - c0)
-    return wall, cpu, out
+def child_usage(argv: list[str]) -> tuple[float, float, int, str]:
+    """(wall s, CPU s, peak RSS in bytes, stdout) of one command, measured from its own rusage by a small launcher."""
+    r = subprocess.run([sys.executable, "-c", _LAUNCHER, *argv], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"launcher failed: {r.stderr[-500:]}")
+    doc = json.loads(r.stdout)
+    if doc["rc"] not in (0, 1, 2):  # grep -c exits 1 on no match; a crash is a crash
+        raise RuntimeError(f"{argv[:3]} exited {doc['rc']}")
+    return doc["wall"], doc["cpu"], doc["maxrss"], doc["out"]
+
+
+_SCAN = (
+    "import json, sys\n"
+    "from kvfence.audit.logs import scan_logs\n"
+    "r = scan_logs(sys.argv[1], sys.argv[2], window='hour')\n"
+    "print(json.dumps({'lines': r.lines_matched, 'noted': len(r.requests) + sum(r.requests_not_listed.values()),\n"
+    "                  'decoded': sum(r.coverage.values())}))\n"
+)
+_PY_LINES = "import sys\nprint(sum(1 for p in sys.argv[1:] for _ in open(p, 'rb', buffering=1 << 20)))\n"
+_FLOOR = "import kvfence.audit.logs\n"  # the interpreter and the imports, no scan: what every scan starts from
 
 
 def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
@@ -159,41 +179,46 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
             with open(p, "rb") as f:
                 while f.read(64 << 20):
                     pass
-
-        def py_lines() -> int:
-            return sum(1 for p in (p_path, d_path) for _ in iter_lines_baseline(p))
-
-        methods: list[tuple[str, Callable[[], object]]] = []
+        py = sys.executable
+        methods: list[tuple[str, list[str]]] = []
         if shutil.which("wc"):
-            methods.append(("wc -l", lambda: subprocess.run(["wc", "-l", p_path, d_path], check=True,
-                                                            capture_output=True)))  # fmt: skip
+            methods.append(("wc -l", ["wc", "-l", p_path, d_path]))
         if shutil.which("grep"):
-            methods.append(("grep -c ReqTimeStats", lambda: subprocess.run(
-                ["grep", "-c", "ReqTimeStats", p_path, d_path], capture_output=True)))  # fmt: skip
-        methods.append(("python 'for line in f'", py_lines))
-        methods.append(("kvfence audit logs (scan_logs)", lambda: scan_logs(p_path, d_path, window="hour")))
-        results = []
-        report = None
-        for name, fn in methods:
-            wall, cpu, out = _timed(fn, repeat)
-            results.append((name, wall, cpu))
-            if name.startswith("kvfence"):
-                report = out
-        assert report is not None
-        print(f"scanner matched {report.lines_matched} lines, {len(report.requests)} noted requests, "
-              f"{sum(report.coverage.values())} decoded requests")  # fmt: skip
-        print(f"{'method':32s} {'wall s (min-max)':>18s} {'cpu s (min-max)':>17s} {'MB/s wall':>10s} {'MB/cpu-s':>9s}")
+            methods.append(("grep -c ReqTimeStats", ["grep", "-c", "ReqTimeStats", p_path, d_path]))
+        methods.append(("python 'for line in f'", [py, "-c", _PY_LINES, p_path, d_path]))
+        methods.append(("python + imports, no scan", [py, "-c", _FLOOR]))
+        methods.append(("kvfence audit logs (scan_logs)", [py, "-c", _SCAN, p_path, d_path]))
+        results: dict[str, list[tuple[float, float, int]]] = {name: [] for name, _ in methods}
+        summary = ""
+        for _ in range(repeat):  # interleaved rounds: every method once per round
+            for name, argv in methods:
+                wall, cpu, rss, out = child_usage(argv)
+                results[name].append((wall, cpu, rss))
+                if name.startswith("kvfence"):
+                    summary = out.strip()
+        print(f"scanner summary: {summary}")
+        print(f"{'method':32s} {'wall s (min-max)':>18s} {'cpu s (min-max)':>17s} {'MB/s wall':>10s} {'MB/cpu-s':>9s}"
+              f" {'peak RSS MiB':>13s}")  # fmt: skip
         mb = total / 1e6
-        for name, wall, cpu in results:
-            w, c = statistics.median(wall), statistics.median(cpu)
-            print(f"{name:32s} {w:6.2f} ({min(wall):.2f}-{max(wall):.2f}) {c:6.2f} ({min(cpu):.2f}-{max(cpu):.2f})"
-                  f" {mb / w:10.1f} {mb / c:9.1f}")  # fmt: skip
-        scan_w, scan_c = statistics.median(results[-1][1]), statistics.median(results[-1][2])
-        for name, wall, cpu in results[:-1]:
-            print(f"scan / {name}: wall ratio {scan_w / statistics.median(wall):.1f}, "
-                  f"cpu ratio {scan_c / statistics.median(cpu):.1f}")  # fmt: skip
-        print(f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
-              f"{mb / scan_w:.1f} MB/s wall; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        med: dict[str, tuple[float, float, float]] = {}
+        for name, rows in results.items():
+            walls, cpus, rsss = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+            w, c, m = statistics.median(walls), statistics.median(cpus), max(rsss) / 2**20
+            med[name] = (w, c, m)
+            print(f"{name:32s} {w:6.2f} ({min(walls):.2f}-{max(walls):.2f}) {c:6.2f} ({min(cpus):.2f}-{max(cpus):.2f})"
+                  f" {mb / w:10.1f} {mb / max(c, 1e-9):9.1f} {m:13.1f}")  # fmt: skip
+        scan_w, scan_c, scan_m = med["kvfence audit logs (scan_logs)"]
+        for name in ("wc -l", "grep -c ReqTimeStats", "python 'for line in f'"):
+            if name in med:
+                print(f"scan / {name}: wall ratio {scan_w / med[name][0]:.1f}, "
+                      f"cpu ratio {scan_c / max(med[name][1], 1e-9):.1f}")  # fmt: skip
+        floor = med["python + imports, no scan"][2]
+        print(
+            f"scanner throughput per core: {mb / scan_c:.1f} MB per CPU-second (target >= 100); "
+            f"{mb / scan_w:.1f} MB/s wall; peak RSS {scan_m:.1f} MiB ({scan_m - floor:.1f} MiB above the "
+            f"{floor:.1f} MiB of the interpreter and imports) for {total / 2**30:.2f} GiB of logs; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
     finally:
         if not keep and work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -202,7 +227,7 @@ def run(size_mb: float, repeat: int, work_dir: str | None, keep: bool) -> int:
 
 def _add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--size-mb", type=float, default=1024.0, help="total size of the prefill + decode logs")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each method (median, min and max are printed)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of every method (median, min-max)")
     ap.add_argument("--dir", default=None, help="where to write the logs (default: a temp dir, removed after)")
     ap.add_argument("--keep", action="store_true", help="keep the generated logs")
 

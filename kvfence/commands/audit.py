@@ -2,7 +2,9 @@
 
 What it knows: the command-line surface of the two audits and how their results are shown
 (aligned text tables on stdout, or one JSON document with `--json`; `--sarif FILE` / `--junit FILE` also
-write SARIF 2.1.0 / JUnit XML for CI) and turned into an exit code (0 clean, 1 warnings, 2 critical).
+write SARIF 2.1.0 / JUnit XML for CI) and turned into an exit code (kvfence.audit.exit_status: 0 clean,
+1 warnings, 2 critical, 3 could not check, 4 usage); a tool error is one line on stderr, and the SARIF / JUnit /
+JSON outputs asked for still say that the tool could not check.
 What it does not know: the rules and the log formats; they live in kvfence.audit.sglang (rules),
 kvfence.audit.sglang_server (reading a server), kvfence.audit.logs and kvfence.audit.metrics.
 """
@@ -12,18 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from kvfence.audit import exit_status as ex
 from kvfence.audit import findings as fnd
 from kvfence.errors import KvfenceError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = ex.add_tool_parser(
+        subparsers,
         "audit",
         help="audit an SGLang PD deployment (configuration or logs) for cross-request KV leak hazards",
-        description="Audit an SGLang prefill/decode deployment for the KV handoff hazards behind cross-request "
-        "leaks. Exit code: 0 clean, 1 warnings, 2 critical.",
+        description="Audit an SGLang prefill/decode deployment for the KV handoff hazards behind cross-request leaks.",
+        epilog=ex.HELP,
     )
     p.set_defaults(func=lambda args: _usage(p))
     sub = p.add_subparsers(dest="audit_target", metavar="TARGET")
@@ -34,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check an SGLang PD deployment's configuration. Each side is a live URL (reads /server_info "
         "or /get_server_info, /model_info, /v1/models), a saved JSON file (the /server_info body or a bundle "
         "written by --save-bundle), a file holding the launch command, or the command itself.",
+        epilog=ex.HELP,
     )
     s.add_argument("--prefill", metavar="SRC", help="prefill server: URL, JSON file, launch script, or command")
     s.add_argument("--decode", metavar="SRC", help="decode server: URL, JSON file, launch script, or command")
@@ -52,14 +58,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--save-bundle", metavar="DIR", help="save what was read from live URLs as re-auditable JSON")
     s.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     _ci_outputs(s)
-    s.set_defaults(func=run_sglang)
+    s.set_defaults(func=_guarded("kvfence audit sglang", _sglang_rules, run_sglang))
 
     lg = sub.add_parser(
         "logs",
         help="scan SGLang prefill/decode logs: over-pool requests, aborted-but-transferred, checksum coverage",
-        description="Scan SGLang prefill and decode logs (streamed, any size) and report requests whose input "
-        "exceeded the pool, requests aborted on prefill but handed to decode, transfer failures, and KV checksum "
-        "coverage per request and per time window.",
+        description="Scan SGLang prefill and decode logs (streamed in bounded memory, any size; .gz too) and report "
+        "requests whose input exceeded the pool, requests aborted on prefill but handed to decode, transfer "
+        "failures, and KV checksum coverage per request and per time window.",
+        epilog=ex.HELP,
     )
     lg.add_argument("prefill_log", metavar="PREFILL.log")
     lg.add_argument("decode_log", metavar="DECODE.log", nargs="?")
@@ -73,7 +80,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lg.add_argument("--decode-metrics", metavar="FILE", help="saved /metrics scrape of the decode server")
     lg.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     _ci_outputs(lg)
-    lg.set_defaults(func=run_logs)
+    lg.set_defaults(func=_guarded("kvfence audit logs", _log_rules, run_logs))
+
+
+def _sglang_rules() -> list:
+    from kvfence.audit.sglang import RULES
+
+    return list(RULES)
+
+
+def _log_rules() -> list:
+    from kvfence.audit.logs import RULES
+
+    return list(RULES)
 
 
 def _ci_outputs(p: argparse.ArgumentParser) -> None:
@@ -81,30 +100,52 @@ def _ci_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--junit", metavar="FILE", help="also write one JUnit test case per rule checked")
 
 
-def _write_ci(args: argparse.Namespace, tool: str, rules: list, found: list) -> None:
+def _write_ci(args: argparse.Namespace, tool: str, rules: list, found: list, error: str | None = None) -> None:
     from kvfence import __version__
 
     for path, text in (
-        (args.sarif, lambda: fnd.dumps(fnd.to_sarif(tool, __version__, rules, found))),
-        (args.junit, lambda: fnd.to_junit(tool, rules, found)),
+        (args.sarif, lambda: fnd.dumps(fnd.to_sarif(tool, __version__, rules, found, error=error))),
+        (args.junit, lambda: fnd.to_junit(tool, rules, found, error=error)),
     ):
         if path:
             try:
                 Path(path).write_text(text(), encoding="utf-8")
             except OSError as e:
-                raise KvfenceError(f"cannot write {path}: {e}") from e
+                raise KvfenceError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def _guarded(
+    tool: str, rules: Callable[[], list], body: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """Run an audit; a tool error becomes one line on stderr, its own exit code, and failed CI outputs."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except (KvfenceError, OSError) as e:
+            code = ex.report_error(tool, e)
+            message = " ".join(str(e).split())
+            try:
+                _write_ci(args, tool, rules(), [], error=message)
+            except KvfenceError as e2:
+                ex.report_error(tool, e2)
+            if getattr(args, "json", False):
+                print(fnd.dumps({"tool": tool, "exit_code": code, "error": message}))
+            return code
+
+    return run
 
 
 def _usage(p: argparse.ArgumentParser) -> int:
-    p.print_help()
-    return 2
+    p.print_help(sys.stderr)
+    return ex.USAGE
 
 
 def _parse_kv(items: list[str], what: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         if "=" not in item:
-            raise KvfenceError(f"{what}: expected KEY=VAL, got {item!r}")
+            raise ex.UsageError(f"{what}: expected KEY=VAL, got {item!r}")
         k, v = item.split("=", 1)
         out[k.strip()] = v
     return out
@@ -133,7 +174,7 @@ def run_sglang(args: argparse.Namespace) -> int:
     from kvfence.audit import sglang_server as srv
 
     if not args.prefill and not args.decode:
-        raise KvfenceError("give --prefill and/or --decode (URL, JSON file, launch script, or command)")
+        raise ex.UsageError("give --prefill and/or --decode (URL, JSON file, launch script, or command)")
     snaps: dict[str, srv.ServerSnapshot | None] = {"prefill": None, "decode": None}
     for role in ("prefill", "decode"):
         src = getattr(args, role)
@@ -157,8 +198,11 @@ def run_sglang(args: argparse.Namespace) -> int:
                 raise KvfenceError(f"cannot read {mi_path}: {e}") from e
         if bundle is not None and args.save_bundle:
             out_dir = Path(args.save_bundle)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"{role}.json").write_text(fnd.dumps(bundle), encoding="utf-8")
+            try:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / f"{role}.json").write_text(fnd.dumps(bundle), encoding="utf-8")
+            except OSError as e:
+                raise KvfenceError(f"cannot write the bundle under {out_dir}: {e.strerror or e}") from e
         snaps[role] = snap
     found = fnd.sort_findings(sg.audit(snaps["prefill"], snaps["decode"]))
     code = fnd.exit_code(found)

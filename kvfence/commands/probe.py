@@ -1,8 +1,9 @@
 """`kvfence probe URL --model NAME`: bounded black-box test of a serving endpoint for KV-leak signatures.
 
-What it knows: the command line, the progress bar on stderr, the summary table and JSON report,
-and the exit code (0 clean, 1 warnings, 2 critical). What it does not know: the checks; they live
-in kvfence.audit.probe.
+What it knows: the command line, the progress bar on stderr, the summary table, what the probe could not
+establish, the JSON report, and the exit code (kvfence.audit.exit_status: 0 clean, 1 warnings, 2 critical,
+3 could not check: a refused target, a server that is down or answers nothing the probe can use; 4 usage).
+What it does not know: the checks; they live in kvfence.audit.probe.
 """
 
 from __future__ import annotations
@@ -10,33 +11,70 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvfence.audit import exit_status as ex
 from kvfence.audit import findings as fnd
+from kvfence.errors import KvfenceError
+
+TOOL = "kvfence probe"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {x}")
+    return x
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = ex.add_tool_parser(
+        subparsers,
         "probe",
         help="black-box probe of an OpenAI-compatible server: over-length prompts, canaries, aborts, drift",
         description="Probe an OpenAI-compatible server (loopback only unless --i-am-authorised) with prompts at "
         "the context length -1/0/+1, prompts above the KV pool, planted canaries, mid-stream aborts and bursts. "
         "Reports any 200 to an over-length prompt, usage.prompt_tokens that does not match what was sent, "
-        "canaries in foreign outputs, temperature-0 golden drift (idle replay after unrelated requests, under load, "
-        "after the burst) and requests the server failed. Exit code: 0 clean, 1 warnings, 2 critical.",
+        "canaries or another request's unique text in a reply (critical), temperature-0 golden drift (idle replay "
+        "after unrelated requests, under load, after the burst), requests the server failed, and what the probe "
+        "could not establish.",
+        epilog=ex.HELP,
     )
     p.add_argument("url", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--model", required=True, help="model name to send in requests")
-    p.add_argument("--context-length", type=int, help="context length (else /server_info or /v1/models)")
-    p.add_argument("--pool-tokens", type=int, help="KV pool size in tokens (else /server_info)")
-    p.add_argument("--max-requests", type=int, default=200, help="hard cap on requests sent (default 200)")
-    p.add_argument("--time-budget", type=float, default=120.0, help="wall-clock budget in seconds (default 120)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight during the burst (default 8)")
-    p.add_argument("--request-timeout", type=float, default=60.0, help="per-request timeout in seconds")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of golden/canary requests")
-    p.add_argument("--golden", type=int, default=4, help="golden prompts (each sent idle, under load, idle)")
-    p.add_argument("--canaries", type=int, default=8, help="canary requests in the burst")
-    p.add_argument("--aborts", type=int, default=4, help="mid-stream aborts in the burst")
+    p.add_argument("--context-length", type=_positive_int, help="context length (else /server_info or /v1/models)")
+    p.add_argument("--pool-tokens", type=_positive_int, help="KV pool size in tokens (else /server_info)")
+    p.add_argument("--max-requests", type=_positive_int, default=200, help="hard cap on requests sent (default 200)")
+    p.add_argument("--time-budget", type=_seconds, default=120.0, help="wall-clock budget in seconds (default 120)")
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight in the burst (default 8)")
+    p.add_argument("--request-timeout", type=_seconds, default=60.0, help="per-request timeout in seconds")
+    p.add_argument("--max-tokens", type=_positive_int, default=16, help="max_tokens of golden/canary requests")
+    p.add_argument("--golden", type=_count, default=4, help="golden prompts (each sent idle, under load, idle)")
+    p.add_argument("--canaries", type=_count, default=8, help="canary requests in the burst")
+    p.add_argument("--aborts", type=_count, default=4, help="mid-stream aborts in the burst")
     p.add_argument(
-        "--churn", type=int, default=1, help="unrelated requests between a golden prompt and its replay (default 1)"
+        "--churn", type=_count, default=1, help="unrelated requests between a golden prompt and its replay (default 1)"
     )
     p.add_argument(
         "--expect-deterministic",
@@ -58,6 +96,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (KvfenceError, OSError) as e:
+        code = ex.report_error(TOOL, e)
+        message = " ".join(str(e).split())
+        doc = {"tool": TOOL, "exit_code": code, "error": message}
+        if args.report:
+            try:
+                Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+            except OSError as e2:
+                ex.report_error(TOOL, e2)
+        if args.json:
+            print(fnd.dumps(doc))
+        return code
+
+
+def _run(args: argparse.Namespace) -> int:
     from kvfence.audit.probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(
@@ -83,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
     code = fnd.exit_code(report.findings)
     doc = {"tool": "kvfence probe", "exit_code": code, **report.to_dict()}
     if args.report:
-        Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+        try:
+            Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+        except OSError as e:
+            raise KvfenceError(f"cannot write {args.report}: {e.strerror or e}") from e
     if args.json:
         print(fnd.dumps(doc))
         return code
@@ -98,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print()
     print(fnd.render_table(["CHECK", "SENT", "200", "4XX", "OTHER", "RESULT"], report.summary_rows()))
+    if report.not_established:
+        print()
+        print("not established by this probe:")
+        print(fnd.render_table(["CHECK", "WHY"], [(x.check, x.why) for x in report.not_established], wrap={1: 100}))
     print()
     print(fnd.findings_table(report.findings))
     print()

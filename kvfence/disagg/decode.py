@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
@@ -36,7 +37,7 @@ from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Expectation
-from kvfence.transfer.base import TRANSFER_BACKENDS, Receiver
+from kvfence.transfer.base import TRANSFER_BACKENDS, Receiver, is_transfer_id
 
 if TYPE_CHECKING:
     from kvfence.disagg.worker import WorkerIdentity
@@ -162,11 +163,16 @@ class DecodeWorker:
         faults: FaultInjector | None = None,
         receiver: Receiver | None = None,
         metrics: IntegrityMetrics | None = None,
+        *,
+        auth: PlaneAuth,
     ) -> None:
+        """`auth`: the cluster key's data-plane keys and this process's security events; a `receiver` passed in
+        must use the same."""
         self.engine = engine  # kvfence.engine.llm_engine.LLMEngine
         self.identity = identity
         self.config = config or DecodeConfig()
         self.faults = faults
+        self.auth = auth
         if receiver is None:
             if self.config.transport == "local":
                 raise KvfenceError("decode: the local (in-process) transfer backend needs its receiver passed in")
@@ -175,12 +181,15 @@ class DecodeWorker:
             else:
                 from kvfence.transfer.tcp import TcpReceiver as receiver_cls
             c = self.config
-            receiver = receiver_cls(engine.pool, c.listen_host, c.listen_port, faults, io_timeout_s=c.io_timeout_s)
+            receiver = receiver_cls(
+                engine.pool, c.listen_host, c.listen_port, faults, io_timeout_s=c.io_timeout_s, auth=auth
+            )
         self.receiver = receiver
         self.metrics = metrics if metrics is not None else IntegrityMetrics()
         self._pages = _EngineReservations(engine)
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
+            sender_wait_s=2 * self.config.deadline_s,  # past the router's deadline: it fails the request first
             verdict_timeout_s=self.config.deadline_s,
             quarantine_timeout_s=self.config.deadline_s,
             verify=self.config.verify,
@@ -193,6 +202,10 @@ class DecodeWorker:
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
         self.send_msg = send
+
+    def held_request_ids(self) -> list[str]:
+        """Every request this worker holds, in any state but FINISHED (what a lost router's requests are)."""
+        return list(self.requests)
 
     def ids(self, state: DecodeRequestState) -> list[str]:
         """The requests in `state`, in arrival order."""
@@ -240,13 +253,16 @@ class DecodeWorker:
                 raise KvfenceError(
                     f"router expects {msg.tokens_expected} tokens for a prompt of {len(msg.prompt_token_ids)}"
                 )
+            if not is_transfer_id(msg.transfer_id):
+                raise KvfenceError("the router's transfer id is not a 128-bit capability")
             handoff = DecodeHandoff(
-                Expectation(rid, msg.tokens_expected, msg.token_hash),
+                Expectation(rid, msg.tokens_expected, msg.token_hash, msg.transfer_id),
                 self._pages,  # type: ignore[arg-type]
                 self.engine.pool,
                 self.receiver,
                 self._handoff_config,
                 self.metrics,
+                authenticated=self.auth.secure,
             )
         except (KvfenceError, ValueError) as e:
             self._out(P.RequestFailed(rid, self.role, f"cannot prepare request: {e}"))
@@ -488,6 +504,7 @@ class DecodeWorker:
             "handoffs_quarantined": len(quarantined),
             "handoffs_overdue": sum(req.handoff.overdue for req in quarantined),  # a write could still land
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
+            "security_events": self.auth.events.counts(),
         }
 
     def idle(self) -> bool:

@@ -52,7 +52,7 @@ from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_handoff
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, new_transfer_id
+from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, transfer_ref
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,11 @@ PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    transfer_timeout_s: float = 30.0  # decode: expect() -> sender's done
+    transfer_timeout_s: float = 30.0  # decode: the sender's manifest -> its done (the transfer itself)
+    # decode: reservation -> the sender's manifest. Prefill may first have to wait for pages (its queue, a stalled
+    # neighbour): that is not this transfer's time; the router's handoff deadline normally ends such a request first,
+    # with the reason it knows (docs/handoff.md)
+    sender_wait_s: float = 120.0
     verdict_timeout_s: float = 30.0  # prefill: done sent -> decode's verdict; then source pages are freed anyway
     quarantine_timeout_s: float = 30.0  # decode: how long a failed request's transfer may take to settle before
     # decode cuts its connection (the pages stay quarantined until it has settled, however long that takes)
@@ -102,7 +106,7 @@ class HandoffConfig:
     strict: bool = False  # poison pages when they are quarantined and when they are freed
 
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout_s", "verdict_timeout_s", "quarantine_timeout_s"):
+        for name in ("transfer_timeout_s", "sender_wait_s", "verdict_timeout_s", "quarantine_timeout_s"):
             require_positive(self, name)
 
 
@@ -117,16 +121,18 @@ class DecodeHandoff:
         receiver: Receiver,
         config: HandoffConfig | None = None,
         metrics: IntegrityMetrics | None = None,
-        transfer_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        authenticated: bool = True,
     ) -> None:
+        """`authenticated`: whether manifests are sealed with a secret cluster key (False under
+        --insecure-no-auth); the record says so."""
         if expect.tokens_expected <= 0:
             raise ValueError(f"decode handoff {expect.request_id}: expects {expect.tokens_expected} tokens")
         self.expect = expect
         self.allocator, self.pool, self.receiver = allocator, pool, receiver
         self.config = config or HandoffConfig()
         self.metrics = metrics
-        self.transfer_id = transfer_id
+        self.authenticated = authenticated
         self.clock = clock
         self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
         self.num_pages = pages_for_tokens(expect.tokens_expected, pool.page_size)
@@ -139,6 +145,7 @@ class DecodeHandoff:
         self.overdue = False  # the quarantine deadline passed with a write still possible
         self.severed = False  # ... and decode cut the transfer's connection to end it
         self._started_at = clock()
+        self._sending_since: float | None = None  # when the sender's manifest was first seen: the transfer clock
         self._failed_at: float | None = None
 
     @property
@@ -166,7 +173,7 @@ class DecodeHandoff:
         """Allocate pages for the router's expected length and expect the transfer; returns the page table."""
         assert self.slot is None, "started twice"
         self.pages = self.allocator.allocate(self.request_id, self.num_pages)
-        self.slot = self.receiver.expect(self.request_id, self.pages, self.transfer_id)
+        self.slot = self.receiver.expect(self.request_id, self.pages, self.expect.transfer_id)
         self._started_at = self.clock()
         return list(self.pages)
 
@@ -183,6 +190,7 @@ class DecodeHandoff:
         status = slot.status  # read once: the transport thread may move it on meanwhile
         if self.state == _D.WAITING and status != SlotStatus.WAITING:
             self._m.advance(_D.TRANSFERRING)
+            self._sending_since = now
         if self.state in (_D.WAITING, _D.TRANSFERRING):
             if status == SlotStatus.COMPLETE:
                 self._verify()
@@ -191,9 +199,13 @@ class DecodeHandoff:
             elif status == SlotStatus.ERROR:
                 self.receiver.abort(self.request_id, slot.error)
                 self._end(_D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
-            elif now - self._started_at > self.config.transfer_timeout_s:
+            elif self._sending_since is None and now - self._started_at > self.config.sender_wait_s:
+                detail = f"no sender started the transfer within {self.config.sender_wait_s:g}s of decode's reservation"
+                self.receiver.abort(self.request_id, detail)
+                self._end(_D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+            elif self._sending_since is not None and now - self._sending_since > self.config.transfer_timeout_s:
                 detail = (
-                    f"no complete transfer after {self.config.transfer_timeout_s}s "
+                    f"no complete transfer {self.config.transfer_timeout_s:g}s after the sender started "
                     f"({slot.coverage.num_covered}/{self.num_pages} pages landed)"
                 )
                 self.receiver.abort(self.request_id, detail)
@@ -250,7 +262,7 @@ class DecodeHandoff:
                 "decode: request %s: transfer %s not settled %.0fs after it ended (%d page write(s) in progress); "
                 "%s; its %d page(s) stay quarantined until no write can land",
                 self.request_id,
-                slot.transfer_id,
+                transfer_ref(slot.transfer_id),
                 self.config.quarantine_timeout_s,
                 slot.writing,
                 "cut its connection" if self.severed else "its writer cannot be cut from here (waiting for the sender)",
@@ -273,7 +285,8 @@ class DecodeHandoff:
             tokens_expected=self.expect.tokens_expected,
             pages=self.num_pages,
             layout_fingerprint=self.pool.layout.fingerprint,
-            transfer_id=slot.transfer_id or "",
+            transfer_ref=transfer_ref(slot.transfer_id),
+            authenticated=self.authenticated and slot.manifest is not None,
             timings=timings,
             verified=self.config.verify,
         )
@@ -294,12 +307,14 @@ class PrefillHandoff:
         address: str,
         config: HandoffConfig | None = None,
         faults: FaultInjector | None = None,
-        transfer_id: str | None = None,
+        *,
+        transfer_id: str,
         clock: Callable[[], float] = time.monotonic,
         first_token: int | None = None,
         first_logprobs: list | None = None,
     ) -> None:
-        """`first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
+        """`transfer_id`: the capability the router issued for this handoff (decode accepts no other);
+        `first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
         if not token_ids:
             raise ValueError(f"prefill handoff {request_id}: empty prompt")
         self.first_token, self.first_logprobs = first_token, first_logprobs
@@ -308,7 +323,9 @@ class PrefillHandoff:
         self.allocator, self.pool, self.sender, self.address = allocator, pool, sender, address
         self.config = config or HandoffConfig()
         self.faults = faults
-        self.transfer_id = transfer_id or new_transfer_id()
+        if not transfer_id:
+            raise ValueError(f"prefill handoff {request_id}: no transfer id (the router issues one per request)")
+        self.transfer_id = transfer_id
         self.clock = clock
         self._m = Lifecycle(f"prefill handoff {request_id}", _P.PREFILLING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None

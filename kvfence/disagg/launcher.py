@@ -15,11 +15,17 @@ when a child exits:
 * a worker that dies (killed, crashed) is restarted in its slot (same id, same ports) up
   to `max_worker_restarts` times; it registers again and takes traffic, while the router
   has failed the requests that were on it and routed new ones to the others;
-* a worker that exits with code 2 (the router refused it, or its flags are wrong:
-  starting it again would fail the same way), or anything past its restart limit, stops
-  the whole deployment with the exit codes reported, for the supervisor above.
+* a process that exits with code 2 (the router refused a worker, its flags are wrong, a port
+  it needs is taken: starting it again would fail the same way), or anything past its
+  restart limit, stops the whole deployment with the exit codes reported, for the supervisor
+  above; the router is no exception.
 
 Ctrl-C / SIGTERM stops all of them (workers first).
+
+The processes share one cluster key (`kvfence.auth.keys`): the one given, else a fresh one drawn
+here. It reaches each child through its environment (`$KVFENCE_CLUSTER_KEY`), never its command
+line, and each child removes it from its own environment once read. Under --insecure-no-auth the
+children get that flag instead.
 
 What it does not know: what the processes do; it only starts, watches and stops them.
 """
@@ -38,8 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, ClusterKey
 from kvfence.disagg.core_board import CoreBoard
 from kvfence.errors import KvfenceError
+from kvfence.server.auth import API_KEY_ENV
 
 CONFIG_ERROR_EXIT = 2  # what a kvfence process exits with on a refusal or a configuration error
 # How long an idle OpenMP thread of a worker on a core board spins before it sleeps (GNU OpenMP, torch's runtime
@@ -94,8 +102,12 @@ def slot_role(slot: str) -> str:
 class Launcher:
     """The processes of one disaggregated deployment, one per slot ("router", "prefill-0", "decode-1", ...)."""
 
-    def __init__(self, config: LaunchConfig, stdout: int | None = None, stderr: int | None = None) -> None:
+    def __init__(
+        self, config: LaunchConfig, stdout: int | None = None, stderr: int | None = None, key: ClusterKey | None = None
+    ) -> None:
+        """`key`: the deployment's cluster key (default: a fresh one, known only to this launcher's children)."""
         self.config = config
+        self.key = key if key is not None else ClusterKey.generate()
         picked = list(config.handoff_ports)
         while len(picked) < config.num_decode:
             port = free_port(config.host)
@@ -126,6 +138,8 @@ class Launcher:
         c, p = self.config, self.ports
         role = slot_role(slot)
         base = [c.python, "-m", "kvfence.disagg.worker_main", "--role", role, "--exit-with-parent", *c.common_args]
+        if not self.key.secure and "--insecure-no-auth" not in base:
+            base.append("--insecure-no-auth")
         router_addr = f"tcp://{c.host}:{p.control}"
         if slot == "router":
             return [*base, "--host", c.host, "--port", str(p.http), "--control-port", str(p.control), *c.router_args]
@@ -156,6 +170,12 @@ class Launcher:
     def _spawn(self, slot: str) -> None:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.pop(ENV_KEY_FILE, None)  # the key goes in the environment below: one source for every child
+        env.pop(ENV_KEY, None)
+        if self.key.secure:
+            env[ENV_KEY] = self.key.to_hex()
+        if slot != "router":
+            env.pop(API_KEY_ENV, None)  # only the router serves clients: the workers never see their key
         if self.core_board is not None and slot != "router":
             env.setdefault("GOMP_SPINCOUNT", str(BOARD_SPINCOUNT))
         self.procs[slot] = subprocess.Popen(
@@ -208,7 +228,7 @@ class Launcher:
         after stopping everything (see the module docstring for the rules)."""
         for slot, code in self.dead():
             limit = self.config.max_router_restarts if slot == "router" else self.config.max_worker_restarts
-            refused = slot != "router" and code == CONFIG_ERROR_EXIT
+            refused = code == CONFIG_ERROR_EXIT  # any process refused on configuration fails the same way again
             if refused or self.restarts[slot] >= limit:
                 why = "it cannot start as configured" if refused else f"restarted {self.restarts[slot]} time(s) already"
                 print(f"kvfence: {_describe([(slot, code)])} ({why}); stopping the others", file=sys.stderr)
@@ -262,14 +282,15 @@ def _describe(dead: Sequence[tuple[str, int]]) -> str:
     return ", ".join(f"{slot} exited with code {code}" for slot, code in dead)
 
 
-def launch(config: LaunchConfig) -> int:
+def launch(config: LaunchConfig, key: ClusterKey | None = None) -> int:
     """Start the processes and serve until Ctrl-C / SIGTERM or the deployment cannot go on."""
-    launcher = Launcher(config)
+    launcher = Launcher(config, key=key)
     launcher.start()
     handoff = ", ".join(f"decode-{i} {config.host}:{port}" for i, port in enumerate(launcher.ports.handoff))
+    auth = f"cluster key id {launcher.key.key_id}" if launcher.key.secure else "NO AUTHENTICATION"
     print(
         f"kvfence: router http {launcher.base_url}, control tcp://{config.host}:{launcher.ports.control}; "
-        f"{config.num_prefill} prefill and {config.num_decode} decode worker(s); handoff {handoff}",
+        f"{config.num_prefill} prefill and {config.num_decode} decode worker(s); handoff {handoff}; {auth}",
         file=sys.stderr,
     )
     return launcher.watch()

@@ -16,9 +16,9 @@ What it does not know: KV bytes (those travel on the data plane, `kvfence.transf
 what a worker does with an order, or how the router schedules.
 
 Message flow of one request (router = R, prefill = P, decode = D):
-    R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, params, deadline)
+    R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, transfer id, params, deadline)
     D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
-    R -> P  PrefillOrder(prompt ids, params, where decode listens, deadline)
+    R -> P  PrefillOrder(prompt ids, transfer id, params, where decode listens, deadline)
     P -> R  FirstToken(first token, its text and logprobs, prompt logprobs)   as soon as the prompt is computed
     P -> R  PrefillSent(pages, manifest summary, first token and its logprobs)
                                                                       (or RequestFailed)
@@ -41,9 +41,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints
 
+from kvfence.auth.curve import CurveKeys, CurveServer
+from kvfence.auth.curve import make_client as make_curve_client
+from kvfence.auth.events import SecurityEvent, SecurityEvents
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
+
+MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids as JSON; larger control messages are dropped
 
 
 class WireError(KvfenceError, ValueError):
@@ -95,6 +100,7 @@ class DecodePrepare(Message):
     prompt_token_ids: list[int]
     tokens_expected: int  # computed by the router from the prompt it admitted, never by prefill
     token_hash: str  # likewise
+    transfer_id: str  # the router's capability for this handoff (128 random bits): the only transfer decode accepts
     params: dict[str, Any]  # SamplingParams fields
     deadline_s: float  # seconds from receipt until the handoff must have verified
 
@@ -117,6 +123,7 @@ class PrefillOrder(Message):
     kind: ClassVar[str] = "prefill_order"
     request_id: str
     prompt_token_ids: list[int]
+    transfer_id: str  # the capability decode expects on the manifest (sent to this prefill and that decode only)
     params: dict[str, Any]
     handoff_address: str
     transfer_info: dict[str, Any]
@@ -504,9 +511,12 @@ class QueueHub:
 
 
 class ZmqChannel:
-    """Worker end over TCP: a DEALER socket (identity = worker id) connected to the router's ROUTER socket."""
+    """Worker end over TCP: a DEALER socket (identity = worker id) connected to the router's ROUTER socket.
 
-    def __init__(self, address: str, identity: str) -> None:
+    With `curve` (every deployment but --insecure-no-auth) the link is a CURVE client of the router: encrypted,
+    and admitted only because the worker holds the cluster key (`kvfence.auth.curve`)."""
+
+    def __init__(self, address: str, identity: str, curve: CurveKeys | None) -> None:
         import zmq
 
         self.identity = identity
@@ -515,6 +525,15 @@ class ZmqChannel:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+        self._monitor = None
+        self.handshakes_refused = 0  # CURVE handshakes the router refused (another cluster key)
+        if curve is not None:
+            make_curve_client(self._sock, curve)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            )  # fmt: skip
         self._sock.connect(address)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -526,6 +545,13 @@ class ZmqChannel:
 
     def send(self, msg: Message) -> None:
         self._sock.send(encode(msg))
+
+    def refused_handshakes(self) -> int:
+        """How many times the router refused this link's CURVE handshake so far (it holds another key)."""
+        while self._monitor is not None and self._monitor.poll(0, self._zmq.POLLIN):
+            self._monitor.recv_multipart()
+            self.handshakes_refused += 1
+        return self.handshakes_refused
 
     def recv(self, timeout: float | None = 0.0) -> Message | None:
         """Next message, or None after `timeout` seconds or when `wake` was called."""
@@ -551,6 +577,9 @@ class ZmqChannel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(0)
             self._ctx.term()
             self._wake_r.close()
@@ -562,18 +591,30 @@ class ZmqHub:
 
     The socket is touched only by the thread calling `recv`; `send` from other threads
     queues the message and wakes that thread through a socket pair, so sends never wait
-    for a poll timeout.
+    for a poll timeout. With `curve` the socket is a CURVE server that admits only holders
+    of the cluster key (`kvfence.auth.curve`); refused handshakes are counted in `events`.
+    A message that does not decode is dropped and counted (`WireError`), never raised.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        curve: CurveKeys | None = None,
+        events: SecurityEvents | None = None,
+    ) -> None:
         import zmq
 
         self._zmq = zmq
+        self.events = events if events is not None else SecurityEvents("router")
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown worker id raises instead of dropping
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker reconnecting under its id takes the id over
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+        self._curve = CurveServer(self._ctx, self._sock, curve, self.events) if curve is not None else None
+        self.secure = curve is not None
         if port == 0:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -585,6 +626,8 @@ class ZmqHub:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        if self._curve is not None:
+            self._poller.register(self._curve.monitor, zmq.POLLIN)
         self._lock = threading.Lock()
         self._unbatch = _Unbatcher()
         self.closed = False
@@ -620,10 +663,20 @@ class ZmqHub:
                         pass
                 except (BlockingIOError, OSError):
                     pass
+            if self._curve is not None and self._curve.monitor in events:
+                self._curve.drain_monitor()
             self._flush()
             if self._sock in events or self._sock.poll(0, self._zmq.POLLIN):
-                wid, data = self._sock.recv_multipart()
-                return self._unbatch.push(wid.decode(), decode(data))
+                frames = self._sock.recv_multipart()
+                if len(frames) != 2:
+                    self.events.record(SecurityEvent.FRAME_MALFORMED, f"control message of {len(frames)} parts")
+                    return None
+                wid, data = frames
+                try:
+                    return self._unbatch.push(wid.decode(errors="replace"), decode(data))
+                except WireError as e:  # an admitted peer that speaks nonsense: drop it, never the router
+                    self.events.record(SecurityEvent.FRAME_MALFORMED, f"undecodable control message from {wid!r}: {e}")
+                    return None
             return None
 
     def close(self) -> None:
@@ -632,6 +685,9 @@ class ZmqHub:
         self.closed = True
         with self._lock:
             self._flush()
+            if self._curve is not None:
+                self._sock.disable_monitor()
+                self._curve.close()
             self._sock.close(linger=1000)  # let queued messages (Shutdown) reach the workers
             self._ctx.term()
             self._wake_r.close()

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.handoff import HandoffConfig, PrefillHandoff, PrefillState
@@ -34,7 +36,7 @@ from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
-from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig
+from kvfence.transfer.base import TRANSFER_BACKENDS, Sender, SendStatus, TransferConfig, is_transfer_id
 
 if TYPE_CHECKING:
     from kvfence.disagg.worker import WorkerIdentity
@@ -92,6 +94,7 @@ class _PrefillRequest:
     order: P.PrefillOrder  # its handoff_address is filled in when decode's DecodeReserved arrives
     params: SamplingParams
     computed: RequestOutput | None = None  # the prompt's output (first token, logprobs), once COMPUTED
+    computed_at: float | None = None  # when it became COMPUTED: it holds pages from then on, at most `deadline_s`
     handoff: PrefillHandoff | None = None  # from HANDOFF on
     lifecycle: Lifecycle[PrefillRequestState] = field(init=False)
 
@@ -120,22 +123,27 @@ class PrefillWorker:
         config: PrefillConfig | None = None,
         faults: FaultInjector | None = None,
         sender: Sender | None = None,
+        *,
+        auth: PlaneAuth,
     ) -> None:
+        """`auth`: the cluster key's data-plane keys and this process's security events; a `sender` passed in
+        must use the same."""
         self.engine = engine  # kvfence.engine.llm_engine.LLMEngine
         self.identity = identity  # worker.WorkerIdentity
         self.config = config or PrefillConfig()
         self.faults = faults
+        self.auth = auth
         if sender is None:
             if self.config.transport == "local":
                 raise KvfenceError("prefill: the local (in-process) transfer backend needs its sender passed in")
             if self.config.transport == "mooncake":
                 from kvfence.transfer.mooncake import MooncakeSender
 
-                sender = MooncakeSender(engine.pool, self.config.transfer, faults)
+                sender = MooncakeSender(engine.pool, self.config.transfer, faults, auth=auth)
             else:
                 from kvfence.transfer.tcp import TcpSender
 
-                sender = TcpSender(engine.pool, self.config.transfer, faults)
+                sender = TcpSender(engine.pool, self.config.transfer, faults, auth=auth)
         self.sender = sender
         self._pages = _EnginePages(engine)
         self._handoff_config = HandoffConfig(
@@ -150,6 +158,10 @@ class PrefillWorker:
 
     def attach(self, send: Callable[[P.Message], None]) -> None:
         self.send_msg = send
+
+    def held_request_ids(self) -> list[str]:
+        """Every request this worker holds, in any state but FINISHED (what a lost router's requests are)."""
+        return list(self.requests)
 
     def ids(self, state: PrefillRequestState) -> list[str]:
         """The requests in `state`, in arrival order."""
@@ -187,6 +199,9 @@ class PrefillWorker:
         rid = msg.request_id
         if rid in self.requests:
             self._fail(rid, f"request id {rid!r} is already in use on prefill")
+            return
+        if not is_transfer_id(msg.transfer_id):
+            self._fail(rid, "the router's transfer id is not a 128-bit capability")
             return
         try:
             params = P.params_from_wire(msg.params)
@@ -242,6 +257,7 @@ class PrefillWorker:
                     req = self.requests.get(out.request_id)
                     if req is not None and req.state is _Q.COMPUTING:
                         self._finish(req)
+        self._expire_computed()
         for req in self._in(_Q.HANDOFF):
             h = req.handoff
             assert h is not None  # HANDOFF is entered with its handoff
@@ -251,6 +267,20 @@ class PrefillWorker:
                 self._report_failure(req.request_id, h)
             self._settle(req)
         return worked
+
+    def _expire_computed(self) -> None:
+        """No page is held without a clock: a computed prompt whose decode reservation has not come within
+        `deadline_s` (its relay was lost, or the router with it) is dropped and its pages freed."""
+        now = time.monotonic()
+        for req in self._in(_Q.COMPUTED):
+            if req.computed_at is not None and now - req.computed_at > self.config.deadline_s:
+                self._finish(req)
+                self.engine.release(req.request_id)
+                self._fail(
+                    req.request_id,
+                    f"timeout: decode's reservation never reached prefill within {self.config.deadline_s:.0f}s of the "
+                    "prompt being computed; its KV was dropped",
+                )
 
     def _first_token(self, out: RequestOutput) -> None:
         """Tell the router the first token now: it may stream it while the KV still travels to decode."""
@@ -276,8 +306,8 @@ class PrefillWorker:
             self.engine.release(rid)
             return
         order = req.order
-        if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has
-            req.computed = out
+        if not order.handoff_address:  # decode has not reserved yet: hold the KV until it has (or the deadline)
+            req.computed, req.computed_at = out, time.monotonic()
             req.advance(_Q.COMPUTED)
             return
         first = P.logprobs_to_wire(out.new_logprobs[-1:]) if out.new_logprobs else None
@@ -290,6 +320,7 @@ class PrefillWorker:
             order.handoff_address,
             self._handoff_config,
             self.faults,
+            transfer_id=order.transfer_id,
             first_token=int(first_token),
             first_logprobs=first[0] if first else None,
         )
@@ -349,6 +380,7 @@ class PrefillWorker:
             ),
             "handoffs_in_flight": len(self._in(_Q.HANDOFF)),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
+            "security_events": self.auth.events.counts(),
         }
 
     def idle(self) -> bool:

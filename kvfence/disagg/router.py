@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
+from kvfence.auth.events import SecurityEvents, SecurityEventsCollector
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_positive
 from kvfence.disagg.lifecycle import Lifecycle
@@ -58,6 +59,7 @@ from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason
 from kvfence.server.admission import admit
 from kvfence.server.engine_client import Capacity, GenerationChunk
+from kvfence.transfer.base import new_transfer_id
 
 logger = logging.getLogger(__name__)
 integrity_logger = logging.getLogger("kvfence.integrity")
@@ -125,6 +127,7 @@ class _Flight:
     params: SamplingParams
     tokens_expected: int
     token_hash: str
+    transfer_id: str  # the capability this request's handoff must carry; sent to its two workers only
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[P.Message]
     started: float = field(default_factory=time.monotonic)
@@ -198,10 +201,19 @@ class Router:
     """EngineClient over N prefill and M decode workers, reached through a `Hub`."""
 
     def __init__(
-        self, hub: P.Hub, config: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        hub: P.Hub,
+        config: RouterConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        auth: dict[str, Any] | None = None,
     ) -> None:
+        """`auth`: what /server_info says of the deployment's authentication (`ClusterKey.describe()`; None: an
+        in-process deployment, no key)."""
         self.hub = hub
         self.config = config or RouterConfig()
+        self.auth = auth or {"enabled": False, "key_id": None}
+        hub_events = getattr(hub, "events", None)
+        self.security_events = hub_events if isinstance(hub_events, SecurityEvents) else SecurityEvents("router")
         # What the router judges by (worker silence, handoff deadlines, orders in transit). Blocking waits
         # (registration at start, a request's own timeout, inbox polls) stay on real time. Tests pass a
         # clock they move, so a healthy worker starved under load is never judged silent.
@@ -216,6 +228,7 @@ class Router:
         self.transfer_counts: Counter[str] = Counter()
         self.records: list[IntegrityRecord] = []  # last records (bounded), for tests
         self.integrity_metrics = IntegrityMetrics()  # Prometheus counters, in a registry of this router
+        self.integrity_metrics.registry.register(SecurityEventsCollector(self.security_event_counts))
         self._receiver: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = False
@@ -366,6 +379,7 @@ class Router:
             params=params,
             tokens_expected=len(prompt),  # the router's own count of what it admitted (invariant 2, docs/handoff.md)
             token_hash=token_hash(prompt),  # likewise, from the ids it admitted
+            transfer_id=new_transfer_id(),  # a fresh capability: only this prefill may hand this decode the KV
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             started=self._clock(),
@@ -395,6 +409,7 @@ class Router:
             P.PrefillOrder(
                 request_id=request_id,
                 prompt_token_ids=prompt,
+                transfer_id=flight.transfer_id,
                 params=P.params_to_wire(params),
                 handoff_address="",  # decode's DecodeReserved follows with it
                 transfer_info={},
@@ -408,6 +423,7 @@ class Router:
                 prompt_token_ids=prompt,
                 tokens_expected=flight.tokens_expected,
                 token_hash=flight.token_hash,
+                transfer_id=flight.transfer_id,
                 params=P.params_to_wire(params),
                 deadline_s=self.config.handoff_deadline_s,
             ),
@@ -577,10 +593,24 @@ class Router:
             "max_total_tokens": dict(cap.max_total_tokens) if cap else {},
             "digest_algorithm": DIGEST_ALGORITHM,
             "router": dataclasses.asdict(self.config),
+            "auth": {
+                **self.auth,
+                "control_plane": "zeromq-curve" if self.auth.get("enabled") else "off",
+                "data_plane": "hmac-sha256 handshake + frame macs" if self.auth.get("enabled") else "off",
+                "manifests": "hmac-sha256" if self.auth.get("enabled") else "off",
+                "transfer_ids": "router-issued, 128-bit",
+                "encrypted": "control plane only" if self.auth.get("enabled") else "nothing",
+            },
             "roles": roles,
             "workers": workers,
             "model_fingerprint": identity.model_fingerprint if identity else None,
         }
+
+    def security_event_counts(self) -> dict[str, dict[str, int]]:
+        """Source -> kind -> count: this router's security events and the last counts each worker reported."""
+        with self._lock:
+            workers = {wid: dict(e.stats.get("security_events") or {}) for wid, e in self.workers.entries.items()}
+        return {"router": self.security_events.counts(), **{w: c for w, c in workers.items() if c}}
 
     def stats(self) -> dict[str, Any]:
         """Per role (summed over its up workers that reported) and per worker: pages, requests, load."""
@@ -721,10 +751,25 @@ class Router:
                 if now - src.since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
                     del self._sources[rid]
         for flight in late:
-            reason = (
-                f"KV handoff did not complete within {self.config.handoff_deadline_s:.0f}s (state {flight.state.value})"
+            self._fail_flight(flight, "router", self._lateness(flight), code="timeout")
+
+    def _lateness(self, flight: _Flight) -> str:
+        """Why a flight missed its handoff deadline, as far as the router can tell: prefill never computed the
+        prompt (with what its last load report said), or the handoff did not finish after it had."""
+        limit = f"{self.config.handoff_deadline_s:g}s"
+        if flight.first is not None:
+            return f"KV handoff did not complete within {limit} (prefill had computed the prompt)"
+        with self._lock:
+            e = self.workers.get(flight.prefill_id)
+            s = dict(e.stats) if e is not None else {}
+        load = ""
+        if s:
+            load = (
+                f"; its last report: {s.get('queued_prompt_tokens', '?')} prompt tokens queued, "
+                f"{s.get('pages_free', '?')} of {s.get('pages_total', '?')} KV pages free, "
+                f"{s.get('handoffs_in_flight', '?')} handoffs holding pages"
             )
-            self._fail_flight(flight, "router", reason, code="timeout")
+        return f"prefill worker {flight.prefill_id} did not compute the prompt within {limit}{load}"
 
     # -- worker health --------------------------------------------------------------------------------------
     def _check_workers(self) -> None:

@@ -48,6 +48,7 @@ class Worker(Protocol):
     # `set_waker(fn)`, given the channel's `wake` so other threads can end the loop's wait
     def stats(self) -> dict[str, Any]: ...
     def attach(self, send: Any) -> None: ...
+    def held_request_ids(self) -> list[str]: ...  # every request not finished here, whatever its state
     def close(self) -> None: ...
 
 
@@ -83,9 +84,16 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
     worker.attach(channel.send)
     channel.send(worker.registration())
     deadline = time.monotonic() + timeout
+    refused = getattr(channel, "refused_handshakes", None)
     while time.monotonic() < deadline:
         msg = channel.recv(timeout=0.5)
         if msg is None:
+            if refused is not None and refused() >= 3:  # the router is there and says no: a key mismatch
+                raise CapacityConfigError(
+                    f"the router refused this {worker.role} worker's control-plane handshake {refused()} times: it "
+                    "holds another cluster key (give every process of the deployment the same --cluster-key-file; "
+                    "each logs its key id at start)"
+                )
             continue
         if isinstance(msg, P.RegisterReply):
             if msg.reason.startswith(REREGISTER):  # an answer to a message queued before our Register: the
@@ -182,18 +190,10 @@ def run_worker(
         worker.close()
 
 
-def held_request_ids(worker: Any) -> list[str]:
-    """Every request a prefill or decode worker holds (queued, running, handing off)."""
-    rids: list[str] = []
-    for name in ("orders", "handoffs", "incoming", "running"):
-        rids += list(getattr(worker, name, {}))
-    rids += [inc.prepare.request_id for inc in getattr(worker, "queued", ())]
-    return list(dict.fromkeys(rids))
-
-
-def drop_requests(worker: Any, reason: str) -> int:
-    """Abort every request the worker holds, as the router's Abort would (pages freed or quarantined)."""
-    rids = held_request_ids(worker)
+def drop_requests(worker: Worker, reason: str) -> int:
+    """Abort every request the worker holds, as the router's Abort would (pages freed, or quarantined until their
+    transfer settles); returns how many."""
+    rids = worker.held_request_ids()
     for rid in rids:
         worker.handle(P.Abort(rid, reason))
     return len(rids)

@@ -25,6 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvfence.auth.curve import for_key as curve_keys
+from kvfence.auth.events import SecurityEvents
+from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, INSECURE_WARNING, ClusterKey, load_cluster_key
+from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
 from kvfence.disagg.worker import Worker, WorkerIdentity, model_fingerprint, register, run_worker
 from kvfence.errors import KvfenceError
@@ -44,6 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cluster_key(args: argparse.Namespace, role: str) -> ClusterKey:
+    """The deployment secret this process runs with (`kvfence.auth.keys.load_cluster_key`); the environment copy
+    `kvfence serve` handed us is removed, so nothing this process starts inherits it."""
+    key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth)
+    os.environ.pop(ENV_KEY, None)
+    if key.secure:
+        logger.info("%s: authenticated planes, cluster key id %s", role, key.key_id)
+    else:
+        logger.warning("%s: %s", role, INSECURE_WARNING)
+    return key
+
+
+def cluster_auth(key: ClusterKey) -> str:
+    """What a start-up line says of the internal planes' authentication."""
+    return f"cluster auth on (key id {key.key_id})" if key.secure else "cluster auth OFF (--insecure-no-auth)"
+
+
 def parse_faults(value: str | None) -> Any:
     """`--inject-fault NAME[@PATTERN][#PAGE][%N],...` -> a FaultInjector (None when absent); see kvfence.faults."""
     from kvfence.faults import FaultInjector
@@ -57,8 +78,8 @@ def parse_faults(value: str | None) -> Any:
 # -- building workers -------------------------------------------------------------------------------------
 
 
-def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
-    """The prefill or decode worker the flags describe (engine with its own pool, transport, faults)."""
+def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> Worker:
+    """The prefill or decode worker the flags describe (engine with its own pool, transport, faults, keys)."""
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
     from kvfence.server.role_engine import build_role_engine
@@ -66,8 +87,10 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
 
     engine, context_length, _ = build_role_engine(args, model_dir, args.role)
     faults = parse_faults(args.inject_fault)
+    worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    auth = PlaneAuth(key, SecurityEvents(worker_id))
     identity = WorkerIdentity(
-        worker_id=args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}",
+        worker_id=worker_id,
         model_name=args.served_model_name or Path(model_dir).name,
         model_fingerprint=model_fingerprint(model_dir),
         settings={
@@ -76,6 +99,7 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             "kernels": engine.resolved.kernels,
             "verify": not args.no_verify,
             "allow_context_above_pool": bool(args.allow_context_above_pool),
+            "auth": key.describe(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
         },
@@ -91,8 +115,9 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
         if args.throttle_kv_send:
             if args.transport != "tcp":
                 raise KvfenceError("--throttle-kv-send works with --transfer-backend tcp only")
-            return PrefillWorker(engine, identity, config, faults=faults, sender=throttled_sender(engine.pool, args))
-        return PrefillWorker(engine, identity, config, faults=faults)
+            sender = throttled_sender(engine.pool, args, auth)
+            return PrefillWorker(engine, identity, config, faults=faults, sender=sender, auth=auth)
+        return PrefillWorker(engine, identity, config, faults=faults, auth=auth)
     if args.handoff_port is None:
         raise KvfenceError("decode: --handoff-port is required (the launcher picks a free one and passes it)")
     if args.no_verify:
@@ -110,10 +135,11 @@ def build_worker(args: argparse.Namespace, model_dir: str) -> Worker:
             io_timeout_s=args.kv_io_timeout_s,
         ),
         faults=faults,
+        auth=auth,
     )
 
 
-def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
+def throttled_sender(pool: Any, args: argparse.Namespace, auth: PlaneAuth) -> Any:
     """A TCP sender that sends one page per frame and sleeps before each page frame (`--throttle-kv-send`)."""
     from kvfence.transfer.base import TransferConfig
     from kvfence.transfer.tcp import TcpSender
@@ -138,7 +164,7 @@ def throttled_sender(pool: Any, args: argparse.Namespace) -> Any:
             return conn
 
     config = TransferConfig(max_transfer_pages=1, io_timeout_s=args.kv_io_timeout_s)
-    return SlowTcpSender(pool, config, parse_faults(args.inject_fault))
+    return SlowTcpSender(pool, config, parse_faults(args.inject_fault), auth=auth)
 
 
 # -- roles (each a function(args) -> exit code, also registered with `kvfence serve`) --------------------
@@ -184,17 +210,24 @@ def _exit_with_parent() -> None:
 def run_router(args: argparse.Namespace) -> int:
     from kvfence.config import resolve_model_dir
     from kvfence.disagg.router import Router, RouterConfig
-    from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
-    from kvfence.server.launch import run_server
+    from kvfence.server.args import flag_values, grammar_budget
+    from kvfence.server.auth import api_key_from
+    from kvfence.server.launch import check_free, listen, run_server
+    from kvfence.server.role_engine import load_tokenizer
+    from kvfence.server.startup import startup_line
+    from kvfence.server.tool_parsers import resolve_parser
 
     if args.control_port is None:
         raise KvfenceError("router: --control-port is required (the port workers register on)")
     if args.exit_with_parent:
         _exit_with_parent()
+    key = cluster_key(args, ROUTER)
+    sock = listen(args.host, args.port)  # both ports are checked before the router waits for anyone
+    check_free(args.host, args.control_port, "--control-port")
     set_torch_threads(ROUTER, args.torch_threads)
     model_dir = resolve_model_dir(args.model)
-    hub = P.ZmqHub(args.host, args.control_port)
+    hub = P.ZmqHub(args.host, args.control_port, curve=curve_keys(key), events=SecurityEvents(ROUTER))
     router = Router(
         hub,
         RouterConfig(
@@ -207,19 +240,37 @@ def run_router(args: argparse.Namespace) -> int:
             wait_decode_workers=args.decode_workers,
             first_token_before_verdict=not args.first_token_after_verify,
         ),
+        auth=key.describe(),
     )
     try:
         router.wait_for_workers()
         router.start()
-        tokenizer = Tokenizer.from_dir(Path(model_dir))
+        tokenizer = load_tokenizer(args, model_dir)
         settings = ApiSettings(
             served_model_name=router.model_name,
             max_body_bytes=args.max_body_bytes,
             vocab_size=router.vocab_size,
-            server_args=router.server_info(),
+            server_args=flag_values(args),  # the live workers are in /server_info's `engine`, not a snapshot
             logprobs_mode=args.logprobs_mode,
+            tool_call_parser=resolve_parser(args.tool_call_parser, tokenizer.chat_template),
+            grammar_budget=grammar_budget(args),
+            api_key=api_key_from(args.api_key),
         )
-        run_server(build_app(router, tokenizer, settings), args.host, args.port, args.log_level)
+        ports = {"control": f"tcp://{args.host}:{args.control_port}"}
+        run_server(
+            build_app(router, tokenizer, settings),
+            args.host,
+            args.port,
+            args.log_level,
+            sock=sock,
+            banner=lambda url: startup_line(
+                ROUTER,
+                router.server_info(),
+                {**ports, "serving": url},
+                settings.api_key is not None,
+                cluster_auth(key),
+            ),  # fmt: skip
+        )
     finally:
         router.close()
     return 0
@@ -230,8 +281,23 @@ def run_worker_role(args: argparse.Namespace) -> int:
 
     if not args.router_address:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")
+    from kvfence.server.startup import engine_info, loading_line, startup_line
+
+    key = cluster_key(args, args.role)
+    if args.role == DECODE and args.handoff_port:
+        from kvfence.server.launch import check_free
+
+        check_free(args.handoff_host, args.handoff_port, "--handoff-port")  # before the model loads
     set_torch_threads(args.role, args.torch_threads)
-    worker = build_worker(args, resolve_model_dir(args.model))
+    model_dir = resolve_model_dir(args.model)
+    print(loading_line(args.role, model_dir), file=sys.stderr, flush=True)
+    worker = build_worker(args, model_dir, key)
+    identity = worker.identity
+    ports = {"router": args.router_address}
+    if args.role == DECODE:
+        ports["kv data"] = f"{args.handoff_host}:{args.handoff_port}"
+    info = engine_info(worker.engine, identity.model_name, identity.context_length)
+    print(startup_line(args.role, info, ports, None, cluster_auth(key)), file=sys.stderr, flush=True)
     cores = None
     if args.core_board is not None:
         from kvfence.disagg.core_board import CoreBoard
@@ -247,7 +313,7 @@ def run_worker_role(args: argparse.Namespace) -> int:
         cores = CoreBoard(args.core_board, args.core_board_slot, share=torch.get_num_threads(), borrow=borrow)
         logger.info("%s: slot %d of this host's core board (%d threads shared, borrowing: %s)", args.role, cores.slot,
                     cores.budget, borrow)  # fmt: skip
-    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id)
+    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id, curve_keys(key))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -298,6 +364,11 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--reconnect-timeout-s", args.reconnect_timeout_s),
         ("--torch-threads", args.torch_threads),
         ("--kv-io-timeout-s", args.kv_io_timeout_s),
+        ("--tokenizer", args.tokenizer),
+        ("--chat-template", args.chat_template),
+        ("--tool-call-parser", args.tool_call_parser),
+        ("--max-grammar-bytes", args.max_grammar_bytes),
+        ("--grammar-compile-timeout-s", args.grammar_compile_timeout_s),
     ):
         if value is not None:
             common += [flag, str(value)]
@@ -305,6 +376,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--allow-context-above-pool", args.allow_context_above_pool),
         ("--strict-kv", args.strict_kv),
         ("--first-token-after-verify", args.first_token_after_verify),
+        ("--insecure-no-auth", args.insecure_no_auth),
     ):
         if on:
             common.append(flag)
@@ -328,6 +400,16 @@ def run_launch(args: argparse.Namespace) -> int:
 
     if args.model is None:  # build the default model once here, not three times in parallel
         args.model = resolve_model_dir(None, lambda m: print(f"kvfence: {m}", file=sys.stderr))
+    # The processes we start share one secret: the key given (file or environment), else a fresh one. It reaches
+    # them through their environment, never their command lines.
+    given = args.cluster_key_file or os.environ.get(ENV_KEY_FILE) or os.environ.get(ENV_KEY)
+    key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth) if given or args.insecure_no_auth else None
+    key = key or ClusterKey.generate()
+    if not key.secure:
+        print(f"kvfence: {INSECURE_WARNING}", file=sys.stderr)
+    from kvfence.server.launch import check_free
+
+    check_free(args.host, args.port, "--port")  # before any process starts (the router would die on it)
     common, prefill, decode = launch_command_args(args)
     workers = args.prefill_workers + args.decode_workers
     core_budget = None
@@ -350,7 +432,8 @@ def run_launch(args: argparse.Namespace) -> int:
             max_router_restarts=args.max_router_restarts,
             max_worker_restarts=args.max_worker_restarts,
             core_budget=core_budget,
-        )
+        ),
+        key,
     )
 
 

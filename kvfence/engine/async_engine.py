@@ -9,7 +9,9 @@ async iterator. Errors the engine raises for a request (bad input) are delivered
 that request's caller; a crash inside `step()` fails every request in flight with
 finish_reason "error" and is counted, and the engine keeps serving new ones.
 Numbers for /metrics are a snapshot the engine thread takes after every iteration,
-so readers never race the engine.
+so readers never race the engine. Each request's last chunk carries its `RequestTimings`
+(vLLM's meanings): queued from `generate` to the first step that scheduled it, prefill
+from then to its first token, decode from there to its last.
 
 What it does not know: HTTP, admission (the API checks the capacity this reports) or
 disaggregation (the router is a different EngineClient). Aggregated mode has no KV
@@ -23,7 +25,9 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from kvfence.engine.llm_engine import LLMEngine, RequestOutput
@@ -31,7 +35,7 @@ from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.integrity.record import IntegrityRecord
 from kvfence.roles import AGGREGATED as ROLE  # the one role this engine serves
-from kvfence.server.engine_client import Capacity, GenerationChunk
+from kvfence.server.engine_client import Capacity, GenerationChunk, RequestTimings
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +51,28 @@ class _Add(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrived: float  # monotonic time `generate` was called
+
+
+@dataclass
+class _Clock:
+    """When one request arrived, was first scheduled and got its first token (monotonic seconds)."""
+
+    arrived: float
+    scheduled: float | None = None
+    first_token: float | None = None
+
+    def timings(self, now: float) -> RequestTimings:
+        scheduled = self.scheduled if self.scheduled is not None else now
+        first = self.first_token if self.first_token is not None else now
+        return RequestTimings(queued_s=scheduled - self.arrived, prefill_s=first - scheduled, decode_s=now - first)
 
 
 class _Abort(NamedTuple):
     request_id: str
 
 
-def _chunk(out: RequestOutput, layout_fingerprint: str) -> GenerationChunk:
+def _chunk(out: RequestOutput, layout_fingerprint: str, timings: RequestTimings | None = None) -> GenerationChunk:
     extra: dict[str, Any] = {}
     if out.finished and out.stop_reason is not None:
         extra["stop_reason"] = out.stop_reason
@@ -67,6 +86,7 @@ def _chunk(out: RequestOutput, layout_fingerprint: str) -> GenerationChunk:
         logprobs=out.new_logprobs,
         prompt_logprobs=out.prompt_logprobs,
         integrity=_local_record(out.request_id, out.num_prompt_tokens, layout_fingerprint) if out.finished else None,
+        timings=timings,
         extra=extra,
     )
 
@@ -98,6 +118,7 @@ class AsyncLLMEngine:
         self._inbox: collections.deque[_Add | _Abort] = collections.deque()
         self._streams: dict[str, _Stream] = {}  # requests in flight, by id
         self._num_prompt: dict[str, int] = {}  # their prompt lengths, for the record of a failed step
+        self._clocks: dict[str, _Clock] = {}  # their timings so far (engine thread only)
         self._stopping = False
         self._step_errors = 0
         self._last_error: str | None = None
@@ -142,7 +163,7 @@ class AsyncLLMEngine:
                 raise KvfenceError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._num_prompt[request_id] = len(prompt_token_ids)
-            self._inbox.append(_Add(request_id, list(prompt_token_ids), params))
+            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, time.monotonic()))
             self._cond.notify()
         done = False
         try:
@@ -186,6 +207,7 @@ class AsyncLLMEngine:
             "architecture": getattr(e.loaded, "architecture", None),
             "dtype": cfg.model.dtype,
             "device": cfg.model.device,
+            "kernels": r.kernels,
             "vocab_size": e.vocab_size,
             "eos_token_ids": sorted(getattr(e.tokenizer, "eos_token_ids", []) or []),
             "context_length": self._capacity.context_length,
@@ -233,9 +255,24 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
             pass
 
+    def _clock_step(self, step_start: float, outputs: list[RequestOutput]) -> None:
+        """After a step: requests it scheduled for the first time, and first tokens it produced."""
+        now = time.monotonic()
+        scheduled = {r.request_id for r in self.engine.scheduler.running}
+        scheduled.update(out.request_id for out in outputs)
+        for request_id in scheduled:
+            clock = self._clocks.get(request_id)
+            if clock is not None and clock.scheduled is None:
+                clock.scheduled = step_start
+        for out in outputs:
+            clock = self._clocks.get(out.request_id)
+            if clock is not None and clock.first_token is None and out.new_token_ids:
+                clock.first_token = now
+
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for cmd in commands:
             if isinstance(cmd, _Abort):
+                self._clocks.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
                 continue
             stream = self._streams.get(cmd.request_id)
@@ -245,6 +282,7 @@ class AsyncLLMEngine:
                 self.engine.add_request(
                     cmd.request_id, sampling_params=cmd.params, prompt_token_ids=cmd.prompt_token_ids
                 )
+                self._clocks[cmd.request_id] = _Clock(cmd.arrived)
             except Exception as e:  # bad input: the caller gets the error (InvalidRequestError -> HTTP 400)
                 self._deliver(stream, e)
 
@@ -253,6 +291,7 @@ class AsyncLLMEngine:
         fingerprint = self.engine.resolved.layout_fingerprint
         for request_id, stream in list(self._streams.items()):
             num_prompt = self._num_prompt.get(request_id, 0)
+            self._clocks.pop(request_id, None)
             try:
                 self.engine.abort_request(request_id)
             except Exception:
@@ -276,8 +315,10 @@ class AsyncLLMEngine:
             outputs: list[RequestOutput] = []
             if engine.has_unfinished_requests():
                 try:
+                    step_start = time.monotonic()
                     outputs = engine.step()
                     self._num_steps += 1
+                    self._clock_step(step_start, outputs)
                 except Exception as e:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._step_errors += 1
@@ -286,8 +327,10 @@ class AsyncLLMEngine:
             self._take_snapshot()  # before delivering: a client that saw its last token sees its pages freed
             for out in outputs:
                 stream = self._streams.get(out.request_id)
+                clock = self._clocks.pop(out.request_id, None) if out.finished else None
+                timings = clock.timings(time.monotonic()) if clock is not None else None
                 if stream is not None:
-                    self._deliver(stream, _chunk(out, self.engine.resolved.layout_fingerprint))
+                    self._deliver(stream, _chunk(out, self.engine.resolved.layout_fingerprint, timings))
             if not outputs and engine.has_unfinished_requests():
                 with self._cond:  # nothing could run (e.g. waiting for pages): do not spin
                     if not self._inbox and not self._stopping:

@@ -167,9 +167,11 @@ class LLMEngine:
         model_context = int(loaded.context_length)
         context_length = config.context_length or model_context
         if context_length > model_context:
+            from kvfence.models.loader import context_length_source
+
             raise ConfigError(
                 f"--context-length {context_length} exceeds the model's context length {model_context} "
-                "(max_position_embeddings in config.json)"
+                f"({context_length_source(loaded.hf_config)})"
             )
         page_size = config.cache.page_size
         num_pages = config.cache.num_pages_for(context_length)
@@ -224,7 +226,11 @@ class LLMEngine:
                 )
         return ids
 
-    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False
+    ) -> None:
+        """Refuse what this engine can never serve. A `prefill_only` request (prefill of a disaggregated pair) holds
+        its prompt and first token only: its max_tokens are decode's business, checked by decode and the router."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         if not isinstance(params, SamplingParams):
@@ -245,7 +251,12 @@ class LLMEngine:
                     f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param
                 )
         pool_tokens = self.resolved.pool_tokens
-        if n + params.max_tokens > pool_tokens:
+        if prefill_only and n + 1 > pool_tokens:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + its first token do not fit in the KV pool of {pool_tokens} tokens",
+                param="prompt",
+            )
+        if not prefill_only and n + params.max_tokens > pool_tokens:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens "
                 f"do not fit in the KV pool of {pool_tokens} tokens; lower max_tokens or raise --max-total-tokens",
@@ -306,7 +317,7 @@ class LLMEngine:
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = self._tokenize(prompt, prompt_token_ids)
-        self._validate(request_id, ids, params)
+        self._validate(request_id, ids, params, prefill_only)
         req = self._make_request(request_id, ids, params, prefill_only)
         self.scheduler.add_request(req)
         self._track(req)

@@ -9,6 +9,12 @@ relay. It encodes to compact JSON bytes (digests and canaries packed as
 little-endian uint64 in base64; no pickle) with a version field, and refuses to
 decode anything it does not fully understand.
 
+On the wire a manifest is sealed (`seal`): a 32-byte HMAC-SHA256 tag under the cluster key's
+manifest key, over the exact manifest bytes (request id, transfer id, token count and hash,
+layout, every page digest and canary), followed by those bytes. Decode opens it (`unseal`)
+before it parses a byte of it or touches the request's slot: a party without the key cannot
+produce a manifest that verifies, nor alter one (docs/handoff.md, "Trust model").
+
 What it does not know: whether any of it is true. Decode checks every field against
 its own expectation (from the router) and its own layout in `integrity.verify`.
 """
@@ -16,6 +22,8 @@ its own expectation (from the router) and its own layout in `integrity.verify`.
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +41,31 @@ MANIFEST_VERSION = 1
 PLACEHOLDER_TOKEN = 0  # the stand-in token of the incident (SGLang set origin_input_ids=[0])
 
 
+MANIFEST_TAG_BYTES = 32
+
+
 class ManifestError(KvfenceError):
     """Manifest bytes that cannot be decoded (bad version, missing or malformed field)."""
+
+
+class ManifestAuthError(ManifestError):
+    """A sealed manifest whose MAC does not verify: not made by a holder of the cluster key, or altered."""
+
+
+def seal(data: bytes, key: bytes) -> bytes:
+    """The manifest as it travels: HMAC-SHA256(key, data) followed by `data`."""
+    return hmac.new(key, data, hashlib.sha256).digest() + data
+
+
+def unseal(payload: bytes | bytearray | memoryview, key: bytes) -> bytes:
+    """The manifest bytes inside `payload`, after checking its MAC in constant time (ManifestAuthError if not)."""
+    raw = bytes(payload)
+    if len(raw) < MANIFEST_TAG_BYTES:
+        raise ManifestAuthError(f"sealed manifest of {len(raw)} bytes is shorter than its tag")
+    tag, data = raw[:MANIFEST_TAG_BYTES], raw[MANIFEST_TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.new(key, data, hashlib.sha256).digest()):
+        raise ManifestAuthError("manifest MAC does not verify: not sealed with this deployment's cluster key")
+    return data
 
 
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:

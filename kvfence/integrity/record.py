@@ -4,8 +4,10 @@ What it knows: the fields every request's record carries (status verified /
 rejected / failed, or `unverified` when verification was switched off for a
 demonstration, or `local` in aggregated mode, where the prompt's KV never left the
 process that reads it, so the fields about a handoff are null; reason code; tokens
-covered; pages; digest algorithm; layout fingerprint; timings), how to print it as one JSON log line and as the
-`kvfence.integrity` field of an API response, and the Prometheus counters that
+covered; pages; digest algorithm; layout fingerprint; a reference to the transfer (a hash
+of its id: the id itself is a capability and never leaves the workers); whether the manifest
+was authenticated with a cluster key (False under --insecure-no-auth); timings), how to
+print it as one JSON log line and as the `kvfence.integrity` field of an API response, and the Prometheus counters that
 count them, held in a registry object the caller owns (no per-request globals).
 
 What it does not know: how the handoff went; `disagg.handoff` fills it in.
@@ -50,7 +52,8 @@ class IntegrityRecord:
     pages: int | None
     digest_algorithm: str | None = DIGEST_ALGORITHM
     layout_fingerprint: str = ""
-    transfer_id: str | None = ""
+    transfer_ref: str | None = ""  # `transfer.base.transfer_ref` of the transfer id (None: local, no transfer)
+    authenticated: bool | None = None  # the manifest was sealed with a secret cluster key (None: no manifest)
     role: str = "decode"
     timings: dict[str, float] = field(default_factory=dict)  # seconds: transfer, verify, total
     # output tokens the router released to the client before decode's verdict reached it: the first token, computed
@@ -88,7 +91,7 @@ class IntegrityRecord:
             pages=None,
             digest_algorithm=None,
             layout_fingerprint=layout_fingerprint,
-            transfer_id=None,
+            transfer_ref=None,
             role="aggregated",
         )
 
@@ -101,7 +104,8 @@ class IntegrityRecord:
         tokens_expected: int,
         pages: int,
         layout_fingerprint: str,
-        transfer_id: str = "",
+        transfer_ref: str = "",
+        authenticated: bool | None = None,
         role: str = "decode",
         timings: dict[str, float] | None = None,
         verified: bool = True,
@@ -115,7 +119,8 @@ class IntegrityRecord:
             tokens_covered=result.tokens_covered,
             pages=pages,
             layout_fingerprint=layout_fingerprint,
-            transfer_id=transfer_id,
+            transfer_ref=transfer_ref,
+            authenticated=authenticated,
             role=role,
             timings=dict(timings or {}),
         )
@@ -138,7 +143,8 @@ class IntegrityRecord:
             "pages": self.pages,
             "digest_algorithm": self.digest_algorithm,
             "layout_fingerprint": self.layout_fingerprint,
-            "transfer_id": self.transfer_id,
+            "transfer_ref": self.transfer_ref,
+            "authenticated": self.authenticated,
             "tokens_before_verdict": self.tokens_before_verdict,
         }
 

@@ -76,6 +76,7 @@ class Expectation(NamedTuple):
     request_id: str
     tokens_expected: int  # the router's count of the prompt it admitted (the manifest's `num_tokens` is prefill's)
     token_hash: str
+    transfer_id: str  # the capability the router issued for this handoff: the only transfer decode accepts
 
 
 class VerifyResult(NamedTuple):

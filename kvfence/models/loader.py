@@ -175,6 +175,19 @@ def context_length_of(hf_config: Any) -> int:
     return min(n, window) if window else n
 
 
+def context_length_source(hf_config: Any) -> str:
+    """Which config.json field sets `context_length_of`, for messages that refuse a longer context."""
+    from kvfence.models.llama import sliding_window_of
+
+    window = sliding_window_of(hf_config)
+    if window and window < int(hf_config.max_position_embeddings):
+        return (
+            f"sliding_window {window} in config.json: kvfence attends over the whole context, so it serves at most "
+            "one window (max_position_embeddings is larger)"
+        )
+    return "max_position_embeddings in config.json"
+
+
 def load_model(
     model_dir: str | Path,
     *,

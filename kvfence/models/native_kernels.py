@@ -65,7 +65,9 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
         key = hashlib.sha256("\0".join([source, *extra_cflags]).encode()).hexdigest()[:12]  # a new build per edit
         name = f"kvfence_native_kernels_{key}"
         if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
-            logger.warning("building kvfence's native CPU kernels (first use on this machine; 30-60 s, then cached)")
+            from kvfence.config import NATIVE_BUILD_ESTIMATE
+
+            logger.warning("building kvfence's native CPU kernels (first use here: %s)", NATIVE_BUILD_ESTIMATE)
         module = load_inline(
             name=name,
             cpp_sources=[source],

@@ -1,8 +1,9 @@
 """The command-line flags of `kvfence serve` and of `python -m kvfence.disagg.worker_main`, defined once.
 
 What it knows: the flags of the HTTP front end and its start-up checks, shared by every
-role (--role, --host, --port, --served-model-name, --allow-context-above-pool,
---max-body-bytes, --seed, --logprobs-mode, --log-level), and the flags of the
+role (--role, --host, --port, --served-model-name, --api-key, --tokenizer, --chat-template,
+--tool-call-parser, the grammar budget, --allow-context-above-pool, --max-body-bytes,
+--seed, --logprobs-mode, --log-level), and the flags of the
 disaggregated roles and of a whole deployment (--disagg, --router-address, --control-port,
 --handoff-port, --transfer-backend, timeouts, restart limits, worker counts, ...). A flag
 that sets a config dataclass's field takes that field's default (RouterConfig,
@@ -20,7 +21,9 @@ from kvfence.disagg.decode import DecodeConfig
 from kvfence.disagg.launcher import LaunchConfig
 from kvfence.disagg.router import RouterConfig
 from kvfence.disagg.worker import RECONNECT_TIMEOUT_S
+from kvfence.engine.structured_output import GrammarBudget
 from kvfence.roles import ROLES
+from kvfence.server.tool_parsers import PARSERS
 from kvfence.transfer.base import TRANSFER_BACKENDS, TransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -46,6 +49,51 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="model name clients send (default: the model dir name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics stay open); also "
+        "read from $KVFENCE_API_KEY, which keeps it out of the process list. The router and aggregated serve check "
+        "it; it never appears in logs, /server_info or /metrics",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a local directory with the tokenizer.json to use instead of the model's (its eos ids stay the model's)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the Jinja chat template to render messages with instead of the tokenizer's: a file, or the template "
+        "itself",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *PARSERS],
+        help="the format tool calls are parsed from in the output under tool_choice auto: hermes "
+        '(<tool_call>{...}</tool_call>), llama3_json ({"name": ..., "parameters": ...}); auto: llama3_json when '
+        "the chat template speaks of <|python_tag|> or an ipython role, else hermes (default: auto)",
+    )
+    g.add_argument(
+        "--max-grammar-bytes",
+        type=_positive_int,
+        default=GrammarBudget.max_grammar_bytes,
+        metavar="N",
+        help="largest grammar (xgrammar EBNF) a response_format or forced tool call may compile to; larger ones get "
+        f"HTTP 400 (default: {GrammarBudget.max_grammar_bytes})",
+    )
+    g.add_argument(
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=GrammarBudget.compile_timeout_s,
+        metavar="S",
+        help="longest a request waits for its grammar to compile (off the step loop); past it the request gets "
+        f"HTTP 400 and the schema is refused at once from then on (default: {GrammarBudget.compile_timeout_s:g})",
     )
     g.add_argument(
         "--allow-context-above-pool",
@@ -80,6 +128,21 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start a router and --prefill-workers / --decode-workers workers (one process each, free loopback "
         "ports); role-specific pool sizes: --prefill-max-total-tokens / --decode-max-total-tokens",
+    )
+    g.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="the deployment secret every router and worker of one deployment must share (64 hex characters, mode "
+        "600; `kvfence cluster-key PATH` writes one); also $KVFENCE_CLUSTER_KEY_FILE. It authenticates the control "
+        "plane (CURVE), the KV data plane and every manifest. `kvfence serve` without --role makes a fresh one for "
+        "the processes it starts; a role started on its own refuses to start without one",
+    )
+    g.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="run the control and data planes WITHOUT authentication (anyone who can reach the ports can register "
+        "workers and forge KV handoffs that verify): tests and demos only; /server_info says auth is off",
     )
     g.add_argument("--router-address", default=None, metavar="URL", help="workers: the router's tcp://host:port")
     g.add_argument("--control-port", type=int, default=None, metavar="N", help="router: control-plane port")
@@ -220,3 +283,24 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def grammar_budget(args: argparse.Namespace) -> GrammarBudget:
+    """The grammar budget the flags give (a ConfigError-free check: argparse already refused non-positive sizes)."""
+    from kvfence.errors import KvfenceError
+
+    if not args.grammar_compile_timeout_s > 0:
+        raise KvfenceError(f"--grammar-compile-timeout-s must be positive, got {args.grammar_compile_timeout_s:g}")
+    return GrammarBudget(max_grammar_bytes=args.max_grammar_bytes, compile_timeout_s=args.grammar_compile_timeout_s)
+
+
+SECRET_FLAGS = ("api_key",)  # flags whose values never leave the process (nor reach /server_info)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, object]:
+    """The parsed flags as plain values, for /server_info's `server_args` (secrets left out)."""
+    return {
+        k: v
+        for k, v in vars(args).items()
+        if k != "func" and k not in SECRET_FLAGS and isinstance(v, (str, int, float, bool, type(None)))
+    }

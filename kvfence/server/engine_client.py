@@ -31,6 +31,24 @@ class Capacity:
         return min(self.context_length, *self.max_total_tokens.values())
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """An engine's account of one request's time, in seconds, with vLLM's meanings (sent on the last chunk).
+
+    queued: from the engine receiving it to its first scheduled step; prefill: from then to its first
+    token; decode: from the first token to the last. An engine that cannot tell (the disaggregated router
+    today) sends none, and the front end observes nothing for them."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def inference_s(self) -> float:
+        """First scheduled step to last token (vLLM's request_inference_time)."""
+        return self.prefill_s + self.decode_s
+
+
 @dataclass
 class GenerationChunk:
     """One increment of a request's output, as streamed to the client."""
@@ -45,6 +63,7 @@ class GenerationChunk:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first chunk, when asked for
     integrity: dict[str, Any] | None = None  # the request's integrity record, on the final chunk
     error: str | None = None  # set with finish_reason "error": message for the client
+    timings: RequestTimings | None = None  # on the final chunk, when the engine keeps them
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -3,7 +3,7 @@ strict JSON, schema errors that name the field, and the response encodings (JSON
 
 What it knows: how a request body may be malformed and which 4xx each case gets, how a pydantic error
 becomes `{"error": {"message", "type", "param", "code"}}`, how kvfence's own exceptions map to HTTP
-statuses. What it does not know: the endpoints, engines or sampling (kvfence.server.api).
+statuses. What it does not know: the endpoints, engines or sampling (the endpoint modules).
 """
 
 from __future__ import annotations
@@ -20,7 +20,25 @@ from kvfence.errors import InvalidRequestError, KvfenceError
 from kvfence.server import openai_schema as p
 from kvfence.server.metrics import Metrics
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/server_info")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+    "/server_info",
+)
+_MODEL_PATH = "/v1/models/"
+
+
+def endpoint_label(path: str) -> str:
+    """The metrics label of a request path: one of ROUTES, "/v1/models/{model}", or "other" (a bounded set)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith(_MODEL_PATH) else "other"
 
 
 class ApiError(Exception):
@@ -59,7 +77,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        endpoint = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label set
+        endpoint = endpoint_label(scope["path"])
         status_seen: list[int] = []
 
         async def counting_send(message: Message) -> None:
@@ -182,8 +200,11 @@ def dump_model(model: BaseModel) -> dict[str, Any]:
     return d
 
 
-def sse_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+def sse_event(obj: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event: `data: <compact JSON>`, after an `event: <name>` line when named (the Responses
+    API names each event by its type, as OpenAI does)."""
+    data = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return data if event is None else b"event: " + event.encode("ascii") + b"\n" + data
 
 
 def to_api_error(e: BaseException) -> ApiError:

@@ -12,9 +12,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+
+from kvfence.errors import KvfenceError
 
 _GRACEFUL_SHUTDOWN_S = 3
 
@@ -35,6 +38,25 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """`bind_socket`, with a port that is taken (or an address that is not this host's) refused as a configuration
+    error naming the flag: callers bind first, before loading a model or starting anything."""
+    try:
+        return bind_socket(host, port)
+    except OSError as e:
+        raise KvfenceError(
+            f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror or e} (another server on it?); choose "
+            f"another with {flag}"
+        ) from None
+
+
+def check_free(host: str, port: int, flag: str) -> None:
+    """Refuse (KvfenceError, naming `flag`) a port some process already listens on, before anything is started that
+    would need it. Another process may still take it before it is used: callers that can hold it use `listen`."""
+    if port:
+        listen(host, port, flag).close()
+
+
 def _config(app: Any, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -49,10 +71,20 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(app: Any, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (SIGINT/SIGTERM), in this thread; prints the URL (the real port) to stderr."""
-    sock = bind_socket(host, port)
-    print(f"kvfence: serving {url_of(host, sock.getsockname()[1])}", file=sys.stderr, flush=True)
+def run_server(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    banner: Callable[[str], str] | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM), in this thread, on `sock` (bound by the caller with `listen`
+    before it loaded anything) or a socket bound here. Prints to stderr, once the port is bound, the line
+    `banner(url)` makes (the process's start-up line), else `kvfence: serving <url>`."""
+    sock = sock if sock is not None else listen(host, port)
+    url = url_of(host, sock.getsockname()[1])
+    print(banner(url) if banner is not None else f"kvfence: serving {url}", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
     finally:

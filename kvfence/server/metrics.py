@@ -2,20 +2,25 @@
 
 What it knows: counters the front end updates as requests pass (requests by endpoint
 and status, rejections by code, aborts, prompt/generated tokens, integrity results by
-status), latency histograms (time to first token, time per output token, end to
-end), and a collector that reads the engine's live numbers at scrape time from
-`EngineClient.stats()`, whose shape is:
+status), the request histograms vLLM users read, with vLLM's meanings (time to first
+token, inter-token latency, time per output token, end to end, and, from the engine's
+`RequestTimings`, queue, prefill, decode and inference time; prompt and generation
+lengths), a `model_name` label on every family that has a `vllm:*` counterpart (the
+mapping is in docs/api.md), and a collector that reads the engine's live numbers at
+scrape time from `EngineClient.stats()`, whose shape is:
 
     {"roles": {role: {"pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size"}},
-     "num_running": int, "num_waiting": int,
+     "num_running": int, "num_waiting": int, "num_preemptions": int,  # preemptions since start
      "transfers": {result: count, ...},          # PD mode; e.g. {"ok": 12, "failed": 1}
      "workers": {worker_id: {"role", "up", "routed", "pages_free", "num_running", ...}},  # PD mode, per worker
      "worker_deaths": {role: count}}             # PD mode
 
 Missing keys are simply not exported. Registries the EngineClient exposes (attribute
 `metrics_registry`, or `integrity_metrics.registry` as the PD router has) are
-appended to the same page. What it does not know: where the numbers come
-from, or HTTP (the app serves `render()` at GET /metrics).
+appended to the same page. The page has no `*_created` samples (prometheus_client adds one
+per counter and histogram; vLLM turns them off too), so every series is its family's own.
+What it does not know: where the numbers come from, or HTTP (the app serves `render()` at
+GET /metrics). There is no prefix-cache metric: kvfence has no prefix cache yet.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfence.server.engine_client import RequestTimings
+
 logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))  # tokens: 1, 2, 5, 10, ... 5e6
 _PAGE_KEYS = ("pages_total", "pages_used", "pages_free", "pages_quarantined")
 # per-worker gauges (PD mode): stats key -> (metric name, help); each labelled by worker and role
 _WORKER_GAUGES = (
@@ -53,8 +61,9 @@ _WORKER_GAUGES = (
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self._stats = stats
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -71,19 +80,29 @@ class _EngineStatsCollector(Collector):
                 if key in numbers:
                     family.add_metric([role], float(numbers[key]))
             yield family
-        usage = GaugeMetricFamily("kvfence_kv_usage_ratio", "Fraction of KV pages in use per role", labels=["role"])
+        usage = GaugeMetricFamily(
+            "kvfence_kv_usage_ratio", "Fraction of KV pages in use per role", labels=["model_name", "role"]
+        )
         tokens = GaugeMetricFamily("kvfence_kv_capacity_tokens", "KV pool capacity in tokens per role", labels=["role"])
         for role, numbers in roles.items():
             total = numbers.get("pages_total")
             if total:
-                usage.add_metric([role], float(numbers.get("pages_used", 0)) / float(total))
+                usage.add_metric([self._model, role], float(numbers.get("pages_used", 0)) / float(total))
                 if "page_size" in numbers:
                     tokens.add_metric([role], float(total * numbers["page_size"]))
         yield usage
         yield tokens
         for key, help_text in (("num_running", "Requests running in the engine"), ("num_waiting", "Requests queued")):
             if key in stats:
-                yield GaugeMetricFamily(f"kvfence_{key}_requests", help_text, value=float(stats[key]))
+                family = GaugeMetricFamily(f"kvfence_{key}_requests", help_text, labels=["model_name"])
+                family.add_metric([self._model], float(stats[key]))
+                yield family
+        if "num_preemptions" in stats:
+            preemptions = CounterMetricFamily(
+                "kvfence_preemptions", "Requests preempted (pages taken back, recomputed later)", labels=["model_name"]
+            )
+            preemptions.add_metric([self._model], float(stats["num_preemptions"]))
+            yield preemptions
         transfers = CounterMetricFamily("kvfence_kv_transfers", "KV handoffs by result", labels=["result"])
         for result, count in (stats.get("transfers") or {}).items():
             transfers.add_metric([str(result)], float(count))
@@ -116,12 +135,28 @@ def _worker_families(stats: dict[str, Any]) -> Iterator[Metric]:
     yield deaths
 
 
+class _WithoutCreated(Collector):
+    """A registry's families without prometheus_client's `*_created` samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]], extra: list[CollectorRegistry] | None = None) -> None:
-        """`extra`: registries the EngineClient owns (e.g. the router's handoff counters), rendered after ours."""
+    def __init__(
+        self, stats: Callable[[], dict[str, Any]], extra: list[CollectorRegistry] | None = None, model_name: str = ""
+    ) -> None:
+        """`extra`: registries the EngineClient owns (e.g. the router's handoff counters), rendered after ours;
+        `model_name`: the served name, the `model_name` label of the families vLLM labels so."""
         self.extra = list(extra or [])
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        model = ["model_name"]
         self.requests = Counter(
             "kvfence_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
@@ -130,38 +165,84 @@ class Metrics:
         )
         self.aborted = Counter("kvfence_requests_aborted", "Requests aborted because the client went away", registry=r)
         self.finished = Counter(
-            "kvfence_requests_finished", "Finished choices by finish reason", ["reason"], registry=r
+            "kvfence_requests_finished", "Finished choices by finish reason", ["model_name", "reason"], registry=r
         )
-        self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", registry=r)
         self.integrity = Counter("kvfence_integrity_results", "Integrity records by status", ["status"], registry=r)
         self.in_flight = Gauge("kvfence_http_requests_in_flight", "Generation requests being served", registry=r)
-        self.ttft = Histogram(
-            "kvfence_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        self._model = model_name
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, model, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter("kvfence_prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("kvfence_generation_tokens", "Tokens generated")
+        self.ttft = histogram("kvfence_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram(
+            "kvfence_inter_token_latency_seconds",
+            "Time between two consecutive output increments of a choice (one engine step's tokens)",
+            _LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "kvfence_time_per_output_token_seconds",
             "Mean time per output token after the first, per choice",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.e2e = Histogram(
-            "kvfence_e2e_request_latency_seconds",
-            "Request latency, admission to last token",
-            buckets=_E2E_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "kvfence_e2e_request_latency_seconds", "Request latency, admission to last token", _E2E_BUCKETS
         )
-        r.register(_EngineStatsCollector(stats))
+        self.queue_time = histogram(
+            "kvfence_request_queue_time_seconds", "Engine: arrival to first scheduled step", _E2E_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "kvfence_request_prefill_time_seconds", "Engine: first scheduled step to first token", _E2E_BUCKETS
+        )
+        self.decode_time = histogram(
+            "kvfence_request_decode_time_seconds", "Engine: first token to last token", _E2E_BUCKETS
+        )
+        self.inference_time = histogram(
+            "kvfence_request_inference_time_seconds", "Engine: first scheduled step to last token", _E2E_BUCKETS
+        )
+        self.prompt_length = histogram(
+            "kvfence_request_prompt_tokens", "Prompt tokens per finished choice", _LENGTH_BUCKETS
+        )
+        self.generation_length = histogram(
+            "kvfence_request_generation_tokens", "Generated tokens per finished choice", _LENGTH_BUCKETS
+        )
+        r.register(_EngineStatsCollector(stats, model_name))
 
-    def observe_choice(self, ttft: float | None, first_to_last: float, num_output_tokens: int) -> None:
+    def observe_finished(
+        self,
+        *,
+        reason: str | None,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        ttft: float | None,
+        first_to_last: float,
+        e2e: float,
+        timings: RequestTimings | None,
+    ) -> None:
+        """One finished choice: its tokens, finish reason and latencies (engine timings when it sent them)."""
+        self.generation_tokens.inc(num_output_tokens)
+        self.finished.labels(self._model, reason or "unknown").inc()
+        self.prompt_length.observe(num_prompt_tokens)
+        self.generation_length.observe(num_output_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
         if num_output_tokens > 1:
             self.tpot.observe(first_to_last / (num_output_tokens - 1))
+        self.e2e.observe(e2e)
+        if timings is not None:
+            self.queue_time.observe(timings.queued_s)
+            self.prefill_time.observe(timings.prefill_s)
+            self.decode_time.observe(timings.decode_s)
+            self.inference_time.observe(timings.inference_s)
 
     def observe_integrity(self, record: dict[str, Any] | None) -> None:
         if record is not None:
             self.integrity.labels(str(record.get("status", "unknown"))).inc()
 
     def render(self) -> bytes:
-        return b"".join(generate_latest(r) for r in [self.registry, *self.extra])
+        return b"".join(generate_latest(_WithoutCreated(r)) for r in [self.registry, *self.extra])  # type: ignore[arg-type]

@@ -1,13 +1,14 @@
 """The OpenAI-compatible wire format: request bodies, responses and the error body.
 
 What it knows: the fields of /v1/completions and /v1/chat/completions that kvfence
-serves, their types and ranges (validated strictly: a string is not a number, a bool
-is not an integer, NaN is not a temperature), and the response/stream-chunk shapes the
-official `openai` client reads. What it does not know: tokenization, context length
-or KV capacity (admission checks those), nor how tokens are generated.
+serves (tools and tool calls included), their types and ranges (validated strictly: a
+string is not a number, a bool is not an integer, NaN is not a temperature), and the
+response/stream-chunk shapes the official `openai` client reads. What it does not know:
+tokenization, context length or KV capacity (admission checks those), nor how tokens are
+generated. The Responses API's shapes are responses_schema.py's.
 
 Fields that would change the output but that kvfence does not implement (best_of,
-suffix, tools, min_p, vLLM's guided_* and prompt_logprobs, ...) are declared so that a
+suffix, min_p, vLLM's guided_* and prompt_logprobs, ...) are declared so that a
 non-default value is refused with a 400 naming the field, never silently ignored.
 Unknown fields are ignored, as most OpenAI-compatible servers do. docs/api.md lists
 every field and what happens to it.
@@ -39,6 +40,7 @@ Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(BaseModel):
@@ -97,13 +99,16 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+CompletionPrompt = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: (
-        Annotated[str, Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    )
+    prompt: CompletionPrompt
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 16  # OpenAI's default; 0: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -117,11 +122,58 @@ class TextPart(BaseModel):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+MAX_TOOLS = 128  # tools per request
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -137,7 +189,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: PositiveTokens | None = None  # the newer spelling; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
     echo: bool = False  # vLLM extension (echo the last message); not implemented
 
     def requested_max_tokens(self) -> int | None:
@@ -200,6 +254,19 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatCompletionChoice(BaseModel):
@@ -223,6 +290,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -269,3 +337,15 @@ class ErrorResponse(BaseModel):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage_chunk(response_id: str, obj: str, model: str, usage: Usage) -> dict[str, Any]:
+    """The last event of a stream asked for `stream_options.include_usage`: no choices, the usage."""
+    return {
+        "id": response_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage.model_dump(),
+    }

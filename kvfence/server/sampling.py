@@ -8,7 +8,7 @@ chosen (the request's seed + the choice's index, so n choices differ; without on
 engine draws it from its own generator, random per server start unless `--seed`
 fixes it), what `logprobs` / `top_logprobs` / `echo` ask of the engine, how
 `max_tokens: 0` runs (the engine computes the prompt and one token that the API throws
-away), and `response_format` -> `StructuredOutputs`.
+away), and `response_format` -> `StructuredOutputs` (or the grammar of a forced tool call instead).
 
 What it does not know: HTTP, tokenization, admission (the context length), grammars.
 """
@@ -50,7 +50,7 @@ def refuse_unsupported(req: p.CompletionRequest | p.ChatCompletionRequest) -> No
             raise unsupported(name, why)
 
 
-def structured_outputs(fmt: p.ResponseFormat | None) -> StructuredOutputs | None:
+def _structured_outputs(fmt: p.ResponseFormat | None) -> StructuredOutputs | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -88,6 +88,9 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
+FROM_REQUEST: Any = object()  # params_for's default: the grammar is the request's response_format
+
+
 def params_for(
     req: p.CompletionRequest | p.ChatCompletionRequest,
     *,
@@ -97,8 +100,10 @@ def params_for(
     vocab_size: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputs | None = FROM_REQUEST,
 ) -> SamplingParams:
-    """SamplingParams of choice `index`; `max_tokens` is the admitted one (0: score the prompt only)."""
+    """SamplingParams of choice `index`; `max_tokens` is the admitted one (0: score the prompt only).
+    `structured_outputs`, when given, replaces the response_format's grammar (a forced tool call's)."""
     if req.min_tokens > max_tokens:
         raise _invalid("min_tokens", f"must be at most max_tokens ({max_tokens}), got {req.min_tokens}")
     stop_ids = list(req.stop_token_ids or [])
@@ -120,5 +125,7 @@ def params_for(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logprobs_mode=logprobs_mode,
-        structured_outputs=structured_outputs(req.response_format),
+        structured_outputs=(
+            _structured_outputs(req.response_format) if structured_outputs is FROM_REQUEST else structured_outputs
+        ),
     )

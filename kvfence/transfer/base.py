@@ -37,6 +37,13 @@ move (`PageMover`) and how frames travel (`Link`):
   blocked read fails and the write ends) and the slot settles when its write has ended.
 - Page frames count only on the connection the transfer's manifest came in on; a page for
   the same transfer arriving on another connection is discarded.
+- A transfer id is a capability: the router draws it (`new_transfer_id`, 128 random bits) and
+  sends it to exactly the prefill and the decode worker it picked; decode's slot accepts only a
+  manifest carrying that id, sealed with the cluster key (`integrity.manifest.seal`). A manifest
+  that does not authenticate, or names another transfer id, is refused without touching the
+  slot and counted as a security event; the prefill that holds the capability is never locked
+  out by anybody else's frame. Records and logs show `transfer_ref`, a hash of the id, never the
+  id itself.
 
 What it does not know: sockets (`transfer.tcp`) or queues (`transfer.local`), whether
 the landed pages are right (`integrity.verify`), or what to do with an ending
@@ -45,18 +52,21 @@ the landed pages are right (`integrity.verify`), or what to do with an ending
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
+from kvfence.auth.events import SecurityEvent
+from kvfence.auth.plane import PlaneAuth
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector, FaultPoint
 from kvfence.integrity.digest import PageBytes
-from kvfence.integrity.manifest import HandoffManifest, ManifestError
+from kvfence.integrity.manifest import HandoffManifest, ManifestAuthError, ManifestError, seal, unseal
 from kvfence.integrity.verify import CoverageBitmap
 from kvfence.kv.pool import KVPool
 
@@ -64,8 +74,22 @@ Header = dict[str, Any]
 Payload = Sequence[bytes | bytearray | memoryview]
 
 
+TRANSFER_ID_HEX = 32  # 128 bits
+
+
 def new_transfer_id() -> str:
-    return uuid.uuid4().hex[:16]
+    """A fresh transfer capability: 128 random bits, hex (only the router draws them)."""
+    return secrets.token_hex(TRANSFER_ID_HEX // 2)
+
+
+def is_transfer_id(value: object) -> bool:
+    """Whether `value` has the shape of a transfer capability (so a malformed one is refused before use)."""
+    return isinstance(value, str) and len(value) == TRANSFER_ID_HEX and all(c in "0123456789abcdef" for c in value)
+
+
+def transfer_ref(transfer_id: str) -> str:
+    """What records and logs show for a transfer: 16 hex characters of its id's SHA-256, never the id itself."""
+    return hashlib.sha256(transfer_id.encode()).hexdigest()[:16] if transfer_id else ""
 
 
 # The transfer backends (`--transfer-backend`): how page bytes reach decode. "local" is threads and queues in one
@@ -122,10 +146,10 @@ class SlotStatus(str, Enum):
 class ReceiveSlot:
     """Decode's view of one incoming transfer; written by the transport thread, read by the worker."""
 
-    def __init__(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None, one_sided: bool) -> None:
+    def __init__(self, request_id: str, dest_pages: Sequence[int], transfer_id: str, one_sided: bool) -> None:
         self.request_id = request_id
         self.dest_pages: tuple[int, ...] = tuple(dest_pages)  # logical index -> decode page
-        self.transfer_id = transfer_id  # pinned by `expect`, or bound by the first manifest
+        self.transfer_id = transfer_id  # the router's capability: the only manifest this slot accepts
         self.coverage = CoverageBitmap(len(self.dest_pages))
         self.manifest: HandoffManifest | None = None
         self.status = SlotStatus.WAITING
@@ -155,8 +179,11 @@ class ReceiveSlot:
 class ReceiverCore:
     """Protocol logic of a receiver; transports feed it frames and page bytes."""
 
-    def __init__(self, pool: KVPool, faults: FaultInjector | None = None, one_sided: bool = False) -> None:
+    def __init__(
+        self, pool: KVPool, auth: PlaneAuth, faults: FaultInjector | None = None, one_sided: bool = False
+    ) -> None:
         self.pool = pool
+        self.auth = auth
         self.page_bytes = PageBytes(pool)
         self.faults = faults
         self.one_sided = one_sided
@@ -171,8 +198,11 @@ class ReceiverCore:
             self.notify()
 
     # -- decode-side API -------------------------------------------------------------------------------------
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
-        """Register where the pages of `request_id` go (its page table, logical order)."""
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str) -> ReceiveSlot:
+        """Register where the pages of `request_id` go (its page table, logical order), for the one transfer the
+        router issued (`transfer_id`)."""
+        if not transfer_id:
+            raise KvfenceError(f"request {request_id}: a receive slot needs the router's transfer id")
         one_sided = self.one_sided or (
             self.faults is not None and self.faults.point("delayed_write_after_abort", request_id) is not None
         )
@@ -260,28 +290,52 @@ class ReceiverCore:
     def _on_manifest(
         self, link: Link, slot: ReceiveSlot | None, rid: str, xid: str, payload: bytes | bytearray | memoryview
     ) -> None:
+        """A manifest: authenticate it and check its capability before it may touch the slot (a refused one leaves
+        the slot exactly as it was, so a stranger's frame cannot fail or hijack the request)."""
+        events = self.auth.events
+        try:
+            data = unseal(payload, self.auth.manifest_key)
+        except ManifestAuthError as e:
+            events.record(SecurityEvent.MANIFEST_UNAUTHENTICATED, f"manifest for request {rid!r}: {e}")
+            link.send({"t": "error", "rid": rid, "xid": xid, "reason": "manifest does not authenticate"})
+            return
         if slot is None:
             link.send({"t": "error", "rid": rid, "xid": xid, "reason": f"decode does not expect request {rid}"})
             return
+        if xid != slot.transfer_id:
+            events.record(
+                SecurityEvent.CAPABILITY_MISMATCH,
+                f"manifest for request {rid!r} names transfer {transfer_ref(xid)}, not the one the router issued",
+            )
+            link.send({"t": "error", "rid": rid, "xid": xid, "reason": f"request {rid} expects another transfer"})
+            return
+        try:
+            manifest = HandoffManifest.from_bytes(data)
+            parse_error = ""
+        except ManifestError as e:  # sealed by a key holder with the capability, yet malformed: that transfer fails
+            manifest, parse_error = None, str(e)
+        if manifest is not None and (manifest.request_id != rid or manifest.transfer_id != xid):
+            events.record(
+                SecurityEvent.CAPABILITY_MISMATCH,
+                f"manifest names request {manifest.request_id!r} in a frame for {rid!r}",
+            )
+            link.send({"t": "error", "rid": rid, "xid": xid, "reason": "manifest does not match its frame"})
+            return
         with slot.lock:
-            if slot.transfer_id is not None and slot.transfer_id != xid:
-                reply = {"t": "error", "rid": rid, "xid": xid, "reason": f"request {rid} expects transfer "
-                         f"{slot.transfer_id}, not {xid}"}  # fmt: skip
-            elif slot.manifest is not None or slot.status != SlotStatus.WAITING:
+            if slot.manifest is not None or slot.status != SlotStatus.WAITING:
                 reply = {"t": "error", "rid": rid, "xid": xid, "reason": f"second manifest for request {rid}"}
             else:
-                slot.transfer_id, slot.link = xid, link
+                slot.link = link
                 slot.first_frame_at = time.monotonic()
                 reply = None
                 if slot.closed:
                     reply = {"t": "abort", "rid": rid, "xid": xid, "reason": "decode aborted the request"}
+                elif manifest is None:
+                    slot.status, slot.error, slot.closed = SlotStatus.ERROR, parse_error, True
+                    reply = {"t": "error", "rid": rid, "xid": xid, "reason": parse_error}
                 else:
-                    try:
-                        slot.manifest = HandoffManifest.from_bytes(payload)
-                        slot.status = SlotStatus.RECEIVING
-                    except ManifestError as e:
-                        slot.status, slot.error, slot.closed = SlotStatus.ERROR, str(e), True
-                        reply = {"t": "error", "rid": rid, "xid": xid, "reason": str(e)}
+                    slot.manifest = manifest
+                    slot.status = SlotStatus.RECEIVING
         self.changed()
         if reply is not None:
             link.send(reply)
@@ -570,12 +624,13 @@ def run_send(
     pool: KVPool,
     src_pages: Sequence[int],
     config: TransferConfig,
+    manifest_key: bytes,
     faults: FaultInjector | None = None,
     mover: PageMover | None = None,
 ) -> None:
     """Send one transfer over `link` (blocking; transports run it on a thread).
 
-    Sends the manifest, then the first `manifest.num_pages` of `src_pages` (logical order)
+    Sends the manifest (sealed with `manifest_key`), then the first `manifest.num_pages` of `src_pages` (logical order)
     in chunks moved by `mover` (default: `InlinePages`), honouring the in-flight bound, then
     `done` (or `abort`/`aborted`). Fault hooks: short_write, drop_page, corrupt_byte,
     reorder_pages (`plan_faults`), delayed_write_after_abort.
@@ -596,7 +651,7 @@ def run_send(
         )
 
     try:
-        link.send({"t": "manifest", "rid": rid, "xid": xid}, [m.to_bytes()])
+        link.send({"t": "manifest", "rid": rid, "xid": xid}, [seal(m.to_bytes(), manifest_key)])
         mover.prepare(deadline)
         if late is not None:  # the fault: hold the page writes until decode has aborted, then send anyway
             with handle._cond:
@@ -673,7 +728,7 @@ class Receiver(Protocol):
     address: str
     core: ReceiverCore
 
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot: ...
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str) -> ReceiveSlot: ...
     def abort(self, request_id: str, reason: str) -> None: ...
     def verdict(self, request_id: str, ok: bool, reason: str = "") -> None: ...
     def forget(self, request_id: str) -> None: ...
@@ -693,7 +748,7 @@ class ReceiverBase:
 
     core: ReceiverCore
 
-    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str | None = None) -> ReceiveSlot:
+    def expect(self, request_id: str, dest_pages: Sequence[int], transfer_id: str) -> ReceiveSlot:
         return self.core.expect(request_id, dest_pages, transfer_id)
 
     def abort(self, request_id: str, reason: str) -> None:

@@ -7,6 +7,10 @@ that runs each transfer on its own thread through `run_send`. Page bytes are cop
 once when a frame is sent (they are "in flight" from then on) and once into the
 destination page.
 
+There is no handshake (the threads share one process), but manifests are sealed and
+checked with the cluster key exactly as over TCP, so every test of the protocol runs
+the manifest authentication and the transfer-id capability.
+
 What it does not know: sockets. It exists for fast tests of the protocol, the state
 machine and every fault; `transfer.tcp` is the one for real processes.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 
+from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import (
@@ -91,9 +96,16 @@ class _Connection:
 
 class LocalReceiver(ReceiverBase):
     def __init__(
-        self, fabric: LocalFabric, name: str, pool: KVPool, faults: FaultInjector | None = None, one_sided: bool = False
+        self,
+        fabric: LocalFabric,
+        name: str,
+        pool: KVPool,
+        faults: FaultInjector | None = None,
+        one_sided: bool = False,
+        *,
+        auth: PlaneAuth,
     ) -> None:
-        self.core = ReceiverCore(pool, faults, one_sided)
+        self.core = ReceiverCore(pool, auth, faults, one_sided)
         self.closed = False
         self._queue: queue.Queue[tuple[_ReplyLink, Header, bytes] | None] = queue.Queue()
         self._fabric, self._name = fabric, name
@@ -141,11 +153,14 @@ class LocalSender(SenderBase):
         pool: KVPool,
         config: TransferConfig | None = None,
         faults: FaultInjector | None = None,
+        *,
+        auth: PlaneAuth,
     ) -> None:
         self.fabric = fabric
         self.pool = pool
         self.config = config or TransferConfig()
         self.faults = faults
+        self.auth = auth
         self.core = SenderCore()
         self._connections: dict[str, _Connection] = {}
         self._lock = threading.Lock()
@@ -162,7 +177,7 @@ class LocalSender(SenderBase):
         return str(error)
 
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
-        run_send(link, handle, self.pool, src_pages, self.config, self.faults)
+        run_send(link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults)
 
     def close(self) -> None:
         """Close every connection: receivers see the link go, live handles fail."""

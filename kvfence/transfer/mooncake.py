@@ -1,40 +1,47 @@
 """Mooncake transport: page bytes written one-sided by the Mooncake Transfer Engine, control frames over TCP.
 
 What it knows: how to run the protocol of `transfer.base` when the page bytes do not travel in `pages` frames
-but are written by prefill straight into decode's registered pool (`transfer.mooncake_engine`). The control
-link is a TCP connection with the framing of `transfer.tcp`; on it travel the frames of `transfer.base` plus two:
+but are written by prefill's Mooncake engine into memory decode's engine exposes (`transfer.mooncake_engine`).
+The control link is a TCP connection of `transfer.tcp`, authenticated by its handshake before anything is said;
+on it travel the frames of `transfer.base` plus two:
 
-    receiver -> sender   hello   {session, bases[[addr, page_nbytes]], regions[[addr, nbytes]]}  first frame
-    receiver -> sender   dest    {rid, xid, pages[]}   decode's page table, sent once decode accepted the manifest
+    receiver -> sender   hello   {session}                                   first frame, after the handshake
+    receiver -> sender   dest    {rid, xid, num_pages, bases[[addr, page_nbytes]], region[addr, nbytes]}
+                                                  where this transfer may write, once decode accepted its manifest
     sender -> receiver   pages   {rid, xid, seq, idx[], nb[]}   no payload: these logical pages were written,
                                                                  nb[k] bytes each (a completion notice)
 
-- Decode's `MooncakeReceiver` registers every (layer, buffer) tensor of its pool with its own Mooncake endpoint
-  and says hello (its session id "host:rpc_port", the first byte and bytes per page of each tensor, the
-  regions) to each prefill that connects. Addresses look like "mooncake://host:port" (the control listener).
-- Prefill learns decode's page numbers for a request only in `dest`, after decode accepted that request's
-  manifest, and only for the pages decode allocated. For each chunk of at most `max_transfer_pages` logical
-  pages it writes every (layer, buffer) slice, merged and cut into batches below the engine's lane queue by
-  `MooncakeEndpoint.write_pages` (entries, not pages, are counted), then sends the chunk's `pages` notice.
-  `max_inflight_bytes` bounds the bytes written but not yet acknowledged, as over TCP.
+Mooncake has no authentication of its own: any process that can reach an engine's RPC port may read and write
+every buffer registered with it (checked here: a READ of a peer's registered memory succeeds; a write to memory
+the peer did not register, or unregistered, is refused). So neither side ever registers its KV pool:
+
+- Decode gives each accepted transfer a *landing area* of its own: the transfer's pages, every (layer, buffer)
+  slice buffer-major in one block (`_PageArea`), registered only while that transfer may write. The block's
+  address goes out in the transfer's `dest` frame, over the authenticated link, never in `hello`. On the
+  sender's `done` decode unregisters the block (later writes are refused by the engine), copies it into the
+  request's pool pages in its own receiver thread (counted as a page write, so the slot settles only after it),
+  and only then lets verification read the pool: what decode verifies and attends over is memory no peer can
+  write. A pool page of a verified request can never be written by any peer.
+- Prefill copies each chunk's source pages into a staging area of the transfer (`_PageArea`, registered for the
+  transfer's life, unregistered when its send thread ends) and writes from there: its pool is not readable
+  through Mooncake either.
+- A transfer that ends any other way has its pool pages settled at once (peers never write them). When decode
+  aborts or fails it, its landing area stays registered until the sender's last frame (the sender stops at its
+  next chunk; what it writes meanwhile lands in the area and is never copied), because a write the engine
+  refuses can make it fail the next write to the same peer too, an innocent transfer's (seen here). When the
+  control link breaks, the area is unregistered at once and its memory kept until the sender's writer has
+  provably stopped (a `fenced` frame it sends over a new connection once its send thread has ended), because a
+  write the engine accepted before may still be copying into it; a sender that never comes back keeps that
+  memory, not pool pages (`landing_bytes_retained`).
 - A write finished by the engine has landed: Mooncake's TCP protocol v2 acknowledges a WRITE only once the
   destination memory holds it (so `MC_TCP_PROTO=1`, the unacknowledged v1 framing, is refused), and a notice
   is sent only after its writes finished. The receiver marks coverage from notices through
-  `ReceiverCore.receive_page`, exactly as the TCP receiver marks it from page frames.
-- The receiver core is `one_sided=True`: once decode closed a slot, writes may still land until the sender's
-  last frame (`done`/`abort`/`aborted`) arrives. A control connection that closes after `dest` went out does
-  not settle the slot either (the sender may still be inside a write): the request fails and its pages stay
-  quarantined, past any deadline, until the sender's writer is provably gone. The sender proves it: when its
-  send thread ended without its last frame reaching decode, it reconnects and sends
-
-      sender -> receiver   fenced  {rid, xid}   this transfer's writer has stopped: nothing more will land
-
-  which settles the slot whatever connection it comes on. Closing a `MooncakeSender` aborts its transfers
-  and waits for their last frames first, so a clean shutdown settles at once.
+  `ReceiverCore.receive_page`, as the TCP receiver marks it from page frames; the digests and canaries, checked
+  on the pool after the copy, catch a notice that lies and anything else that wrote into the landing area.
 - Fault hooks sit where `transfer.base.run_send` and `ReceiverCore.receive_page` put them: drop_page,
-  reorder_pages, corrupt_byte (the flipped page is written from a registered staging buffer), short_write
-  (half a page is written and the notice says so) and delayed_write_after_abort on the sender; stale_page on
-  the receiver (the page's previous bytes are put back when its notice arrives, then it is marked).
+  reorder_pages, corrupt_byte (a byte of the staged copy flipped), short_write (half a page is written and the
+  notice says so) and delayed_write_after_abort on the sender; stale_page on the receiver (the page is not
+  copied from the landing area, so the pool page keeps what a previous request left there).
 
 What it does not know: whether the landed pages are right (`integrity.verify`), what to do with an ending
 (`disagg.handoff`), RDMA devices (protocol "rdma" is passed through to the engine untested).
@@ -42,20 +49,22 @@ What it does not know: whether the landed pages are right (`integrity.verify`), 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
+from kvfence.auth.handshake import FrameMac
+from kvfence.auth.plane import PlaneAuth
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
-from kvfence.integrity.digest import PageBytes
 from kvfence.integrity.manifest import HandoffManifest
+from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer import tcp
 from kvfence.transfer.base import (
@@ -77,10 +86,10 @@ from kvfence.transfer.mooncake_engine import (
     lane_queue_limit,
     mooncake_available,
     package_missing_reason,
-    page_ranges,
-    pool_buffer_bases,
 )
 from kvfence.transfer.tcp import TcpReceiver, TcpSender, _Conn, _read_control_payload
+
+logger = logging.getLogger(__name__)
 
 _SCHEME = "mooncake://"
 _CLOSE_WAIT_S = 5.0  # MooncakeSender.close: how long aborted transfers get to send their last frame
@@ -108,12 +117,85 @@ def _open_endpoint(hostname: str, protocol: str) -> MooncakeEndpoint:
         raise KvfenceError(f"Mooncake backend not available: {e}") from e
 
 
+# -- a transfer's own pages ------------------------------------------------------------------------------------
+
+
+class _PageArea:
+    """One transfer's pages in one block registered with the local engine: slice k ((layer, buffer) in the
+    layout's logical order) of page i is at `bases[k].addr + i * bases[k].page_nbytes`, so the block is laid out
+    buffer-major and a chunk of consecutive pages is one range per slice. Peers reach this block, never a pool."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, endpoint: MooncakeEndpoint) -> None:
+        assert num_pages > 0, num_pages
+        self.num_pages = num_pages
+        specs = [(layer, spec) for layer in range(layout.num_layers) for spec in layout.buffers]
+        sizes = [layout.buffer_bytes_per_page(spec) for _, spec in specs]
+        self.tensor = torch.empty(num_pages * sum(sizes), dtype=torch.uint8)
+        base, off = self.tensor.data_ptr(), 0
+        self.bases: list[BufferBase] = []
+        self.views: list[tuple[int, str, torch.Tensor]] = []  # (layer, buffer, [num_pages, page_size, *shape])
+        for (layer, spec), nb in zip(specs, sizes, strict=True):
+            raw = self.tensor[off : off + num_pages * nb]
+            self.views.append(
+                (layer, spec.name, raw.view(layout.dtype).view(num_pages, layout.page_size, *spec.token_shape))
+            )
+            self.bases.append(BufferBase(base + off, nb))
+            off += num_pages * nb
+        self.nbytes = off
+        self.endpoint = endpoint
+        self.region: Region | None = endpoint.register(self.tensor)
+
+    def unregister(self) -> None:
+        """From now on the engine refuses every peer's write into (and read of) this block."""
+        if self.region is not None:
+            region, self.region = self.region, None
+            try:
+                self.endpoint.unregister(region)
+            except KvfenceError:  # the endpoint closed first: it unregistered everything itself
+                pass
+
+    def fill_from(self, pool: KVPool, area_pages: Sequence[int], pool_pages: Sequence[int]) -> None:
+        """Copy pool pages into this block: pool_pages[j] -> area page area_pages[j]."""
+        dst = torch.as_tensor(list(area_pages), dtype=torch.long)
+        src = torch.as_tensor(list(pool_pages), dtype=torch.long)
+        for layer, name, view in self.views:
+            view[dst] = pool.tensors[layer][name][src]
+
+    def copy_to(self, pool: KVPool, pool_pages: Sequence[int], skip: set[int]) -> None:
+        """Copy area page i into pool page pool_pages[i], for every i not in `skip`."""
+        keep = [i for i in range(min(len(pool_pages), self.num_pages)) if i not in skip]
+        if not keep:
+            return
+        src = torch.as_tensor(keep, dtype=torch.long)
+        dst = torch.as_tensor([pool_pages[i] for i in keep], dtype=torch.long)
+        for layer, name, view in self.views:
+            pool.tensors[layer][name][dst] = view[src]
+
+    def flip_byte(self, page: int, offset: int) -> None:
+        """Flip one byte of page `page` at `offset` in the page's logical byte order (the corrupt_byte fault)."""
+        for base in self.bases:
+            if offset < base.page_nbytes:
+                i = base.addr - self.tensor.data_ptr() + page * base.page_nbytes + offset
+                self.tensor[i] ^= 0x5A
+                return
+            offset -= base.page_nbytes
+        raise ValueError("offset beyond the page")
+
+
+class _Landing:
+    """Decode's landing area for one transfer, and the control connection of the sender that may write into it."""
+
+    def __init__(self, xid: str, area: _PageArea, conn: _Conn) -> None:
+        self.xid, self.area, self.conn = xid, area, conn
+
+
 # -- receiver (decode) ----------------------------------------------------------------------------------------
 
 
 class MooncakeReceiver(TcpReceiver):
-    """Decode's endpoint: its pool registered with Mooncake, a control listener, coverage from prefill's notices.
-    The listener, its connections and `close` are the TCP receiver's; the frames of a connection differ."""
+    """Decode's endpoint: a Mooncake engine with nothing registered but the landing areas of transfers in progress,
+    a control listener, coverage from prefill's notices. The listener, its handshake, its connections and `close`
+    are the TCP receiver's; the frames of a connection differ."""
 
     _scheme = _SCHEME
     _thread_name = "kvfence-mc"
@@ -127,29 +209,62 @@ class MooncakeReceiver(TcpReceiver):
         hostname: str | None = None,
         protocol: str = "tcp",
         io_timeout_s: float = 10.0,
+        *,
+        auth: PlaneAuth,
     ) -> None:
         """`host`/`port`: the control listener; `hostname`: the address prefill's engine writes to (default host)."""
         self.endpoint = _open_endpoint(hostname or host, protocol)
-        self._dest_sent: dict[_Conn, dict[str, bool]] = {}  # per connection: rid -> page table sent
-        self._stale: dict[tuple[str, str, int], bytes] = {}  # stale_page fault: the bytes to put back
+        self._landings: dict[str, _Landing] = {}  # rid -> the landing area of its transfer in progress
+        self._retained: dict[tuple[str, str], _PageArea] = {}  # unregistered, a write may still be copying in
+        self._stale: dict[tuple[str, str], set[int]] = {}  # stale_page fault: pages not copied into the pool
+        self._hello: Header = {"t": "hello", "session": self.endpoint.session_id}
         try:
-            regions = self.endpoint.register_pool(pool)
-            self._hello: Header = {
-                "t": "hello",
-                "session": self.endpoint.session_id,
-                "bases": [[b.addr, b.page_nbytes] for b in pool_buffer_bases(pool)],
-                "regions": [[r.addr, r.nbytes] for r in regions],
-            }
-            super().__init__(pool, host, port, faults, one_sided=True, io_timeout_s=io_timeout_s)  # starts accepting
+            # Two-sided as far as the pool goes: only this process writes pool pages (the landing copy).
+            super().__init__(pool, host, port, faults, one_sided=False, io_timeout_s=io_timeout_s, auth=auth)
         except BaseException:
             self.endpoint.close()
             raise
 
+    @property
+    def landing_bytes(self) -> int:
+        """Landing memory held: transfers whose sender has not yet said its writer stopped."""
+        with self._lock:
+            return sum(x.area.nbytes for x in self._landings.values()) + sum(a.nbytes for a in self._retained.values())
+
+    @property
+    def landing_bytes_retained(self) -> int:
+        """Landing memory kept after its control link broke, until its sender fences."""
+        with self._lock:
+            return sum(a.nbytes for a in self._retained.values())
+
+    # -- decode-side verbs ---------------------------------------------------------------------------------------
+    # Decode's abort, verdict and forget leave a live landing area registered: the sender may be writing into it
+    # this moment, and a write the engine refuses can make the engine fail the next write to this peer too (seen
+    # here), an innocent transfer's. Its bytes never reach the pool once the slot is closed; the area goes with
+    # the sender's last frame, or its control link.
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         with self._lock:
             for key in [k for k in self._stale if k[0] == request_id]:
                 del self._stale[key]
+
+    def _retire(self, rid: str) -> None:
+        """No more writes into `rid`'s landing area; keep its memory until the sender's writer has stopped."""
+        with self._lock:
+            landing = self._landings.pop(rid, None)
+            if landing is not None:
+                self._retained[(rid, landing.xid)] = landing.area
+        if landing is not None:
+            landing.area.unregister()
+
+    def _release(self, rid: str, xid: str) -> None:
+        """The sender's writer for (rid, xid) has stopped: its landing memory can go."""
+        with self._lock:
+            landing = self._landings.get(rid)
+            if landing is not None and landing.xid == xid:
+                del self._landings[rid]
+                landing.area.unregister()
+            self._retained.pop((rid, xid), None)
 
     # -- control connections -----------------------------------------------------------------------------------
     def _serve(self, conn: _Conn) -> None:
@@ -165,31 +280,46 @@ class MooncakeReceiver(TcpReceiver):
                 self._on_pages(conn, header, plen)
             elif kind == "manifest":
                 self._on_manifest(conn, header, payload)
+            elif kind == "done":
+                self._land(conn, str(header.get("rid")), str(header.get("xid")))
+                self.core.on_frame(conn, header, payload)
             else:
                 self.core.on_frame(conn, header, payload)
+                if kind in ("abort", "aborted", "fenced"):  # the sender's last word: its writer has stopped
+                    self._release(str(header.get("rid")), str(header.get("xid")))
 
     def _on_manifest(self, conn: _Conn, header: Header, payload: bytes | bytearray) -> None:
         rid, xid = str(header.get("rid")), str(header.get("xid"))
         slot = self.core.slot(rid)
         fresh = slot is not None and slot.manifest is None
-        self.core.on_frame(conn, header, payload)  # replies error/abort itself when it refuses
+        self.core.on_frame(conn, header, payload)  # authenticates it, checks the capability; replies when it refuses
         if slot is None or not fresh:
             return
         with slot.lock:
             if slot.link is not conn or slot.transfer_id != xid:
                 return
-            # a slot decode closed meanwhile still gets its table: its pages stay quarantined until our last frame
-            accepted = slot.manifest is not None and slot.status == SlotStatus.RECEIVING
-            dest = list(slot.dest_pages)
-        with self._lock:
-            self._dest_sent.setdefault(conn, {})[rid] = accepted
+            accepted = slot.manifest is not None and slot.status == SlotStatus.RECEIVING and not slot.closed
+            n = len(slot.dest_pages)
         if not accepted:
             return
+        area = _PageArea(self.core.pool.layout, n, self.endpoint)
+        with self._lock:
+            self._landings[rid] = _Landing(xid, area, conn)
         faults = self.core.faults
         p = faults.point("stale_page", rid) if faults is not None else None
-        if p is not None and p.page < len(dest):  # what a previous request left there, put back on the notice
-            self._stale[(rid, xid, p.page)] = self.core.pool.read_page(dest[p.page])
-        conn.send({"t": "dest", "rid": rid, "xid": xid, "pages": dest})
+        if p is not None and p.page < n and faults is not None and faults.hit("stale_page", rid) is not None:
+            self._stale[(rid, xid)] = {p.page}  # what a previous request left in that pool page stays there
+        assert area.region is not None
+        conn.send(
+            {
+                "t": "dest",
+                "rid": rid,
+                "xid": xid,
+                "num_pages": n,
+                "bases": [[b.addr, b.page_nbytes] for b in area.bases],
+                "region": [area.region.addr, area.region.nbytes],
+            }
+        )
 
     def _on_pages(self, conn: _Conn, header: Header, plen: int) -> None:
         rid, xid = str(header["rid"]), str(header["xid"])
@@ -199,123 +329,183 @@ class MooncakeReceiver(TcpReceiver):
         if plen or len(idx) != len(sizes) or any(not 0 <= nb <= bpp for nb in sizes):
             raise ValueError(f"malformed pages notice: {len(idx)} pages, sizes {sizes[:4]}..., payload {plen}")
         for i, nb in zip(idx, sizes, strict=True):
-            self.core.receive_page(rid, xid, i, nb, self._fill(rid, xid, i), conn)
+            self.core.receive_page(rid, xid, i, nb, _landed, conn)  # the bytes are in the landing area already
         conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": sum(sizes)})
 
-    def _fill(self, rid: str, xid: str, index: int) -> Callable[[list[memoryview] | None, int], None]:
-        def fill(views: list[memoryview] | None, nbytes: int) -> None:
-            # The bytes already landed (one-sided). `views is None` means the receiver would not have written
-            # them; only the stale_page fault can undo a landed write, by putting the old bytes back.
-            if views is None:
-                old = self._stale.pop((rid, xid, index), None)
-                slot = self.core.slot(rid)
-                if old is not None and slot is not None and 0 <= index < len(slot.dest_pages):
-                    self.core.pool.write_page(slot.dest_pages[index], old)
-
-        return fill
+    def _land(self, conn: _Conn, rid: str, xid: str) -> None:
+        """The sender's `done`: close the landing area to writers, then copy it into the request's pool pages
+        before the slot may complete (verification reads the pool, which no peer can reach)."""
+        with self._lock:
+            landing = self._landings.get(rid)
+            if landing is None or landing.xid != xid or landing.conn is not conn:
+                return
+            del self._landings[rid]
+            skip = self._stale.pop((rid, xid), set())
+        landing.area.unregister()
+        slot = self.core.slot(rid)
+        if slot is None:
+            return
+        with slot.lock:
+            copying = slot.link is conn and slot.status == SlotStatus.RECEIVING and not slot.closed
+            if copying:
+                slot.writing += 1  # decode cannot settle (or verify) the slot while the copy runs
+            dest = slot.dest_pages
+        if not copying:
+            return
+        try:
+            landing.area.copy_to(self.core.pool, dest, skip)
+        finally:
+            with slot.lock:
+                slot.writing -= 1
 
     def _conn_lost(self, conn: _Conn) -> None:
-        """A control connection closed. Slots whose page table it carried fail but stay unsettled (a write may
-        still land); the others are settled like a closed TCP connection."""
+        """A control connection closed: its transfers' landing areas close to writers and are kept until their
+        senders fence (a write may still be copying in); the pool pages settle at once, as over TCP."""
         with self._lock:
-            rids = self._dest_sent.pop(conn, {})
-        for rid, dest_sent in rids.items():
-            slot = self.core.slot(rid)
-            if slot is None or slot.link is not conn:
-                continue
-            with slot.lock:
-                if not dest_sent:
-                    slot.link_closed = True
-                if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
-                    slot.status = SlotStatus.ERROR
-                    slot.error = "control connection to prefill closed before the transfer completed"
-        self.core.changed()
+            rids = [rid for rid, landing in self._landings.items() if landing.conn is conn]
+        for rid in rids:
+            self._retire(rid)
+        retained = self.landing_bytes_retained
+        if rids and retained:
+            logger.warning(
+                "decode: the control link of %d Mooncake transfer(s) broke; %d bytes of landing memory are kept "
+                "until their senders say their writers stopped",
+                len(rids),
+                retained,
+            )
+        super()._conn_lost(conn)
 
     def close(self) -> None:
-        """Stop listening, drop every connection, wait for the threads, then unregister the pool."""
+        """Stop listening, drop every connection, wait for the threads, then drop the engine."""
         if self.closed:
             return
         super().close()
         self.endpoint.close()
 
 
+def _landed(views: list[memoryview] | None, nbytes: int) -> None:
+    """The `fill` of a Mooncake notice: the bytes were written one-sided into the landing area already."""
+
+
 # -- sender (prefill) -----------------------------------------------------------------------------------------
 
 
+class _Dest(NamedTuple):
+    """Where one transfer may write on decode (its `dest` frame)."""
+
+    num_pages: int
+    bases: list[BufferBase]
+    region: Region
+
+
 class MooncakeSendHandle(SendHandle):
-    """A `SendHandle` that also receives decode's page table and counts Mooncake entries and batches."""
+    """A `SendHandle` that also receives where to write and counts Mooncake entries and batches."""
 
     def __init__(self, manifest: HandoffManifest) -> None:
         super().__init__(manifest)
-        self.dest_pages: tuple[int, ...] | None = None  # decode's page table, from its `dest` frame
+        self.dest: _Dest | None = None  # decode's landing area for this transfer, from its `dest` frame
         self.entries = 0  # Mooncake batch entries after merging adjacent ranges
         self.batches = 0
         self.write_seconds = 0.0
 
     def on_frame(self, header: Header) -> None:
         if header.get("t") == "dest":
+            addr, nbytes = header["region"]
+            dest = _Dest(
+                int(header["num_pages"]),
+                [BufferBase(int(a), int(n)) for a, n in header["bases"]],
+                Region(int(addr), int(nbytes)),
+            )
             with self._cond:
-                self.dest_pages = tuple(int(p) for p in header.get("pages", ()))
+                self.dest = dest
                 self._cond.notify_all()
             return
         super().on_frame(header)
 
 
 class _SenderConn(_Conn):
-    """The control connection to one decode receiver, with what its hello said."""
+    """The control connection to one decode receiver, with its engine's session id (from hello)."""
 
-    def __init__(self, sock: socket.socket, writers: int) -> None:
-        super().__init__(sock)
+    def __init__(self, sock: socket.socket, mac: FrameMac, writers: int) -> None:
+        super().__init__(sock, mac)
         self.hello = threading.Event()
-        self.peer: Peer | None = None
-        self.dst_bases: list[BufferBase] = []
+        self.session = ""
         self.writers = threading.BoundedSemaphore(writers)  # concurrent write_pages calls to this peer
 
     def on_hello(self, header: Header) -> None:
-        self.dst_bases = [BufferBase(int(a), int(n)) for a, n in header["bases"]]
-        self.peer = Peer(str(header["session"]), tuple(Region(int(a), int(n)) for a, n in header["regions"]))
+        self.session = str(header["session"])
         self.hello.set()
 
 
 class _OneSidedWrites:
-    """The byte-moving step of one Mooncake transfer (`transfer.base.PageMover`): wait for decode's hello and page
-    table, then write each chunk into decode's pages; its `pages` frame is a notice without payload."""
+    """The byte-moving step of one Mooncake transfer (`transfer.base.PageMover`): wait for decode's hello and
+    landing area, stage each chunk's pages in this transfer's own registered block, write them into the landing
+    area; its `pages` frame is a notice without payload."""
 
     def __init__(self, sender: MooncakeSender, conn: _SenderConn, handle: MooncakeSendHandle) -> None:
         self.sender, self.conn, self.handle = sender, conn, handle
+        self.staging: _PageArea | None = None
 
     def prepare(self, deadline: float) -> None:
         cfg, conn, h = self.sender.config, self.conn, self.handle
         if not conn.hello.wait(timeout=min(cfg.connect_timeout_s, max(0.0, deadline - time.monotonic()))):
             raise KvfenceError(f"decode's Mooncake receiver did not say hello within {cfg.connect_timeout_s}s")
-        assert conn.peer is not None
-        if [b.page_nbytes for b in conn.dst_bases] != [b.page_nbytes for b in self.sender._src_bases]:
-            raise KvfenceError("decode's pool has different buffers than prefill's; the layouts differ")
         with h._cond:
             got = h._cond.wait_for(
                 lambda: (
-                    h.dest_pages is not None
-                    or h.local_abort is not None
-                    or h.remote_abort is not None
+                    h.dest is not None or h.local_abort is not None or h.remote_abort is not None
                     or h.status == SendStatus.ERROR
                 ),
                 timeout=max(0.0, deadline - time.monotonic()),
-            )
+            )  # fmt: skip
             if not got:
-                h.status, h.reason = SendStatus.ERROR, "no page table from decode before the deadline"
+                h.status, h.reason = SendStatus.ERROR, "no landing area from decode before the deadline"
+        if h.dest is None:
+            return
+        layout = self.sender.pool.layout
+        ours = [layout.buffer_bytes_per_page(spec) for _ in range(layout.num_layers) for spec in layout.buffers]
+        if [b.page_nbytes for b in h.dest.bases] != ours:
+            raise KvfenceError("decode's landing area has different buffers than prefill's pool; the layouts differ")
+        self.staging = _PageArea(layout, h.manifest.num_pages, self.sender.endpoint)
 
     def can_move(self) -> bool:
-        return self.handle.dest_pages is not None  # nothing may be written before decode sent its page table
+        return self.handle.dest is not None and self.staging is not None  # nothing is written before decode said where
 
     def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
-        assert self.handle.dest_pages is not None
-        self.sender._write_chunk(self.conn, self.handle, chunk, srcs, self.handle.dest_pages, damage)
+        dest, staging = self.handle.dest, self.staging
+        assert dest is not None and staging is not None
+        staging.fill_from(self.sender.pool, chunk, srcs)
+        ranges: list[tuple[int, int, int]] = []
+        bpp = self.sender.pool.layout.bytes_per_page
+        for i in chunk:
+            if i >= dest.num_pages:  # beyond decode's allocation: not written (the notice reports it)
+                continue
+            left = bpp // 2 if damage.get(i) == "short_write" else bpp  # short_write: the first half, logical order
+            if damage.get(i) == "corrupt_byte":
+                staging.flip_byte(i, bpp // 2)
+            for sb, db in zip(staging.bases, dest.bases, strict=True):
+                n = min(sb.page_nbytes, left)
+                if n <= 0:
+                    break
+                ranges.append((sb.addr + i * sb.page_nbytes, db.addr + i * db.page_nbytes, n))
+                left -= n
+        if ranges:
+            peer = Peer(self.conn.session, (dest.region,))
+            with self.conn.writers:
+                self.sender._account(self.handle, self.sender.endpoint.write_pages(peer, ranges))
         return ()
+
+    def close(self) -> None:
+        """The send thread has ended: the staged copy is no longer readable by anyone."""
+        if self.staging is not None:
+            self.staging.unregister()
+            self.staging = None
 
 
 class MooncakeSender(TcpSender):
-    """Prefill's endpoint: its pool registered with Mooncake, one control connection per decode, a thread per
-    transfer. The control connections and their readers are the TCP sender's; the pages are written one-sided."""
+    """Prefill's endpoint: a Mooncake engine with nothing registered but the staging areas of transfers in
+    progress, one control connection per decode, a thread per transfer. The control connections, their handshake
+    and their readers are the TCP sender's; the pages are written one-sided."""
 
     _scheme = _SCHEME
     _thread_name = "kvfence-mc-send"
@@ -328,29 +518,21 @@ class MooncakeSender(TcpSender):
         faults: FaultInjector | None = None,
         hostname: str = "127.0.0.1",
         protocol: str = "tcp",
+        *,
+        auth: PlaneAuth,
     ) -> None:
         if os.environ.get("MC_TCP_PROTO") == "1":
             raise KvfenceError(
                 "Mooncake backend not available: MC_TCP_PROTO=1 selects Mooncake's unacknowledged TCP framing, "
                 "where a finished write may not have landed yet; unset it"
             )
-        super().__init__(pool, config, faults)
+        super().__init__(pool, config, faults, auth=auth)
         self.endpoint = _open_endpoint(hostname, protocol)
-        try:
-            self.endpoint.register_pool(pool)
-            self._staging = torch.zeros(pool.layout.bytes_per_page, dtype=torch.uint8)  # corrupt_byte's page
-            self._staging_region = self.endpoint.register(self._staging)
-        except BaseException:
-            self.endpoint.close()
-            raise
-        self._staging_lock = threading.Lock()
-        self._src_bases = pool_buffer_bases(pool)
-        self._page_bytes = PageBytes(pool)
         self._writers = max(1, lane_queue_limit() // default_max_batch())
         self.closed = False
 
-    def _new_conn(self, sock: socket.socket) -> _SenderConn:
-        return _SenderConn(sock, self._writers)
+    def _new_conn(self, sock: socket.socket, mac: FrameMac) -> _SenderConn:
+        return _SenderConn(sock, mac, self._writers)
 
     def _new_handle(self, manifest: HandoffManifest) -> SendHandle:
         return MooncakeSendHandle(manifest)
@@ -370,16 +552,20 @@ class MooncakeSender(TcpSender):
     # -- one transfer ------------------------------------------------------------------------------------------
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
         """`transfer.base.run_send` (same bounds, fault hooks and last frames) with one-sided page writes; when
-        the last frame could not reach decode after it sent its page table, `_fence` tells it another way."""
+        the last frame could not reach decode after it gave us a landing area, `_fence` tells it another way."""
         assert isinstance(link, _SenderConn) and isinstance(handle, MooncakeSendHandle)
-        run_send(link, handle, self.pool, src_pages, self.config, self.faults, _OneSidedWrites(self, link, handle))
-        if not handle.final_sent and handle.dest_pages is not None:
+        mover = _OneSidedWrites(self, link, handle)
+        try:
+            run_send(link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults, mover)
+        finally:
+            mover.close()
+        if not handle.final_sent and handle.dest is not None:
             self._fence(handle)
 
     def _fence(self, handle: MooncakeSendHandle) -> None:
-        """Decode keeps the pages of a transfer it gave us a page table for quarantined until our last frame: a
-        one-sided write may still land. Our send thread has ended, so no write of ours can come any more; say
-        so with a `fenced` frame over a new control connection, retrying until it goes out or we close."""
+        """Decode keeps a landing area it gave us until our last frame: a one-sided write may still be copying
+        in. Our send thread has ended, so no write of ours can come any more; say so with a `fenced` frame over a
+        new control connection, retrying until it goes out or we close."""
         frame = {"t": "fenced", "rid": handle.request_id, "xid": handle.transfer_id}
         wait = 0.2
         while not self.closed:
@@ -390,52 +576,6 @@ class MooncakeSender(TcpSender):
             except (OSError, ValueError):
                 time.sleep(wait)
                 wait = min(wait * 2, 5.0)
-
-    def _write_chunk(
-        self,
-        conn: _SenderConn,
-        handle: MooncakeSendHandle,
-        chunk: list[int],
-        srcs: list[int],
-        dest: Sequence[int],
-        damage: dict[int, str],
-    ) -> None:
-        """Write the chunk's pages into decode's pages (all (layer, buffer) slices); pages beyond decode's page
-        table are not written (the notice reports them and the receiver counts them outside)."""
-        assert conn.peer is not None
-        plain_src, plain_dst, corrupt = [], [], []
-        ranges: list[tuple[int, int, int]] = []
-        for i, s in zip(chunk, srcs, strict=True):
-            if i >= len(dest):
-                continue
-            kind = damage.get(i)
-            if kind is None:
-                plain_src.append(s)
-                plain_dst.append(dest[i])
-            elif kind == "short_write":  # the first half of the page, in logical (layer, buffer) order
-                left = self.pool.layout.bytes_per_page // 2
-                for sb, db in zip(self._src_bases, conn.dst_bases, strict=True):
-                    n = min(sb.page_nbytes, left)
-                    if n <= 0:
-                        break
-                    ranges.append((sb.addr + s * sb.page_nbytes, db.addr + dest[i] * db.page_nbytes, n))
-                    left -= n
-            else:
-                corrupt.append((s, dest[i]))
-        ranges += page_ranges(self._src_bases, conn.dst_bases, plain_src, plain_dst)
-        with conn.writers:
-            if ranges:
-                self._account(handle, self.endpoint.write_pages(conn.peer, ranges))
-            for s, d in corrupt:  # corrupt_byte: the page with one byte flipped, written from the staging page
-                with self._staging_lock:
-                    raw = np.frombuffer(b"".join(self._page_bytes.views(s)), dtype=np.uint8).copy()
-                    raw[len(raw) // 2] ^= 0x5A
-                    self._staging.numpy()[:] = raw
-                    off, staged = self._staging_region.addr, []
-                    for db in conn.dst_bases:
-                        staged.append((off, db.addr + d * db.page_nbytes, db.page_nbytes))
-                        off += db.page_nbytes
-                    self._account(handle, self.endpoint.write_pages(conn.peer, staged))
 
     @staticmethod
     def _account(handle: MooncakeSendHandle, result: Any) -> None:

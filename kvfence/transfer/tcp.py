@@ -1,11 +1,18 @@
 """TCP transport: KV pages between real processes over plain sockets.
 
 What it knows: the wire format and the socket plumbing for the frames of
-`transfer.base`. Every frame is
+`transfer.base`. A connection starts with the data plane's handshake (`auth.handshake`:
+the sender proves it holds the cluster key, and the receiver proves it back) before the
+receiver reads a frame or allocates anything for the peer; a peer that fails it is
+dropped and counted as a security event. Every frame after that is
 
-    u32 header_len | u32 payload_len | header (JSON, UTF-8) | payload (raw bytes)
+    u32 header_len | u32 payload_len | header (JSON, UTF-8) | tag (16 bytes) | payload (raw bytes)
 
-(little-endian). A `pages` frame's payload is its pages back to back, page k being
+(little-endian), where the tag is the frame's MAC over its place in the stream, its prefix
+and its header (`auth.handshake.FrameMac`). A header longer than `MAX_HEADER_BYTES` is
+refused before it is read; a header that is not a JSON object naming its kind, or whose
+tag fails, drops the connection (a security event, never a traceback).
+A `pages` frame's payload is its pages back to back, page k being
 `nb[k]` bytes in the layout's logical order. The sender hands the pool's page
 memoryviews straight to `sendmsg` (no copy on the way out); the receiver reads each
 page with `recv_into` straight into the destination page's memoryviews (no copy on
@@ -21,11 +28,16 @@ state machine and `integrity.verify` decide that.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import threading
 from collections.abc import Callable
 
+from kvfence.auth import handshake
+from kvfence.auth.events import SecurityEvent
+from kvfence.auth.handshake import FrameMac, HandshakeError
+from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import (
@@ -41,10 +53,22 @@ from kvfence.transfer.base import (
     run_send,
 )
 
+logger = logging.getLogger(__name__)
+
 _PREFIX = struct.Struct("<II")
 _IOV_MAX = 512
 _SCRATCH = 1 << 20
+MAX_HEADER_BYTES = 16 << 10  # the largest frame header (a pages frame of 64 pages is ~1 KiB); refused before reading
 _MAX_CONTROL_PAYLOAD = 256 << 20  # a manifest of ~10M pages; anything larger is a broken peer
+
+
+class FrameRefused(ConnectionError):
+    """A frame this side will not read (too large, MAC wrong, malformed): the connection is dropped and the event
+    counted."""
+
+    def __init__(self, event: SecurityEvent, detail: str) -> None:
+        super().__init__(detail)
+        self.event = event
 
 
 def parse_address(address: str, scheme: str = "tcp://") -> tuple[str, int]:
@@ -89,36 +113,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 class _Conn:
-    """One socket; `send` writes one whole frame under a lock (frames of concurrent transfers interleave).
+    """One authenticated socket; `send` writes one whole frame under a lock (frames of concurrent transfers
+    interleave), each with its MAC (`mac`, from the handshake).
 
     The socket carries a timeout (`io_timeout_s`): a read or write that moves no byte for that long in the
     middle of a frame fails and the connection is dropped. Between frames a connection may idle as long as
     it likes (`read_frame_header` waits through timeouts until a frame starts)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, mac: FrameMac) -> None:
         self.sock = sock
+        self.mac = mac
         self._wlock = threading.Lock()
         self.closed = False
         self.severed = False
         self.failure = ""  # why a send on this connection failed (the reader reports it, not "closed")
         self.handles: list[SendHandle] = []
 
+    @property
+    def peer(self) -> str:
+        try:
+            host, port = self.sock.getpeername()[:2]
+            return f"{host}:{port}"
+        except OSError:
+            return "?"
+
     def send(self, header: Header, payload: Payload = ()) -> None:
         views = [memoryview(p).cast("B") for p in payload]
         hb = json.dumps(header, separators=(",", ":")).encode()
+        if len(hb) > MAX_HEADER_BYTES:  # our own bug, not the peer's: the peer would refuse it
+            raise ValueError(f"{header.get('t')!r} frame header of {len(hb)} bytes is over {MAX_HEADER_BYTES}")
         prefix = _PREFIX.pack(len(hb), sum(len(v) for v in views))
         with self._wlock:
             if self.closed or self.severed:
                 raise ConnectionResetError("connection closed")
+            tag = self.mac.sign(prefix, hb)
             try:
-                _sendmsg_all(self.sock, [memoryview(prefix), memoryview(hb), *views])
+                _sendmsg_all(self.sock, [memoryview(prefix), memoryview(hb), memoryview(tag), *views])
             except OSError as e:
                 self.failure = f"connection to decode failed: {e}"
                 self.sever()  # part of a frame may have gone out: nothing after it could be parsed
                 raise
 
     def read_frame_header(self) -> tuple[Header, int] | None:
-        """The next frame's header and payload length; None when the connection ended between frames."""
+        """The next frame's header and payload length, its MAC checked; None when the connection ended between
+        frames. Raises FrameRefused for a header over the limit (before allocating it), a MAC that fails, or a
+        header that is not a JSON object with a string kind `t`."""
         prefix = bytearray(_PREFIX.size)
         view = memoryview(prefix)
         while True:
@@ -136,7 +175,23 @@ class _Conn:
         if n < len(prefix):  # a frame has started: the rest must come within the timeout
             _recvmsg_all(self.sock, [view[n:]])
         hlen, plen = _PREFIX.unpack(prefix)
-        return json.loads(bytes(_recv_exact(self.sock, hlen))), plen
+        if hlen > MAX_HEADER_BYTES:
+            raise FrameRefused(
+                SecurityEvent.HEADER_TOO_LARGE, f"frame header of {hlen} bytes (limit {MAX_HEADER_BYTES})"
+            )
+        hb = bytes(_recv_exact(self.sock, hlen))
+        tag = bytes(_recv_exact(self.sock, handshake.FRAME_TAG_BYTES))
+        if not self.mac.check(bytes(prefix), hb, tag):
+            raise FrameRefused(
+                SecurityEvent.FRAME_MAC_INVALID, "frame MAC does not verify (injected, altered or replayed)"
+            )
+        try:
+            header = json.loads(hb)
+        except ValueError as e:
+            raise FrameRefused(SecurityEvent.FRAME_MALFORMED, f"frame header is not JSON: {e}") from None
+        if not isinstance(header, dict) or not isinstance(header.get("t"), str):
+            raise FrameRefused(SecurityEvent.FRAME_MALFORMED, "frame header is not a JSON object with a kind 't'")
+        return header, plen
 
     def sever(self) -> None:
         """Shut the socket down (from any thread): a read or write blocked on it fails at once. The thread
@@ -158,15 +213,27 @@ class _Conn:
         self.sock.close()
 
 
-# a broken or closed connection (or a peer sending malformed frames): the connection is dropped
-_LINK_ERRORS = (ConnectionError, OSError, ValueError, KeyError, TypeError)
+# a broken or closed connection: the connection is dropped (nothing to report)
+_LINK_ERRORS = (ConnectionError, OSError)
+# a frame an authenticated peer got wrong (missing or mistyped header fields): dropped and counted
+_MALFORMED = (ValueError, KeyError, TypeError)
+
+
+def report_refused(auth: PlaneAuth, conn: _Conn | None, peer: str, error: Exception) -> None:
+    """Count and log why a data connection was dropped, when it is a security event (never a traceback)."""
+    if isinstance(error, HandshakeError):
+        auth.events.record(SecurityEvent.HANDSHAKE_FAILED, f"data connection from {peer}: {error}")
+    elif isinstance(error, FrameRefused):
+        auth.events.record(error.event, f"data connection {peer}: {error}")
+    elif isinstance(error, _MALFORMED):
+        auth.events.record(SecurityEvent.FRAME_MALFORMED, f"data connection {peer}: {type(error).__name__}: {error}")
 
 
 class TcpReceiver(ReceiverBase):
-    """Decode's data-plane endpoint: listens, lands pages through `ReceiverCore`.
+    """Decode's data-plane endpoint: listens, authenticates each connection, lands pages through `ReceiverCore`.
 
-    A subclass (the Mooncake receiver) reuses the listener, one thread per connection and `close`, and
-    supplies its own `_serve` (the frames of one connection) and `_conn_lost`."""
+    A subclass (the Mooncake receiver) reuses the listener, the handshake, one thread per connection and
+    `close`, and supplies its own `_serve` (the frames of one connection) and `_conn_lost`."""
 
     _scheme = "tcp://"
     _thread_name = "kvfence-tcp"
@@ -179,14 +246,18 @@ class TcpReceiver(ReceiverBase):
         faults: FaultInjector | None = None,
         one_sided: bool = False,
         io_timeout_s: float = 10.0,
+        *,
+        auth: PlaneAuth,
     ) -> None:
         assert io_timeout_s > 0, io_timeout_s
-        self.core = ReceiverCore(pool, faults, one_sided)
+        self.auth = auth
+        self.core = ReceiverCore(pool, auth, faults, one_sided)
         self.io_timeout_s = io_timeout_s
         self._listener = socket.create_server((host, port))
         self.address = f"{self._scheme}{host}:{self._listener.getsockname()[1]}"
         self._conns: list[_Conn] = []
-        self._threads: list[threading.Thread] = []
+        self._threads: set[threading.Thread] = set()
+        self._pending = 0  # connections still in their handshake
         self._lock = threading.Lock()
         self.closed = False
         self._accept_thread = threading.Thread(
@@ -197,28 +268,61 @@ class TcpReceiver(ReceiverBase):
     def _accept_loop(self) -> None:
         while not self.closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                if self._pending >= self.auth.max_pending_handshakes:
+                    full = True
+                else:
+                    full = False
+                    self._pending += 1
+            if full:  # a flood of connections that never authenticate must not cost a thread each
+                self.auth.events.record(SecurityEvent.CONNECTION_LIMIT, f"refused {peer}: too many handshakes")
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.io_timeout_s)  # a sender stalled mid-frame is dropped, never waited on forever
-            conn = _Conn(sock)
+            t = threading.Thread(
+                target=self._conn_loop, args=(sock, peer), name=f"{self._thread_name}-recv", daemon=True
+            )
             with self._lock:
-                self._conns.append(conn)
-            t = threading.Thread(target=self._conn_loop, args=(conn,), name=f"{self._thread_name}-recv", daemon=True)
-            self._threads.append(t)
+                self._threads.add(t)
             t.start()
 
-    def _conn_loop(self, conn: _Conn) -> None:
+    def _conn_loop(self, sock: socket.socket, peer: str) -> None:
+        conn: _Conn | None = None
         try:
-            self._serve(conn)
-        except _LINK_ERRORS:
-            return
-        finally:
-            conn.close()
+            try:
+                mac = handshake.accept(sock, self.auth.data_key, self.auth.handshake_timeout_s)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+            conn = _Conn(sock, mac)
             with self._lock:
-                self._conns.remove(conn)
-            self._conn_lost(conn)
+                if self.closed:
+                    raise ConnectionAbortedError("receiver closed")
+                self._conns.append(conn)
+            self._serve(conn)
+        except (HandshakeError, FrameRefused, *_MALFORMED) as e:
+            report_refused(self.auth, conn, peer, e)
+        except _LINK_ERRORS:
+            pass
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+            if conn is None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            else:
+                conn.close()
+                with self._lock:
+                    if conn in self._conns:
+                        self._conns.remove(conn)
+                self._conn_lost(conn)
 
     def _conn_lost(self, conn: _Conn) -> None:
         self.core.link_closed(conn)
@@ -274,13 +378,15 @@ class TcpReceiver(ReceiverBase):
         for conn in conns:
             conn.close()
         self._accept_thread.join(timeout=5)
-        for t in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(timeout=5)
 
 
 def _read_control_payload(conn: _Conn, header: Header, plen: int) -> bytes | bytearray:
     if plen > _MAX_CONTROL_PAYLOAD:
-        raise ValueError(f"{header.get('t')!r} frame of {plen} bytes is too large")
+        raise FrameRefused(SecurityEvent.PAYLOAD_TOO_LARGE, f"{header.get('t')!r} frame of {plen} bytes is too large")
     return _recv_exact(conn.sock, plen) if plen else b""
 
 
@@ -294,17 +400,25 @@ class TcpSender(SenderBase):
     _thread_name = "kvfence-tcp-send"
     _reader_name = "kvfence-tcp-acks"
 
-    def __init__(self, pool: KVPool, config: TransferConfig | None = None, faults: FaultInjector | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        config: TransferConfig | None = None,
+        faults: FaultInjector | None = None,
+        *,
+        auth: PlaneAuth,
+    ) -> None:
         self.pool = pool
         self.config = config or TransferConfig()
         self.faults = faults
+        self.auth = auth
         self.core = SenderCore()
         self._conns: dict[str, _Conn] = {}
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def _new_conn(self, sock: socket.socket) -> _Conn:
-        return _Conn(sock)
+    def _new_conn(self, sock: socket.socket, mac: FrameMac) -> _Conn:
+        return _Conn(sock, mac)
 
     def _connect(self, address: str) -> _Conn:
         with self._lock:
@@ -312,9 +426,18 @@ class TcpSender(SenderBase):
             if conn is not None and not conn.closed and not conn.severed:
                 return conn
             sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
+            try:
+                mac = handshake.connect(sock, self.auth.data_key, self.auth.handshake_timeout_s)
+            except HandshakeError as e:  # not our deployment's decode (or none at all): send it nothing
+                sock.close()
+                self.auth.events.record(SecurityEvent.HANDSHAKE_FAILED, f"receiver at {address}: {e}")
+                raise
+            except OSError:
+                sock.close()
+                raise
             sock.settimeout(self.config.io_timeout_s)  # a decode that stops reading fails the send, never hangs it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = self._new_conn(sock)
+            conn = self._new_conn(sock, mac)
             self._conns[address] = conn
             t = threading.Thread(target=self._reader, args=(conn,), name=self._reader_name, daemon=True)
             self._readers.append(t)
@@ -328,9 +451,13 @@ class TcpSender(SenderBase):
                 if got is None:
                     return
                 header, plen = got
+                if plen > _MAX_CONTROL_PAYLOAD:
+                    raise FrameRefused(SecurityEvent.PAYLOAD_TOO_LARGE, f"reply payload of {plen} bytes")
                 if plen:
                     _recv_exact(conn.sock, plen)
                 self._on_reply(conn, header)
+        except (FrameRefused, *_MALFORMED) as e:
+            report_refused(self.auth, conn, conn.peer, e)
         except _LINK_ERRORS:
             return
         finally:
@@ -341,7 +468,7 @@ class TcpSender(SenderBase):
         self.core.on_frame(header)
 
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
-        run_send(link, handle, self.pool, src_pages, self.config, self.faults)
+        run_send(link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults)
 
     def close(self) -> None:
         with self._lock:

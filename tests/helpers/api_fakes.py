@@ -1,7 +1,8 @@
 """A fake EngineClient and byte tokenizer for the HTTP API tests, and a server around them.
 
 The fake generates a deterministic letter per step ("a".."z" from the prompt, the seed
-and the step), finds stop strings, attaches an integrity record to the last chunk and
+and the step), or, when given a `script`, that text one character per step (finishing
+with "stop" at its end, as a model's eos would), finds stop strings, attaches an integrity record to the last chunk and
 records every generate/abort call, so tests can assert what reached the engine. When
 asked for logprobs it scores each letter -0.5 (its prompt tokens -1.0), so response
 shapes can be checked; it knows nothing of a model, and the real numbers are tested
@@ -24,19 +25,24 @@ MODEL = "fake-model"
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte; the chat template is `<role>content\\n` per message, then `<assistant>`."""
+    """One token per UTF-8 byte; the chat template is `<tools>[names]\\n` when given tools, `<role>content\\n` per
+    message, then `<assistant>`."""
 
     vocab_size = 256
     eos_token_ids = frozenset()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> list[int]:
+        tools = extra.get("tools")
+        text = f"<tools>{[t['function']['name'] for t in tools]}\n" if tools else ""
+        text += "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
@@ -57,12 +63,14 @@ class FakeEngine:
         integrity_status: str | None = "verified",
         fail_with: BaseException | None = None,
         error_finish: str | None = None,
+        script: str | None = None,
     ) -> None:
         self._capacity = Capacity(context_length, dict(pools or {"aggregated": 1024}), page_size)
         self.delay = delay
         self.integrity_status = integrity_status
         self.fail_with = fail_with
         self.error_finish = error_finish  # finish every request with finish_reason "error" and this message
+        self.script = script  # the text every request generates, one character per step
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.active: set[str] = set()
@@ -105,9 +113,14 @@ class FakeEngine:
                 prompt_lps = [None] + [TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in prompt_token_ids[1:]]
             for i in range(params.max_tokens):
                 await asyncio.sleep(self.delay)
-                tok = 97 + (sum(prompt_token_ids) + (params.seed or 0) + i) % 26
+                if self.script is not None:
+                    tok = ord(self.script[i])
+                else:
+                    tok = 97 + (sum(prompt_token_ids) + (params.seed or 0) + i) % 26
                 text += chr(tok)
                 finished, reason = i == params.max_tokens - 1, "length"
+                if self.script is not None and i == len(self.script) - 1:
+                    finished, reason = True, "stop"
                 hits = [text.find(s) for s in params.stop if s in text]
                 if hits:
                     text, finished, reason = text[: min(hits)], True, "stop"

@@ -16,6 +16,7 @@ from kvfence.faults import FaultInjector
 from kvfence.integrity.digest import token_hash
 from kvfence.integrity.verify import Expectation
 from kvfence.kv.pool import KVPool
+from tests.helpers.auth import cap
 
 
 def handoff_pair(rig: Any, rid: str, num_tokens: int, seed: int) -> tuple[PrefillHandoff, DecodeHandoff, list[bytes]]:
@@ -28,10 +29,25 @@ def handoff_pair(rig: Any, rid: str, num_tokens: int, seed: int) -> tuple[Prefil
             t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
     ids = [seed * 1000 + i for i in range(num_tokens)]
     dec = DecodeHandoff(
-        Expectation(rid, num_tokens, token_hash(ids)), rig.d_alloc, rig.d_pool, rig.receiver, rig.config, rig.metrics
+        Expectation(rid, num_tokens, token_hash(ids), cap(rid)),
+        rig.d_alloc,
+        rig.d_pool,
+        rig.receiver,
+        rig.config,
+        rig.metrics,
     )
     dec.start()
-    pre = PrefillHandoff(rid, ids, rig.p_alloc, rig.p_pool, rig.sender, rig.receiver.address, rig.config, rig.faults)
+    pre = PrefillHandoff(
+        rid,
+        ids,
+        rig.p_alloc,
+        rig.p_pool,
+        rig.sender,
+        rig.receiver.address,
+        rig.config,
+        rig.faults,
+        transfer_id=cap(rid),
+    )
     return pre, dec, [rig.p_pool.read_page(p) for p in pages]
 
 

@@ -23,6 +23,7 @@ from kvfence.disagg.worker import WorkerIdentity, register, run_worker
 from kvfence.disagg.worker import model_fingerprint as fingerprint_of
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
+from tests.helpers.auth import plane_auth
 
 
 class InProcessDeployment:
@@ -57,12 +58,13 @@ class InProcessDeployment:
         fp = model_fingerprint or fingerprint_of(model_dir)
         name = Path(model_dir).name
         self.fabric = LocalFabric()
+        self.auth = plane_auth()  # one cluster key for this deployment's senders and receivers
         self.prefills: list[Any] = []
         self.decodes: list[Any] = []
         for i, cfg in enumerate(prefill_configs):
             engine = LLMEngine(cfg, loaded=loaded)
             loaded = loaded or engine.loaded
-            sender = LocalSender(self.fabric, engine.pool, transfer_config, faults)
+            sender = LocalSender(self.fabric, engine.pool, transfer_config, faults, auth=self.auth)
             self.prefills.append(
                 PrefillWorker(
                     engine,
@@ -70,6 +72,7 @@ class InProcessDeployment:
                     PrefillConfig(transport="local", deadline_s=deadline_s, strict=strict),
                     faults=faults,
                     sender=sender,
+                    auth=self.auth,
                 )
             )
         for i, cfg in enumerate(decode_configs):
@@ -81,7 +84,8 @@ class InProcessDeployment:
                     WorkerIdentity(wid, name, fp, {"model_dir": model_dir, "transport": "local"}),
                     DecodeConfig(transport="local", deadline_s=deadline_s, verify=verify, strict=strict),
                     faults=faults,
-                    receiver=LocalReceiver(self.fabric, wid, engine.pool, faults),
+                    receiver=LocalReceiver(self.fabric, wid, engine.pool, faults, auth=self.auth),
+                    auth=self.auth,
                 )
             )
         self.prefill, self.decode = self.prefills[0], self.decodes[0]

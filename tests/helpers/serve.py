@@ -22,6 +22,13 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 @contextlib.contextmanager
 def kvfence_serve(model_dir: Path, log_path: Path, *flags: str) -> Iterator[str]:
     """`kvfence serve` (disaggregated unless flags say --role aggregated) on a free port; yields its URL."""
+    with kvfence_serve_process(model_dir, log_path, *flags) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def kvfence_serve_process(model_dir: Path, log_path: Path, *flags: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As `kvfence_serve`, yielding (URL, the `kvfence serve` process)."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence", "serve", "--model", str(model_dir), "--port", str(port)]
     cmd += ["--served-model-name", "tiny", "--log-level", "warning", *flags]
@@ -38,7 +45,7 @@ def kvfence_serve(model_dir: Path, log_path: Path, *flags: str) -> Iterator[str]
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
-            yield url
+            yield url, server
         finally:
             server.terminate()
             server.wait(timeout=60)
