@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from kvfence.auth.keys import ENV_KEY, ClusterKey
 from kvfence.config import resolve_model_dir
 from kvfence.disagg.launcher import free_port
 from kvfence.engine.sampling_params import SamplingParams
@@ -84,10 +85,12 @@ def main() -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="vllm-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     common = {"block_size": 32, "max_model_len": 2048, "kv_cache_gib": 1}
+    key = ClusterKey.generate()
+    keyed = {**common, "env": {ENV_KEY: key.to_hex()}}
     specs = [
         VllmSpec("single", model, None, prefix_caching=False, served_model_name=NAME, **common),  # type: ignore[arg-type]
-        VllmSpec("prefill", model, kvfence_transfer_config("prefill"), **common),  # type: ignore[arg-type]
-        VllmSpec("decode", model, kvfence_transfer_config("decode"), **common),  # type: ignore[arg-type]
+        VllmSpec("prefill", model, kvfence_transfer_config("prefill"), **keyed),  # type: ignore[arg-type]
+        VllmSpec("decode", model, kvfence_transfer_config("decode"), **keyed),  # type: ignore[arg-type]
     ]
     if args.nixl:
         for label in ("nixl-prefill", "nixl-decode"):
@@ -96,7 +99,7 @@ def main() -> int:
             specs.append(VllmSpec(label, model, tc, prefix_caching=False, env=env, **common))  # type: ignore[arg-type]
     servers = start_all(specs, timeout_s=900, log_dir=out)
     single, prefill, decode = servers[:3]
-    client = build_client(prefill.url, decode.url)
+    client = build_client(prefill.url, decode.url, key)
     tok = Tokenizer.from_dir(model)
     settings = ApiSettings(served_model_name=NAME, vocab_size=tok.vocab_size)
     app = build_app(client, tok, settings)
@@ -106,7 +109,7 @@ def main() -> int:
         for s in servers[3:]:  # vLLM's CPU attention needs a long first prompt (docs/vllm.md, known limits)
             s_body = {"model": s.spec.model, "prompt": list(range(40, 240)), "max_tokens": 2}
             httpx.post(f"{s.url}/v1/completions", json=s_body, timeout=300)
-        nclient = NixlPDClient(servers[3].url, servers[4].url, vllm_model=model, capacity=client.capacity())
+        nclient = NixlPDClient(servers[3].url, servers[4].url, vllm_model=model, capacity=client.capacity(), key=key)
         nixl_threads.append(ServerThread(build_app(nclient, tok, settings)).start())
         nixl_urls = ["--url", f"vllm-1p1d-nixl={nixl_threads[0].url}"]
     try:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvfence.auth.keys import ClusterKey
 from kvfence.integrations.vllm import control
 from kvfence.integrations.vllm.handoff import (
     ConsumerHandoff,
@@ -42,10 +43,12 @@ class Pair:
     def __init__(self, lease_s: float = 30.0, producer_faults: str | None = None) -> None:
         self.p_pool, self.p_tensors = _pool(1)
         self.d_pool, self.d_tensors = _pool(2)
-        self.producer = ProducerHandoff(self.p_pool, HandoffConfig(lease_s=lease_s, inject_fault=producer_faults))
-        self.consumer = ConsumerHandoff(self.d_pool, HandoffConfig(transfer_timeout_s=10.0))
+        self.key = ClusterKey.generate()
+        config = HandoffConfig(lease_s=lease_s, inject_fault=producer_faults)
+        self.producer = ProducerHandoff(self.p_pool, config, self.key)
+        self.consumer = ConsumerHandoff(self.d_pool, HandoffConfig(transfer_timeout_s=10.0), self.key)
         self.records: dict[str, dict] = {}
-        self.listener = control.ControlServer(self._on_record, None)
+        self.listener = control.ControlServer(self._on_record, control.control_key(self.key))
 
     def _on_record(self, header: dict, peer: str) -> dict:
         self.records[str(header["xid"])] = header["record"]
@@ -189,27 +192,42 @@ def test_aborted_load_is_reported_once_settled(pair: Pair) -> None:
 
 
 def test_control_channel_refuses_a_wrong_key() -> None:
-    key = control.derive_key(b"k" * 32)
+    key = control.control_key(ClusterKey.generate())
     server = control.ControlServer(lambda h, peer: {"t": "ok", "echo": h.get("x")}, key)
     try:
         assert control.request(server.address, {"t": "ping", "x": 1}, key)["echo"] == 1
-        assert control.request(server.address, {"t": "ping"}, control.derive_key(b"z" * 32))["t"] == "refused"
+        other = control.control_key(ClusterKey.generate())
+        assert control.request(server.address, {"t": "ping"}, other)["t"] == "refused"
         assert control.request(server.address, {"t": "ping"}, None)["t"] == "refused"
         assert server.refused_auth == 2
     finally:
         server.close()
 
 
-def test_cluster_key_file(tmp_path) -> None:
-    raw = tmp_path / "raw"
-    raw.write_bytes(bytes(range(32)))
-    hexed = tmp_path / "hex"
-    hexed.write_text(bytes(range(32)).hex() + "\n")
-    assert control.load_cluster_key(str(raw)) == control.load_cluster_key(str(hexed)) == bytes(range(32))
-    short = tmp_path / "short"
-    short.write_bytes(b"x" * 8)
-    with pytest.raises(control.KvfenceError, match="at least 32"):
-        control.load_cluster_key(str(short))
+def test_pull_without_the_key_moves_nothing(pair: Pair) -> None:
+    """A party that knows a transfer id but not the cluster key cannot make prefill send it anywhere."""
+    ids = list(range(8))
+    xid = pair.produce(ids, [1, 2])
+    header = {"t": "pull", "rid": "req", "xid": xid, "to": pair.consumer.data_address}
+    assert control.request(pair.producer.pull_address, header, None)["t"] == "refused"
+    assert pair.producer.stats().held == 1 and pair.producer.control.refused_auth == 1
+
+
+def test_data_plane_refuses_another_deployment(pair: Pair) -> None:
+    """A sender holding another key cannot land a manifest or a page in decode's slot, even with the right transfer
+    id: kvfence's data plane refuses its connection at the handshake."""
+    ids = list(range(8))
+    stranger = ProducerHandoff(_pool(3)[0], HandoffConfig(), ClusterKey.generate())
+    try:
+        xid = secrets.token_hex(16)
+        slot = pair.consumer.receiver.expect("req", [3, 4], xid)  # what a load registers
+        manifest = stranger._build_manifest("req", xid, ids, [1, 2])
+        handle = stranger.sender.send(pair.consumer.data_address, manifest, [1, 2])
+        assert handle.wait(10) and handle.status.value == "error", handle.status
+        assert slot.manifest is None and int(slot.coverage.counts.sum()) == 0
+        assert pair.consumer.auth.events.counts(), "the refused handshake is a security event"
+    finally:
+        stranger.close()
 
 
 def test_params_are_validated() -> None:

@@ -28,7 +28,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm", reason="vLLM is not installed here (docs/vllm.md: its own venv, .ci/vllm.sh)")
 
+from kvfence.auth.keys import ENV_KEY, ClusterKey  # noqa: E402
 from kvfence.config import resolve_model_dir  # noqa: E402
+from kvfence.integrations.vllm import control  # noqa: E402
 from kvfence.integrations.vllm.control import ControlServer  # noqa: E402
 from kvfence.integrations.vllm.launch import VllmServer, VllmSpec, kvfence_transfer_config, start_all  # noqa: E402
 from kvfence.integrations.vllm.params import ConsumeParams, ProduceParams  # noqa: E402
@@ -56,13 +58,15 @@ class Deployment:
     model: str
     records: dict[str, dict]  # transfer id -> record, for synthetic requests aimed at decode directly
     record_address: str
+    key: ClusterKey
 
 
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     model = resolve_model_dir(None)
     logs = tmp_path_factory.mktemp("vllm-logs")
-    common = {"block_size": BLOCK, "max_model_len": 1024, "kv_cache_gib": 1}
+    key = ClusterKey.generate()  # the deployment's key: in the instances' environment, as `kvfence proxy --launch` does
+    common = {"block_size": BLOCK, "max_model_len": 1024, "kv_cache_gib": 1, "env": {ENV_KEY: key.to_hex()}}
     specs = [
         VllmSpec(
             "prefill",
@@ -79,13 +83,13 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         records[str(header.get("xid"))] = dict(header.get("record") or {})
         return {"t": "ok"}
 
-    listener = ControlServer(on_record, None)
-    client = build_client(prefill.url, decode.url, record_timeout_s=30.0)
+    listener = ControlServer(on_record, control.control_key(key))
+    client = build_client(prefill.url, decode.url, key, record_timeout_s=30.0)
     tok = Tokenizer.from_dir(model)
     app = build_app(client, tok, ApiSettings(served_model_name="tiny", vocab_size=tok.vocab_size))
     try:
         with ServerThread(app) as srv:
-            d = Deployment(prefill, decode, srv.url, client, model, records, listener.address)
+            d = Deployment(prefill, decode, srv.url, client, model, records, listener.address, key)
             for s in (prefill, decode):  # warm both up: the first request of an instance pays for lazy set-up
                 _plain(s, [7, 8, 9], 2)
             yield d
@@ -266,12 +270,24 @@ def test_52234_out_of_range_block_ids(dep: Deployment) -> None:
     assert _wait_record(dep, xid)["reason"] == "transfer_error"
 
 
+def _handoff(d: Deployment, ids: list[int], rid: str) -> tuple[str, str]:
+    """One whole handoff driven by the test as the router would (the client of the proxy never learns a transfer
+    id): (transfer id, prefill's pull address), after decode answered 200 with the single instance's tokens."""
+    xid = secrets.token_hex(16)
+    body = {"model": d.prefill.spec.model, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": ProduceParams(rid, xid).to_params()}  # fmt: skip
+    pull = httpx.post(f"{d.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]["kvfence"]
+    r = _decode_direct(d, ids, _consume(d, ids, xid, pull["pull"], rid))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _plain(d.prefill, ids, 8), r.text
+    assert _wait_record(d, xid)["status"] == "verified"
+    d.records.pop(xid)
+    return xid, str(pull["pull"])
+
+
 def test_52234_consumed_reference_reused(dep: Deployment) -> None:
-    ids = _prompt(13, 150)
-    status, body = _proxy(dep, ids, 8, "consumed-a")
-    assert status == 200
-    xid = _record(body)["transfer_id"]
-    r = _decode_direct(dep, ids, _consume(dep, ids, xid, _pull_address(dep), "consumed-a"))
+    ids, new = _prompt(13, 150), _prompt(23, 150)
+    xid, pull = _handoff(dep, ids, "consumed-a")
+    r = _decode_direct(dep, new, _consume(dep, new, xid, pull, "consumed-a"))  # the reference again, a new prompt
     assert r.status_code != 200, r.text
     rec = _wait_record(dep, xid)
     assert rec["reason"] == "transfer_error" and "consumed" in rec["detail"], rec
@@ -279,12 +295,9 @@ def test_52234_consumed_reference_reused(dep: Deployment) -> None:
 
 def test_52234_stale_reference_after_blocks_reused(dep: Deployment) -> None:
     a, b = _prompt(14, 150), _prompt(15, 150)
-    status, body = _proxy(dep, a, 8, "stale-a")
-    assert status == 200
-    xid = _record(body)["transfer_id"]
+    xid, pull = _handoff(dep, a, "stale-a")
     status, _ = _proxy(dep, b, 8, "stale-b")  # prefill reuses A's freed blocks for B
     assert status == 200
-    pull = _pull_address(dep)
     # the new prompt with the old reference: decode's own prompt is not the one the reference was issued for
     old = ConsumeParams("stale-a", xid, len(a), token_hash(a), pull, dep.record_address)
     r = _decode_direct(dep, b, old.to_params())
@@ -308,6 +321,18 @@ def test_52234_lease_expiry(dep: Deployment) -> None:
     assert r.status_code != 200, r.text
     rec = _wait_record(dep, xid)
     assert rec["reason"] == "transfer_error" and "lease" in rec["detail"], rec
+
+
+def test_pull_without_the_cluster_key_is_refused(dep: Deployment) -> None:
+    """Knowing a held transfer id is not enough: a pull that does not carry the cluster key's MAC moves nothing."""
+    ids, xid = _prompt(24, 100), secrets.token_hex(16)
+    body = {"model": dep.prefill.spec.model, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": ProduceParams("keyless", xid).to_params()}  # fmt: skip
+    pull = httpx.post(f"{dep.prefill.url}/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    header = {"t": "pull", "rid": "keyless", "xid": xid, "to": "tcp://127.0.0.1:9"}
+    address = pull["kvfence"]["pull"]
+    assert control.request(address, header, None)["t"] == "refused"
+    assert control.request(address, header, control.control_key(ClusterKey.generate()))["t"] == "refused"
 
 
 def test_prompt_not_the_routers_is_refused(dep: Deployment) -> None:

@@ -37,7 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="--launch: each instance's KV cache (GiB)")
     p.add_argument("--block-size", type=int, default=None, help="--launch: vLLM's block size (tokens)")
     p.add_argument("--max-model-len", type=int, default=2048, help="--launch: vLLM's --max-model-len")
-    p.add_argument("--cluster-key-file", default=None, help="the deployment's key (also $KVFENCE_CLUSTER_KEY_FILE)")
+    p.add_argument(
+        "--cluster-key-file",
+        default=None,
+        help="the deployment's key, the one the vLLM instances' connectors hold (also $KVFENCE_CLUSTER_KEY_FILE); "
+        "with --launch and no key a fresh one is made for the instances started",
+    )
+    p.add_argument(
+        "--insecure-no-auth", action="store_true", help="run without a key (anyone on the network can forge records)"
+    )
     p.add_argument("--record-timeout-s", type=float, default=30.0, help="how long a record from decode may take")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one (default: 8000)")
@@ -48,9 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvfence.auth.keys import ENV_KEY, INSECURE_WARNING, ClusterKey, ClusterKeyError, load_cluster_key
     from kvfence.config import resolve_model_dir
     from kvfence.integrations.vllm import launch as vlaunch
-    from kvfence.integrations.vllm.control import load_cluster_key
     from kvfence.integrations.vllm.proxy import build_client
     from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
@@ -61,13 +69,21 @@ def run(args: argparse.Namespace) -> int:
         raise KvfenceError("give --prefill URL and --decode URL, or --launch (not both)")
     if not args.launch and not (args.prefill and args.decode):
         raise KvfenceError("give both --prefill URL and --decode URL")
-    key = load_cluster_key(args.cluster_key_file)
+    try:
+        key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth)
+    except ClusterKeyError:
+        if not args.launch:
+            raise
+        key = ClusterKey.generate()  # for the instances this command starts; handed to them in their environment
+    if not key.secure:
+        print(f"kvfence: WARNING: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     model_dir = resolve_model_dir(args.model, lambda m: print(f"kvfence: {m}", file=sys.stderr))
     servers: list[vlaunch.VllmServer] = []
     try:
         prefill, decode = args.prefill, args.decode
         if args.launch:
-            extra = {"cluster_key_file": args.cluster_key_file} if args.cluster_key_file else {}
+            extra = {"insecure_no_auth": True} if not key.secure else {}
+            env = {ENV_KEY: key.to_hex()} if key.secure else {}  # the instances' key: in their environment only
             specs = [
                 vlaunch.VllmSpec(
                     role,
@@ -77,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len,
                     block_size=args.block_size,
                     python=args.vllm_python,
-                )  # fmt: skip
+                    env=env,
+                )
                 for role in ("prefill", "decode")
             ]
             print("kvfence: starting vLLM prefill and decode (most of a minute)", file=sys.stderr, flush=True)

@@ -52,8 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvfence.auth.keys import INSECURE_WARNING, load_cluster_key
 from kvfence.integrations.vllm import params as kp
-from kvfence.integrations.vllm.control import load_cluster_key
 from kvfence.integrations.vllm.handoff import (
     ConsumerHandoff,
     HandoffConfig,
@@ -170,7 +170,11 @@ class KvfenceConnector(KVConnectorBase_V1):
             raise _config_error(str(e)) from None
         self.is_producer, self.is_consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self._check_config(vllm_config, kv_cache_config)
-        self.key = load_cluster_key(self.config.cluster_key_file)
+        # the deployment's key: extra_config's cluster_key_file, else $KVFENCE_CLUSTER_KEY_FILE / $KVFENCE_CLUSTER_KEY;
+        # none refuses to start unless insecure_no_auth is set (auth.keys.load_cluster_key says which)
+        self.key = load_cluster_key(self.config.cluster_key_file, self.config.insecure_no_auth)
+        if not self.key.secure:
+            logger.warning("kvfence: %s", INSECURE_WARNING)
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._meta = KvfenceMetadata()
@@ -230,12 +234,13 @@ class KvfenceConnector(KVConnectorBase_V1):
         if self.is_consumer:
             self.consumer = ConsumerHandoff(pool, self.config, self.key)
         logger.info(
-            "kvfence: connector ready (%s), layout %s %s, pull %s, data %s",
+            "kvfence: connector ready (%s), layout %s %s, pull %s, data %s, cluster key %s",
             "producer" if self.is_producer and not self.is_consumer else "consumer" if not self.is_producer else "both",
             layout.fingerprint,
             layout.describe(),
             self.producer.pull_address if self.producer else None,
             self.consumer.data_address if self.consumer else None,
+            self.key.key_id if self.key.secure else "none (insecure)",
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -7,14 +7,12 @@ What it knows: one exchange per connection, framed like kvfence's data plane
     client -> server   the request, e.g. {"t": "pull", ...} or {"t": "record", ...}, plus "mac" when keyed
     server -> client   the reply, e.g. {"t": "ok", ...} or {"t": "refused", "reason": ...}
 
-With a cluster key, the client's "mac" is HMAC-SHA256 under a key derived from the cluster key, over the
+The client's "mac" is HMAC-SHA256 under a key derived from the deployment's cluster key (`control_key`), over the
 server's fresh nonce and the request's canonical JSON (sorted keys, no spaces), so a request cannot be forged
 without the key nor replayed on another connection; a request without a valid mac is refused before the handler
 sees it, and counted. Headers are capped (`MAX_HEADER_BYTES`) before anything is allocated for them, every
-socket carries a timeout, and a malformed frame ends the connection, never the server.
-
-Without a key (until the deployment has one) requests are accepted as they come: the transfer id they name is
-the secret that authorises them (see params.py), and the handler may check the peer's address.
+socket carries a timeout, and a malformed frame ends the connection, never the server. (A server or client given
+no key skips the mac: tests only.)
 
 What it does not know: what a request means (the handlers in handoff.py and proxy.py decide).
 """
@@ -25,23 +23,20 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from kvfence.auth.keys import ClusterKey
 from kvfence.errors import KvfenceError
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = struct.Struct("<II")
 MAX_HEADER_BYTES = 16384  # an integrity record is ~1 KiB
-KEY_ENV = "KVFENCE_CLUSTER_KEY_FILE"
-_CONTROL_LABEL = b"kvfence vllm control v1"
 
 Header = dict[str, Any]
 Handler = Callable[[Header, str], Header]  # (request, peer host) -> reply
@@ -51,29 +46,9 @@ class ControlError(KvfenceError):
     """A control exchange that could not complete (no server, refused, malformed reply, timeout)."""
 
 
-def load_cluster_key(path: str | None) -> bytes | None:
-    """The deployment's cluster key from `path` (or the file named by $KVFENCE_CLUSTER_KEY_FILE), None when neither
-    is given. The file holds 32 or more random bytes, raw or as hex text; anything shorter is refused."""
-    path = path or os.environ.get(KEY_ENV) or None
-    if path is None:
-        return None
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise KvfenceError(f"cannot read the cluster key file {path}: {e.strerror or e}") from None
-    text = raw.strip()
-    try:
-        key = bytes.fromhex(text.decode("ascii")) if len(text) >= 64 else raw
-    except (UnicodeDecodeError, ValueError):
-        key = raw
-    if len(key) < 32:
-        raise KvfenceError(f"the cluster key in {path} has {len(key)} bytes; it needs at least 32 random bytes")
-    return key
-
-
-def derive_key(cluster_key: bytes, label: bytes = _CONTROL_LABEL) -> bytes:
-    """A key for one purpose, derived from the cluster key (HMAC-SHA256 of the label)."""
-    return hmac.new(cluster_key, label, hashlib.sha256).digest()
+def control_key(key: ClusterKey) -> bytes:
+    """The key of this channel, derived from the deployment's cluster key (`auth.keys`: one key per purpose)."""
+    return key.derive("vllm-control")
 
 
 def _canonical(header: Header) -> bytes:

@@ -20,9 +20,11 @@ What it knows:
   blocks are handed back only once no write of the transfer can land in them (the receive slot is settled). Every
   load ends with one `IntegrityRecord`, logged and sent to the front end's record address.
 
-When the authenticated transport of issue 22 lands, the changes are here only: the sender, receiver and manifest
-calls below (`_new_sender`, `_new_receiver`, `_build_manifest`, the `expect` call) take the cluster key and the
-transfer id as capabilities.
+Authentication (docs/handoff.md, "Trust model"): both sides hold the deployment's cluster key. The TCP sender and
+receiver run kvfence's authenticated data plane (`auth.plane.PlaneAuth`: a challenge-response on connect, a MAC on
+every frame, the manifest sealed with the manifest key), decode's slot accepts only the transfer id the front end
+issued, and the pull and record messages are MAC'd with a key derived from the same cluster key (`control.py`).
+Records show a transfer's reference (`transfer.base.transfer_ref`), never its id.
 
 What it does not know: vLLM (the connector translates its hooks into these calls), the front end, or which
 requests are whose.
@@ -41,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvfence.auth.keys import ClusterKey
+from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.integrations.vllm import control
 from kvfence.integrations.vllm.params import ConsumeParams
@@ -50,7 +54,7 @@ from kvfence.integrity.record import IntegrityRecord
 from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import SendHandle, SendStatus, SlotStatus, TransferConfig
+from kvfence.transfer.base import SendHandle, SendStatus, SlotStatus, TransferConfig, transfer_ref
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 
 logger = logging.getLogger(__name__)
@@ -73,7 +77,8 @@ class HandoffConfig:
     pull_wait_s: float = 5.0  # prefill: a pull that arrives before vLLM finished the request waits this long
     io_timeout_s: float = 10.0
     max_transfer_pages: int = 64
-    cluster_key_file: str | None = None
+    cluster_key_file: str | None = None  # else $KVFENCE_CLUSTER_KEY_FILE or $KVFENCE_CLUSTER_KEY (auth.keys)
+    insecure_no_auth: bool = False  # run the same protocol with the all-zero key: anyone can speak it (tests only)
     inject_fault: str | None = None  # tests only: kvfence's --inject-fault spec (faults.py)
 
     def __post_init__(self) -> None:
@@ -176,8 +181,9 @@ class ProducerStats(NamedTuple):
 class ProducerHandoff:
     """Prefill's side: held transfers by transfer id, the pull channel, the TCP sender."""
 
-    def __init__(self, pool: KVPool, config: HandoffConfig, key: bytes | None = None) -> None:
+    def __init__(self, pool: KVPool, config: HandoffConfig, key: ClusterKey) -> None:
         self.pool, self.config, self.key = pool, config, key
+        self.auth = PlaneAuth(key)
         self.faults = FaultInjector.from_flag(config.inject_fault)
         self._by_vllm: dict[str, _Held] = {}
         self._by_xid: dict[str, _Held] = {}
@@ -188,9 +194,9 @@ class ProducerHandoff:
         self.sender = self._new_sender()
         self.control = control.ControlServer(self._on_control, self._control_key(), config.host, config.control_port)
 
-    # -- the transport and the manifest (the authenticated API replaces these) ------------------------------------
-    def _control_key(self) -> bytes | None:
-        return None if self.key is None else control.derive_key(self.key)
+    # -- the transport and the manifest ----------------------------------------------------------------------------
+    def _control_key(self) -> bytes:
+        return control.control_key(self.key)
 
     def _new_sender(self) -> TcpSender:
         tc = TransferConfig(
@@ -198,7 +204,7 @@ class ProducerHandoff:
             send_timeout_s=self.config.transfer_timeout_s,
             io_timeout_s=self.config.io_timeout_s,
         )
-        return TcpSender(self.pool, tc, self.faults)
+        return TcpSender(self.pool, tc, self.faults, auth=self.auth)
 
     def _build_manifest(self, request_id: str, transfer_id: str, token_ids: Sequence[int], pages: Sequence[int]):
         return build_manifest(request_id, transfer_id, list(token_ids), self.pool, pages, self.faults)
@@ -320,7 +326,7 @@ class ProducerHandoff:
             to_host, _ = control.parse_tcp_address(to)
         except (control.ControlError, ValueError):
             return self._refuse(f"bad decode address {to[:80]!r}")
-        if self.key is None and to_host != peer:  # unkeyed: push only back to the host that asked
+        if not self.key.secure and to_host != peer:  # without a real key: push only back to the host that asked
             return self._refuse(f"decode address {to_host} is not the host that asked ({peer})")
         deadline = time.monotonic() + self.config.pull_wait_s
         logger.debug("pull received %s", rid)
@@ -393,8 +399,9 @@ class LoadResults(NamedTuple):
 class ConsumerHandoff:
     """Decode's side: the TCP receiver over vLLM's blocks, one load per request, records to the front end."""
 
-    def __init__(self, pool: KVPool, config: HandoffConfig, key: bytes | None = None) -> None:
+    def __init__(self, pool: KVPool, config: HandoffConfig, key: ClusterKey) -> None:
         self.pool, self.config, self.key = pool, config, key
+        self.auth = PlaneAuth(key)
         self.faults = FaultInjector.from_flag(config.inject_fault)
         self.layout = pool.layout
         self.receiver = self._new_receiver()
@@ -405,13 +412,15 @@ class ConsumerHandoff:
         self.failed_by_reason: dict[str, int] = {}
         self.records_undelivered = 0
 
-    # -- the transport (the authenticated API replaces these) ------------------------------------------------------
+    # -- the transport ---------------------------------------------------------------------------------------------
     def _new_receiver(self) -> TcpReceiver:
         c = self.config
-        return TcpReceiver(self.pool, c.host, c.data_port, self.faults, one_sided=False, io_timeout_s=c.io_timeout_s)
+        return TcpReceiver(
+            self.pool, c.host, c.data_port, self.faults, one_sided=False, io_timeout_s=c.io_timeout_s, auth=self.auth
+        )
 
-    def _control_key(self) -> bytes | None:
-        return None if self.key is None else control.derive_key(self.key)
+    def _control_key(self) -> bytes:
+        return control.control_key(self.key)
 
     @property
     def data_address(self) -> str:
@@ -497,7 +506,7 @@ class ConsumerHandoff:
             t0 = time.monotonic()
             result = verify_handoff(
                 slot.manifest,
-                Expectation(params.request_id, params.tokens_expected, params.token_hash),
+                Expectation(params.request_id, params.tokens_expected, params.token_hash, params.transfer_id),
                 self.layout,
                 load.pages,
                 slot.coverage,
@@ -536,13 +545,16 @@ class ConsumerHandoff:
             self.failed_by_reason[reason] = self.failed_by_reason.get(reason, 0) + 1
         self.counts["verify_s"] += load.timings.get("verify", 0.0)
         p = load.params
+        slot = self.receiver.core.slot(load.request_id) if load.slot_open else None
+        slot_manifest = slot is not None and slot.manifest is not None
         record = IntegrityRecord.from_result(
             load.request_id,
             result,
             tokens_expected=p.tokens_expected if p is not None else 0,
             pages=len(load.pages) if p is not None else 0,
             layout_fingerprint=self.layout.fingerprint,
-            transfer_id=p.transfer_id if p is not None else "",
+            transfer_ref=transfer_ref(p.transfer_id) if p is not None else "",
+            authenticated=self.key.secure if slot_manifest else None,
             role="decode",
             timings={k: round(v, 6) for k, v in load.timings.items()},
         )

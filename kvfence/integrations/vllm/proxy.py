@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from kvfence.auth.keys import ClusterKey
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
@@ -43,6 +44,7 @@ from kvfence.integrity.digest import token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason, VerifyResult
 from kvfence.server.engine_client import Capacity, GenerationChunk
+from kvfence.transfer.base import transfer_ref
 
 logger = logging.getLogger(__name__)
 integrity_logger = logging.getLogger("kvfence.integrity")
@@ -131,7 +133,7 @@ class VllmPDClient:
         vllm_model: str,
         model_name: str | None = None,
         capacity: Capacity,
-        key: bytes | None = None,
+        key: ClusterKey,
         record_host: str = "127.0.0.1",
         record_timeout_s: float = 30.0,
         request_timeout_s: float = 600.0,
@@ -149,8 +151,8 @@ class VllmPDClient:
         self._http: httpx.AsyncClient | None = None
         self.records = control.ControlServer(self._on_record, self._control_key(), record_host, 0)
 
-    def _control_key(self) -> bytes | None:
-        return None if self.key is None else control.derive_key(self.key)
+    def _control_key(self) -> bytes:
+        return control.control_key(self.key)
 
     # -- EngineClient ---------------------------------------------------------------------------------------------
     def capacity(self) -> Capacity:
@@ -163,7 +165,7 @@ class VllmPDClient:
             "decode_url": self.decode_url,
             "vllm_model": self.vllm_model,
             "record_address": self.records.address,
-            "authenticated": self.key is not None,
+            "cluster_key": self.key.describe(),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -352,7 +354,7 @@ class VllmPDClient:
             record = IntegrityRecord.from_dict(header.get("record"))
         except (TypeError, ValueError) as e:
             return {"t": "refused", "reason": f"malformed record: {e}"}
-        if record.transfer_id != xid:
+        if record.transfer_ref != transfer_ref(xid):
             return {"t": "refused", "reason": "the record is for another transfer"}
         loop, fut = self._waiting[xid]
 
@@ -372,7 +374,7 @@ class VllmPDClient:
             tokens_expected=len(ids),
             pages=0,
             layout_fingerprint="",
-            transfer_id=xid,
+            transfer_ref=transfer_ref(xid),
             role="decode",
             timings={"total": round(time.monotonic() - t0, 6)},
         )
@@ -422,7 +424,7 @@ def discover(url: str, timeout_s: float = 10.0) -> tuple[str, int, int, int]:
     return str(models["id"]), int(models["max_model_len"]), blocks, block_size
 
 
-def build_client(prefill_url: str, decode_url: str, key: bytes | None = None, **kw: Any) -> VllmPDClient:
+def build_client(prefill_url: str, decode_url: str, key: ClusterKey, **kw: Any) -> VllmPDClient:
     """A `VllmPDClient` for two running instances, its capacity read from them (both must serve the same model)."""
     p_model, p_len, p_blocks, p_bs = discover(prefill_url)
     d_model, d_len, d_blocks, d_bs = discover(decode_url)
