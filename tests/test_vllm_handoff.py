@@ -256,3 +256,23 @@ def test_block_pool_refuses_what_it_cannot_read_in_place() -> None:
         VllmBlockPool(layout, [t.transpose(2, 3)])
     with pytest.raises(ValueError, match="layers"):
         VllmBlockPool(layout, [t, t])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["proxy"], "give both --prefill URL and --decode URL"),
+        (["proxy", "--launch", "--prefill", "http://127.0.0.1:9"], "drop --prefill/--decode"),
+        (["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"], "no cluster key"),
+        (["proxy", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--insecure-no-auth"],
+         "is it a vLLM server"),
+    ],
+)  # fmt: skip
+def test_proxy_configuration_mistakes_are_one_line(argv: list[str], message: str, capsys, monkeypatch) -> None:
+    from kvfence.cli import main
+
+    for var in ("KVFENCE_CLUSTER_KEY", "KVFENCE_CLUSTER_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

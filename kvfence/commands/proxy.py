@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from kvfence.server.launch import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    if args.launch == bool(args.prefill or args.decode):
-        raise KvfenceError("give --prefill URL and --decode URL, or --launch (not both)")
+    if args.launch and (args.prefill or args.decode):
+        raise KvfenceError("--launch starts its own instances: drop --prefill/--decode, or drop --launch")
     if not args.launch and not (args.prefill and args.decode):
-        raise KvfenceError("give both --prefill URL and --decode URL")
+        raise KvfenceError("give both --prefill URL and --decode URL of running vLLM instances, or --launch")
     try:
         key = load_cluster_key(args.cluster_key_file, args.insecure_no_auth)
     except ClusterKeyError:
