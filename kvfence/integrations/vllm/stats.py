@@ -51,7 +51,8 @@ class KvfenceStats(KVConnectorStats):
 class KvfencePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine: dict) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine)
-        counter, gauge = self._counter_cls, self._gauge_cls
+        counter: Any = self._counter_cls  # vLLM's Counter / Gauge classes (prometheus_client's or its own)
+        gauge: Any = self._gauge_cls
 
         def per_engine_metric(metric: Any) -> dict[int, Any]:
             return create_metric_per_engine(metric, self.per_engine_labelvalues)
@@ -59,7 +60,7 @@ class KvfencePromMetrics(KVConnectorPromMetrics):
         self.verified = per_engine_metric(
             counter(name="vllm:kvfence_handoffs_verified", documentation="KV loads verified", labelnames=labelnames)
         )
-        self._failed = counter(
+        self._failed: Any = counter(
             name="vllm:kvfence_handoffs_failed",
             documentation="KV loads that failed their request, by reason",
             labelnames=[*labelnames, "reason"],
@@ -77,7 +78,7 @@ class KvfencePromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
-        self._transfers = counter(
+        self._transfers: Any = counter(
             name="vllm:kvfence_transfers",
             documentation="Held transfers on prefill, by how they ended",
             labelnames=[*labelnames, "outcome"],
