@@ -16,7 +16,7 @@ import sys
 
 from kvfence.errors import KvfenceError
 
-_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key"]
+_COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key", "proxy"]
 
 
 def build_parser() -> argparse.ArgumentParser:
