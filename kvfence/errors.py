@@ -36,3 +36,11 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class CapacityConfigError(KvfenceError):
     """A start-up configuration that cannot serve its own context length."""
+
+
+class ServiceUnavailableError(KvfenceError):
+    """The server cannot take the request now (e.g. no healthy worker of a role): HTTP 503, try again later."""
+
+    def __init__(self, message: str, code: str = "service_unavailable") -> None:
+        super().__init__(message)
+        self.code = code

@@ -278,7 +278,9 @@ def test_every_choice_carries_its_integrity_record(
         "transfer_ref",
         "authenticated",
         "tokens_before_verdict",
+        "retried_after",
     }
+    assert all(rec["retried_after"] is None for rec in records)  # nothing was lost: no attempt was retried
     # the record names its transfer by a hash, never by the capability itself; disaggregated manifests are sealed
     assert all(rec["authenticated"] is (None if mode == "aggregated" else True) for rec in records)
     # disaggregated: each choice's first token (prefill's own KV) was released before decode's verdict

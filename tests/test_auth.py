@@ -172,7 +172,7 @@ def test_a_stranger_gets_no_frame_read_and_its_4gib_header_costs_nothing(decode_
         assert s.recv(1) == b""  # then it hangs up: the 8 + 9 bytes were not a valid answer
     wait_for(lambda: auth.events.counts().get("handshake_failed") == 1)
     assert _rss_bytes() - before < 64 << 20
-    assert dec.slot.status == SlotStatus.WAITING and dec.poll() == DecodeState.WAITING
+    assert dec.slot.status == SlotStatus.WAITING and dec.poll() == DecodeState.RESERVED
 
 
 def test_a_key_holders_oversized_or_malformed_frames_are_dropped_without_allocation_or_traceback(
@@ -278,7 +278,7 @@ def test_a_manifest_sealed_with_another_key_or_for_another_transfer_leaves_the_s
     sender = TcpSender(src, auth=auth)
     pre = PrefillHandoff("victim", ids, p_alloc, src, sender, receiver.address, HandoffConfig(), transfer_id=cap)
     pre.send()
-    wait_for(lambda: dec.poll() == DecodeState.READY)
+    wait_for(lambda: dec.poll() == DecodeState.VERIFIED)
     assert dec.record.status == "verified" and dec.record.authenticated is True
     assert dec.record.transfer_ref and cap not in json.dumps(dec.record.to_api())  # the capability never shows
     sender.close()

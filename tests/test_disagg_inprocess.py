@@ -21,7 +21,7 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvfence.disagg import messages as P
-from kvfence.disagg.prefill import PrefillRequestState
+from kvfence.disagg.handoff import DecodeState, PrefillState
 from kvfence.disagg.router import RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -334,14 +334,15 @@ def test_prefills_first_token_reaches_the_client_before_decode_verifies(loaded: 
                     got.append(c)
 
             task = asyncio.ensure_future(consume())
-            for _ in range(500):  # until prefill's FirstToken reached the router (at most 5 s)
+            for _ in range(500):  # until prefill's first token reached the router (at most 5 s)
                 flight = dep.router._flights.get("f")
                 if flight is not None and flight.first is not None and (got or not before_verdict):
                     break
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.1)  # anything queued for the client is out by now
             seen = len(got)
-            assert dep.decode.requests["f"].state.value == "handoff" and dep.decode.counts["verified"] == 0
+            assert dep.decode.requests["f"].state in (DecodeState.RESERVED, DecodeState.RECEIVING)
+            assert dep.decode.counts["verified"] == 0
             go.set()
             await task
             return seen, got
@@ -392,9 +393,9 @@ def test_a_streamed_first_token_that_decode_contradicts_fails_the_request(loaded
     with deploy(loaded) as dep:
         real = dep.prefill._out
 
-        def out(msg: P.Message) -> None:  # prefill's FirstToken says another token than its manifest and PrefillSent
-            if isinstance(msg, P.FirstToken):
-                msg = dataclasses.replace(msg, first_token=(msg.first_token + 1) % dep.prefill_engine.vocab_size)
+        def out(msg: P.Message) -> None:  # prefill's first token to the router says another token than its manifest
+            if isinstance(msg, P.Tokens):
+                msg = P.replace(msg, token_ids=[(msg.token_ids[0] + 1) % dep.prefill_engine.vocab_size])
             real(msg)
 
         dep.prefill._out = out  # type: ignore[method-assign]
@@ -402,10 +403,9 @@ def test_a_streamed_first_token_that_decode_contradicts_fails_the_request(loaded
         assert_baseline(dep)
         vocab = dep.prefill_engine.vocab_size
     last, streamed = chunks[-1], tokens(chunks)
-    # caught by whichever check sees it first: PrefillSent against FirstToken (then the token may never have been
-    # streamed: the failure can reach the client first), or decode's first chunk against the streamed token
+    # caught when decode's first chunk (the token in the manifest it verified) meets the one prefill told the router
     assert last.finish_reason == "error"
-    assert "first token differs" in (last.error or "") or "streamed from prefill" in (last.error or ""), last.error
+    assert "streamed from prefill" in (last.error or ""), last.error
     assert len(streamed) <= 1  # nothing decode computed reached the client
     want = reference(loaded, [("x", [8] * 30, greedy(4))])["x"][0]
     assert streamed in ([], [(want + 1) % vocab])  # at most prefill's (tampered) first token
@@ -436,7 +436,7 @@ def test_router_abort_before_the_handoff_frees_both_sides(loaded: Any) -> None:
         # prefill holds its orders (never runs them): the abort lands while decode waits for the KV
         held: list[P.Message] = []
         real = dep.prefill.handle
-        dep.prefill.handle = lambda m: held.append(m) if isinstance(m, P.PrefillOrder) else real(m)  # type: ignore[method-assign]
+        dep.prefill.handle = lambda m: held.append(m) if isinstance(m, P.Order) else real(m)  # type: ignore[method-assign]
 
         async def main() -> list[GenerationChunk]:
             async def abort_soon() -> None:
@@ -490,7 +490,7 @@ def test_router_refuses_token_ids_outside_the_vocabulary_before_sending_anything
 def test_silent_prefill_times_out_and_frees_decode(loaded: Any) -> None:
     with deploy(loaded, deadline_s=0.5) as dep:
         real = dep.prefill.handle
-        dep.prefill.handle = lambda m: None if isinstance(m, P.PrefillOrder) else real(m)  # type: ignore[method-assign]
+        dep.prefill.handle = lambda m: None if isinstance(m, P.Order) else real(m)  # type: ignore[method-assign]
         chunks = run(dep, [("t", [4] * 20, greedy(3))])["t"]
         assert_baseline(dep)
     assert chunks[-1].finish_reason == "error" and chunks[-1].integrity["reason"] == "timeout"
@@ -501,7 +501,7 @@ def test_a_request_prefill_never_computes_fails_at_the_routers_deadline_saying_s
     router = RouterConfig(handoff_deadline_s=0.5, request_timeout_s=60)  # the router's deadline comes first
     with deploy(loaded, deadline_s=30.0, router_config=router) as dep:
         real = dep.prefill.handle
-        dep.prefill.handle = lambda m: None if isinstance(m, P.PrefillOrder) else real(m)  # type: ignore[method-assign]
+        dep.prefill.handle = lambda m: None if isinstance(m, P.Order) else real(m)  # type: ignore[method-assign]
         chunks = run(dep, [("t", [4] * 20, greedy(3))])["t"]
         assert_baseline(dep)
     assert chunks[-1].integrity["reason"] == "timeout"
@@ -539,41 +539,38 @@ def test_workers_with_different_page_sizes_are_never_paired(loaded: Any) -> None
 # -- prefill overlaps decode's reservation ---------------------------------------------------------------------
 
 
-def _delay_decode_prepares(dep: InProcessDeployment) -> list[P.DecodePrepare]:
-    """Decode keeps DecodePrepare messages aside until the test lets them through (a slow reservation)."""
-    held: list[P.DecodePrepare] = []
+def _delay_decode(dep: InProcessDeployment) -> list[P.Message]:
+    """Decode keeps its messages aside, in order, until the test lets them through (a slow reservation)."""
+    held: list[P.Message] = []
     real = dep.decode.handle
+    dep.decode.handle = held.append  # type: ignore[method-assign]
 
-    def handle(msg: P.Message) -> None:
-        if isinstance(msg, P.DecodePrepare):
-            held.append(msg)
-        else:
-            real(msg)
+    def release() -> None:
+        dep.decode.handle = real  # type: ignore[method-assign]
+        for m in held:
+            real(m)
 
-    dep.decode.handle = handle  # type: ignore[method-assign]
-    dep.decode.release_held = lambda: [real(m) for m in held]  # type: ignore[attr-defined]
+    dep.decode.release_held = release  # type: ignore[attr-defined]
     return held
 
 
-def test_prefill_computes_while_decode_reserves_and_sends_only_once_decode_has(loaded: Any) -> None:
+def test_a_manifest_that_comes_before_decode_reserved_waits_there_and_no_page_moves_until_it_has(loaded: Any) -> None:
     import threading
     import time
 
     prompt = list(range(40, 90))
     with deploy(loaded) as dep:
-        held = _delay_decode_prepares(dep)
+        held = _delay_decode(dep)
         result: dict[str, list[GenerationChunk]] = {}
         t = threading.Thread(target=lambda: result.update(run(dep, [("o", prompt, greedy(5))])))
         t.start()
         deadline = time.monotonic() + 20
-        while "o" not in dep.prefill.ids(
-            PrefillRequestState.COMPUTED
-        ):  # the prompt is done on prefill before decode reserved anything
-            assert time.monotonic() < deadline and t.is_alive(), "prefill never finished the prompt"
+        while "o" not in dep.receiver.core._pending:  # prefill computed and sent its manifest: decode parked it
+            assert time.monotonic() < deadline and t.is_alive(), "prefill never sent its manifest"
             time.sleep(0.005)
-        # nothing sent: decode has not said where, or that it expects it
-        assert held and not dep.prefill.ids(PrefillRequestState.HANDOFF)
-        assert dep.prefill_engine.allocator.num_free < dep.prefill_engine.allocator.num_pages  # its KV is held
+        handle = dep.prefill.requests["o"].handoff.handle
+        assert held and handle is not None and not handle.ready and handle.pages_sent == 0  # no page moved
+        assert dep.prefill.requests["o"].state is PrefillState.SENDING
         dep.decode.release_held()
         t.join(30)
         assert_baseline(dep)
@@ -581,17 +578,17 @@ def test_prefill_computes_while_decode_reserves_and_sends_only_once_decode_has(l
     assert result["o"][-1].integrity["status"] == "verified"
 
 
-def test_a_request_aborted_while_prefill_waits_for_decode_frees_prefills_pages(loaded: Any) -> None:
+def test_a_request_aborted_while_its_manifest_waits_for_decode_frees_both_sides(loaded: Any) -> None:
     import time
 
     with deploy(loaded) as dep:
-        held = _delay_decode_prepares(dep)
+        held = _delay_decode(dep)
 
         async def main() -> None:
             gen = dep.router.generate("w", list(range(40, 90)), greedy(5))
             task = asyncio.ensure_future(gen.__anext__())
             deadline = time.monotonic() + 20
-            while "w" not in dep.prefill.ids(PrefillRequestState.COMPUTED):
+            while "w" not in dep.receiver.core._pending:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.005)
             task.cancel()  # the client goes away: the generator's own cleanup aborts both workers
@@ -601,58 +598,5 @@ def test_a_request_aborted_while_prefill_waits_for_decode_frees_prefills_pages(l
 
         asyncio.run(main())
         assert held
-        dep.decode.release_held()  # decode reserves late, for a request that is gone: the router hands it back
+        dep.decode.release_held()  # decode gets its order, then the abort, as its channel would deliver them
         assert_baseline(dep)
-    assert dep.prefill.counts["aborted"] == 1
-
-
-def _drop_prefill_sent_at_decode(dep: InProcessDeployment, replace_token: int | None = None) -> None:
-    """Decode never gets the router's relay of PrefillSent (or gets it with another first token)."""
-    real = dep.decode.handle
-
-    def handle(msg: P.Message) -> None:
-        if isinstance(msg, P.PrefillSent):
-            if replace_token is None:
-                return
-            msg = dataclasses.replace(msg, first_token=replace_token)
-        real(msg)
-
-    dep.decode.handle = handle  # type: ignore[method-assign]
-
-
-def test_decode_takes_the_first_token_from_the_manifest_without_waiting_for_the_relay(loaded: Any) -> None:
-    reqs = [("m1", list(range(30, 70)), greedy(6)), ("m2", [5] * 17, greedy(3))]
-    with deploy(loaded) as dep:
-        _drop_prefill_sent_at_decode(dep)
-        got = run(dep, reqs)
-        assert_baseline(dep)
-    want = reference(loaded, reqs)
-    for rid, _, _ in reqs:
-        assert tokens(got[rid]) == want[rid] and got[rid][-1].integrity["status"] == "verified"
-
-
-def test_a_relayed_first_token_that_contradicts_the_manifest_fails_the_request(loaded: Any) -> None:
-    with deploy(loaded) as dep:
-        dep.decode.config = dataclasses.replace(dep.decode.config)  # the same worker, only the relay is forged
-        real = dep.decode.handle
-        held: list[P.Message] = []
-
-        def handle(msg: P.Message) -> None:  # deliver the relay only after the manifest's token was taken
-            if isinstance(msg, P.PrefillSent):
-                held.append(dataclasses.replace(msg, first_token=msg.first_token + 1))
-                return
-            real(msg)
-
-        dep.decode.handle = handle  # type: ignore[method-assign]
-        real_step = dep.decode.step
-
-        def step() -> bool:
-            worked = real_step()
-            while held:
-                real(held.pop())
-            return worked
-
-        dep.decode.step = step  # type: ignore[method-assign]
-        chunks = run(dep, [("x", list(range(30, 70)), greedy(20))])["x"]
-        assert_baseline(dep)
-    assert chunks[-1].finish_reason == "error" and "first token differs" in chunks[-1].error

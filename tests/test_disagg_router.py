@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvfence.auth.curve import CurveKeys
@@ -19,6 +20,7 @@ from kvfence.disagg.worker_main import parse_faults
 from kvfence.disagg.workers import check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, KvfenceError
+from kvfence.integrity.digest import token_hash
 from tests.helpers.clock import ManualClock, advance_until_dead
 
 
@@ -40,25 +42,26 @@ def reg(role: str, **over: object) -> P.Register:
     return P.Register(**base)  # type: ignore[arg-type]
 
 
-def test_messages_round_trip_through_json() -> None:
+def test_messages_round_trip_through_msgpack() -> None:
     msgs = [
         reg("decode"),
-        P.DecodePrepare("r1", [1, 2, 3], 3, "abcd", "f" * 32, {"max_tokens": 4}, 5.0),
+        P.Order("r1", [1, 2, 3], "f" * 32, {"max_tokens": 4}, tokens_expected=3, token_hash="abcd"),
+        P.Tokens("r1", [7], text=None, logprobs=[[7, float("-inf"), []]]),  # -inf survives (JSON has no -inf)
         P.Tokens("r1", [7, 8], text="hi", finished=True, finish_reason="length", integrity={"status": "verified"}),
         P.Abort("r1", "client gone"),
         P.Shutdown(),
     ]
     for m in msgs:
         assert P.decode(P.encode(m)) == m
-    with pytest.raises(ValueError, match="unknown control message"):
-        P.decode(b'{"kind": "nope"}')
+    with pytest.raises(P.WireError, match="control message"):
+        P.decode(msgspec.msgpack.encode({"kind": "nope"}))
 
 
 def test_sampling_params_survive_the_wire() -> None:
     sp = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop=("xy",), stop_token_ids=(4,))
     assert (
         P.params_from_wire(
-            P.decode(P.encode(P.PrefillOrder("r", [1], "f" * 32, P.params_to_wire(sp), "a", {}, 1.0))).params
+            P.decode(P.encode(P.Order("r", [1], "f" * 32, P.params_to_wire(sp), decode_address="tcp://d:1"))).params
         )
         == sp
     )
@@ -172,7 +175,7 @@ class FakeWorker:
                 continue
             if msg is not None:
                 self.inbox.append(msg)
-                self.orders += isinstance(msg, (P.DecodePrepare, P.PrefillOrder)) and not self.frozen
+                self.orders += isinstance(msg, P.Order) and not self.frozen
             if time.monotonic() - last > 0.05:
                 last = time.monotonic()
                 self.channel.send(P.WorkerStats(self.registration.role, {**self.load, "orders_seen": self.orders}))
@@ -213,7 +216,7 @@ def idle(pages: int) -> dict[str, int]:
 
 
 class Fleet:
-    """A router serving fake workers; `submit` starts a request and returns which decode got its DecodePrepare.
+    """A router serving fake workers; `submit` starts a request (`decode_of`/`prefill_of`: the pair it went to).
 
     The router runs on a `ManualClock`: no worker is ever judged silent (nor an order in transit
     forgotten) because a loaded machine starved its thread, only when a test silences it and
@@ -260,17 +263,14 @@ class Fleet:
         self.workers[wid].silence()
         return advance_until_dead(self.router, self.clock, wid, step=0.125)
 
-    def reserve(self, rid: str) -> str:
-        """The decode worker of `rid` says it reserved the pages; returns the prefill worker the order went to."""
-        wid = self.decode_of(rid)
-        self.workers[wid].channel.send(P.DecodeReserved(rid, f"tcp://{wid}:1", 2))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            for w in self.workers.values():
-                if any(m.request_id == rid for m in w.got(P.PrefillOrder)):
-                    return w.id
-            time.sleep(0.005)
-        raise AssertionError(f"no prefill order for {rid}")
+    def orders(self, wire_id: str) -> dict[str, P.Order]:
+        """Every order for `wire_id`, by the worker that got it."""
+        return {w.id: m for w in self.workers.values() for m in w.got(P.Order) if m.request_id == wire_id}
+
+    def prefill_of(self, rid: str) -> str:
+        """The prefill worker `rid`'s order went to (once it got it)."""
+        eventually(lambda: any(w.startswith("prefill") for w in self.orders(rid)))
+        return next(w for w in self.orders(rid) if w.startswith("prefill"))
 
     def close(self) -> None:
         self.router.close()
@@ -334,25 +334,26 @@ def test_prefill_is_picked_by_reported_queued_prompt_tokens(fleet_of: Callable[.
     fleet.workers["prefill-0"].report(fleet.router, **idle(32), queued_prompt_tokens=400)
     fleet.workers["prefill-1"].report(fleet.router, **idle(32), queued_prompt_tokens=30)
     fleet.submit("a", prompt_len=20)
-    assert fleet.reserve("a") == "prefill-1"
+    assert fleet.prefill_of("a") == "prefill-1"
     fleet.workers["prefill-1"].report(fleet.router, **idle(32), queued_prompt_tokens=900)
     fleet.submit("b", prompt_len=20)
-    assert fleet.reserve("b") == "prefill-0"
+    assert fleet.prefill_of("b") == "prefill-0"
 
 
-def test_prefill_starts_with_decode_and_sends_only_after_decode_reserved(fleet_of: Callable[..., Fleet]) -> None:
-    fleet = fleet_of([reg("prefill"), reg("decode"), reg("decode", worker_id="decode-1")])
-    p0 = fleet.workers["prefill-0"]
+def test_both_orders_go_out_at_once_each_with_only_what_its_worker_needs(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of([reg("prefill"), reg("decode"), reg("decode", worker_id="decode-1", handoff_address="tcp://d1:1")])
     fleet.submit("a", prompt_len=20)
-    eventually(lambda: p0.got(P.PrefillOrder))
-    (order,) = p0.got(P.PrefillOrder)
-    assert order.handoff_address == "" and not p0.got(P.DecodeReserved)  # compute now, send nowhere yet
-    other = "decode-1" if fleet.decode_of("a") == "decode-0" else "decode-0"
-    fleet.workers[other].channel.send(P.DecodeReserved("a", "tcp://intruder:1", 2))  # not the request's decode
-    fleet.reserve("a")
-    eventually(lambda: p0.got(P.DecodeReserved))
-    time.sleep(0.05)
-    assert [m.handoff_address for m in p0.got(P.DecodeReserved)] == [f"tcp://{fleet.decode_of('a')}:1"]
+    eventually(lambda: len(fleet.orders("a")) == 2)
+    orders = fleet.orders("a")
+    decode = fleet.decode_of("a")
+    pre, dec = orders["prefill-0"], orders[decode]
+    address = fleet.workers[decode].registration.handoff_address
+    assert pre.decode_address == address and pre.tokens_expected == 0 and pre.token_hash == ""  # prefill's word
+    assert dec.tokens_expected == 20 and dec.token_hash == token_hash([5] * 20) and dec.decode_address == ""
+    assert pre.transfer_id == dec.transfer_id and len(bytes.fromhex(dec.transfer_id)) == 16  # one capability
+    fleet.submit("b", prompt_len=20)
+    eventually(lambda: len(fleet.orders("b")) == 2)
+    assert fleet.orders("b")["prefill-0"].transfer_id != pre.transfer_id  # fresh per request
 
 
 def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_pool_holds(
@@ -380,10 +381,10 @@ def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_
 
     with pytest.raises(ContextLengthExceededError, match="2100 tokens .* decode KV pool \\(2048 tokens\\)"):
         asyncio.run(too_large())
-    assert not any(m.request_id == "huge" for w in fleet.workers.values() for m in w.got(P.DecodePrepare))
+    assert not any(m.request_id == "huge" for w in fleet.workers.values() for m in w.got(P.Order))
 
 
-def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_the_others(
+def test_a_silent_worker_is_declared_dead_a_request_that_streamed_a_token_fails_and_new_ones_go_to_the_others(
     fleet_of: Callable[..., Fleet],
 ) -> None:
     fleet = fleet_of(two_by_two())
@@ -391,7 +392,9 @@ def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_t
         w.load = idle(32)
     fleet.submit("a")
     victim = fleet.decode_of("a")
-    prefill = fleet.reserve("a")
+    prefill = fleet.prefill_of("a")
+    fleet.workers[prefill].channel.send(P.Tokens("a", [7], text="x"))  # prefill's first token: the client has it
+    eventually(lambda: fleet.router._flights["a"].delivered == 1)
     silent_for = fleet.silence_until_dead(victim)  # hung or killed: nothing more from it
     assert 0.6 < silent_for <= 0.6 + 1.0  # after the worker timeout, not before (plus a check period)
     chunks = fleet.results["a"].result(timeout=5)
@@ -404,6 +407,48 @@ def test_a_silent_worker_is_declared_dead_its_requests_fail_and_new_ones_go_to_t
         fleet.submit(f"after{i}")
         assert fleet.decode_of(f"after{i}") != victim
     assert fleet.router.stats()["worker_deaths"] == {"decode": 1}
+    assert not any("#retry" in m.request_id for w in fleet.workers.values() for m in w.got(P.Order))  # not retried
+    assert last.integrity["retried_after"] is None
+
+
+def test_a_request_whose_worker_dies_before_any_token_is_retried_once_on_another_pair(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    fleet = fleet_of([*two_by_two(), reg("decode", worker_id="decode-2")])
+    for w in fleet.workers.values():
+        w.load = idle(32)
+    fleet.submit("a")
+    first, prefill = fleet.decode_of("a"), fleet.prefill_of("a")
+    xid = fleet.orders("a")[first].transfer_id
+    fleet.silence_until_dead(first)
+    eventually(lambda: len(fleet.orders("a#retry1")) == 2)  # a new wire id: nothing of the first attempt counts
+    again = fleet.orders("a#retry1")
+    second = fleet.decode_of("a")
+    assert second != first and second in again and again[second].transfer_id != xid  # a fresh capability
+    eventually(lambda: any(m.request_id == "a" for m in fleet.workers[prefill].got(P.Abort)))  # old prefill drops it
+    fleet.workers[first].channel.send(P.Tokens("a", [9], text="late"))  # the first attempt's news: ignored
+    assert fleet.router.stats()["retries"] == {"decode": 1}
+    fleet.silence_until_dead(second)  # once retried, a request is never retried again
+    last = fleet.results["a"].result(timeout=5)[-1]
+    assert last.finish_reason == "error" and last.extra["code"] == "worker_lost" and second in last.error
+    assert last.token_ids == [] and all(c.token_ids == [] for c in fleet.results["a"].result())
+    assert f"decode worker {first}" in last.integrity["retried_after"]
+    assert not fleet.orders("a#retry2")
+
+
+def test_a_second_process_under_a_live_workers_id_is_refused(fleet_of: Callable[..., Fleet]) -> None:
+    fleet = fleet_of([reg("prefill", instance="p1"), reg("decode", instance="d1")])
+    fleet.workers["decode-0"].report(fleet.router, **idle(32))
+    twin = fleet.hub.connect("decode-0", replace=True)  # a second process started with --worker-id decode-0
+    twin.send(reg("decode", instance="d2"))
+    reply = twin.recv(timeout=5)
+    assert (
+        isinstance(reply, P.RegisterReply)
+        and not reply.accepted
+        and "belongs to another live process (instance d1" in reply.reason
+    )
+    assert fleet.router.stats()["workers"]["decode-0"]["up"] is True  # the live worker keeps its requests
+    twin.close()
 
 
 def test_a_worker_the_router_does_not_know_is_told_to_register_and_then_takes_traffic(
@@ -430,6 +475,9 @@ def test_the_same_worker_registering_again_ends_what_it_held_before(fleet_of: Ca
         w.load = idle(32)
     fleet.submit("a")
     wid = fleet.decode_of("a")
+    prefill = fleet.prefill_of("a")
+    fleet.workers[prefill].channel.send(P.Tokens("a", [7], text="x"))  # streamed: it cannot be retried
+    eventually(lambda: fleet.router._flights["a"].delivered == 1)
     fleet.workers[wid].close()
     fleet.workers[wid] = FakeWorker(fleet.hub, reg("decode", worker_id=wid))  # restarted in its slot
     last = fleet.results["a"].result(timeout=5)[-1]
@@ -440,15 +488,17 @@ def test_the_same_worker_registering_again_ends_what_it_held_before(fleet_of: Ca
 
 
 def test_no_worker_of_a_role_up_gives_503(fleet_of: Callable[..., Fleet]) -> None:
-    from kvfence.server.http import ApiError
+    from kvfence.errors import ServiceUnavailableError
+    from kvfence.server.http import to_api_error
 
     fleet = fleet_of([reg("prefill"), reg("decode")])
     fleet.silence_until_dead("decode-0")
     assert fleet.router.healthy() == {"prefill": True, "decode": False}
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(ServiceUnavailableError) as e:
         fleet.router.check_health()
-    assert e.value.status == 503
-    assert "no healthy decode worker (decode-0: decode worker decode-0 lost" in e.value.message
+    err = to_api_error(e.value)
+    assert err.status == 503 and err.code == "no_healthy_worker"
+    assert "no healthy decode worker (decode-0: decode worker decode-0 lost" in err.message
 
 
 def test_zmq_hub_and_channel_exchange_messages_both_ways() -> None:

@@ -113,7 +113,7 @@ def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: st
         drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None)
         bad_dec.abort("client disconnected")
         quarantined = set(bad_dec.quarantined)
-        assert bad_dec.state == DecodeState.ABORTED and len(quarantined) == 5
+        assert bad_dec.state == DecodeState.QUARANTINED and len(quarantined) == 5
         assert not bad_dec.released, "a write can still land: the pages must stay quarantined"
         assert rig.d_alloc.num_quarantined == 5
 
@@ -146,7 +146,7 @@ def test_without_verification_a_placeholder_or_stale_page_is_admitted(fault: str
         before = {p: rig.d_pool.read_page(p) for p in dec.pages}  # the previous request's KV
         pre.send()
         drive(pre, dec)
-        assert dec.state == DecodeState.READY and dec.record.status == "unverified"
+        assert dec.state == DecodeState.VERIFIED and dec.record.status == "unverified"
         assert dec.slot.coverage.complete == (fault == "stale_page")  # a stale page fools coverage; digests catch it
         stale = [p for p in dec.pages if rig.d_pool.read_page(p) == before[p]]
         assert stale, "some admitted page still holds another request's bytes"

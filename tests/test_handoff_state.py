@@ -61,15 +61,15 @@ def wait_for(pred, timeout: float = 5.0) -> None:
 
 def test_terminal_states_have_no_exit_and_illegal_transitions_raise() -> None:
     for table, terminals in (
-        (DECODE_TRANSITIONS, {DecodeState.READY, DecodeState.FAILED, DecodeState.ABORTED}),
-        (PREFILL_TRANSITIONS, {PrefillState.RELEASED, PrefillState.FAILED}),
+        (DECODE_TRANSITIONS, {DecodeState.FINISHED}),
+        (PREFILL_TRANSITIONS, {PrefillState.FINISHED}),
     ):
         assert {s for s, nxt in table.items() if not nxt} == terminals
     _, d_pool, _, receiver, _, config = setup()
     dec = DecodeHandoff(Expectation("r", 5, token_hash(range(5)), cap("r")), PageAllocator(N), d_pool, receiver, config)
-    with pytest.raises(IllegalTransition, match="waiting -> ready"):
-        dec._m.advance(DecodeState.READY)
-    assert dec.state == DecodeState.WAITING
+    with pytest.raises(IllegalTransition, match="queued -> verified"):
+        dec._m.advance(DecodeState.VERIFIED)
+    assert dec.state == DecodeState.QUEUED
     receiver.close()
 
 
@@ -81,16 +81,17 @@ def test_prefill_keeps_source_pages_until_decode_verdict() -> None:
     dec = DecodeHandoff(Expectation("r", 10, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("r"))
-    assert pre.state == PrefillState.PREFILLING
+    assert pre.state == PrefillState.COMPUTING
     handle = pre.send()
     wait_for(lambda: handle.status == SendStatus.AWAITING_VERDICT and handle.sender_done)
     assert pre.poll() == PrefillState.AWAITING_VERDICT
     assert p_alloc.pages_of("r") == src, "source pages are held while decode has not verified"
-    wait_for(lambda: dec.poll() == DecodeState.READY)  # once the receiver thread has applied `done`
-    wait_for(lambda: pre.poll() == PrefillState.RELEASED and pre.released)
+    wait_for(lambda: dec.poll() == DecodeState.VERIFIED)  # once the receiver thread has applied `done`
+    wait_for(lambda: pre.poll() == PrefillState.FINISHED and pre.released)
+    assert pre.outcome == "verified" and dec.ok
     assert sorted(pre.released_pages) == sorted(src) and p_alloc.num_free == N
-    assert [s for s, _ in pre.history] == ["prefilling", "sending", "awaiting_verdict", "released"]
-    assert [s for s, _ in dec.history] == ["waiting", "transferring", "verifying", "ready"]
+    assert [s for s, _ in pre.history] == ["computing", "sending", "awaiting_verdict", "finished"]
+    assert [s for s, _ in dec.history] == ["queued", "reserved", "receiving", "verifying", "verified"]
     p_alloc.check()
     receiver.close()
 
@@ -107,8 +108,8 @@ def test_prefill_frees_source_pages_when_no_verdict_comes_before_the_verdict_dea
     pre.send()
     wait_for(lambda: pre.poll() == PrefillState.AWAITING_VERDICT)
     assert p_alloc.num_free == N - 2
-    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released, timeout=3)
-    assert "no verdict" in pre.reason and p_alloc.num_free == N
+    wait_for(lambda: pre.poll() == PrefillState.FINISHED and pre.released, timeout=3)
+    assert pre.outcome == "failed" and "no verdict" in pre.reason and p_alloc.num_free == N
     receiver.close()
 
 
@@ -118,8 +119,9 @@ def test_decode_times_out_and_releases_its_quarantine_once_settled() -> None:
     dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config, metrics)
     pages = dec.start()
     assert len(pages) == 3 and d_alloc.num_free == N - 3
-    wait_for(lambda: dec.poll() == DecodeState.FAILED)
-    assert dec.record.reason == "timeout" and dec.record.status == "failed"
+    wait_for(lambda: dec.poll() == DecodeState.FINISHED)  # two-sided, nothing sent: released at once
+    assert dec.ok is False and dec.record.reason == "timeout" and dec.record.status == "failed"
+    assert [s for s, _ in dec.history] == ["queued", "reserved", "quarantined", "finished"]
     assert "no sender started the transfer" in dec.record.detail
     assert dec.released and d_alloc.num_free == N and d_alloc.num_quarantined == 0  # two-sided: settled at once
     assert torch.isnan(d_pool.tensors[1]["v"][pages]).all()  # strict mode poisoned them
@@ -133,7 +135,7 @@ def test_one_sided_slot_no_sender_ever_bound_settles_when_it_fails() -> None:
     d_alloc = PageAllocator(N)
     dec = DecodeHandoff(Expectation("r", 9, token_hash(range(9)), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
-    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    wait_for(lambda: dec.poll() == DecodeState.FINISHED)
     assert dec.record.reason == "timeout"
     assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N  # no manifest: nobody can write
     d_alloc.check()
@@ -157,9 +159,9 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
         {"t": "manifest", "rid": "r", "xid": cap("r")},
         sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
-    assert dec.poll() == DecodeState.TRANSFERRING
+    assert dec.poll() == DecodeState.RECEIVING
     dec.abort("client went away")
-    assert dec.state == DecodeState.ABORTED and not dec.released and d_alloc.num_quarantined == 3
+    assert dec.state == DecodeState.QUARANTINED and not dec.released and d_alloc.num_quarantined == 3
     now[0] += 3600.0  # an hour past the quarantine deadline
     dec.poll()
     assert dec.overdue and not dec.severed  # nothing to cut: the writes do not pass through the connection
@@ -171,7 +173,7 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
     dec.poll()
     assert not dec.released
     core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": cap("r")})  # on a new connection
-    dec.poll()
+    assert dec.poll() == DecodeState.FINISHED
     assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N
     d_alloc.check()
     receiver.close()
@@ -190,35 +192,45 @@ def test_sender_abort_frame_ends_decode_as_aborted_and_settles_the_slot() -> Non
         sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
     core.receive_page("r", cap("r"), 0, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(0)))
-    assert dec.poll() == DecodeState.TRANSFERRING
+    assert dec.poll() == DecodeState.RECEIVING
     core.on_frame(link, {"t": "abort", "rid": "r", "xid": cap("r"), "reason": "prefill OOM"})
-    assert dec.poll() == DecodeState.ABORTED
+    assert dec.poll() == DecodeState.FINISHED and dec.ok is False
     assert dec.record.reason == "aborted" and "prefill OOM" in dec.record.detail
     assert dec.released and d_alloc.num_free == N
     receiver.close()
 
 
-def test_receiver_refuses_unknown_requests_and_second_manifests() -> None:
+def test_an_early_manifest_waits_for_decode_to_reserve_and_a_second_one_is_refused() -> None:
     _, d_pool, p_pool, receiver, sender, config = setup()
     core, link = receiver.core, FakeLink()
     m = build_manifest("r", cap("r"), [1, 2, 3], p_pool, [0])
     core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
-    assert link.sent[-1]["t"] == "error" and "does not expect" in link.sent[-1]["reason"]
-    core.expect("r", [5], cap("r"))
+    assert link.sent == []  # parked: no `ready`, so the sender moves no page yet
     core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
+    assert link.sent[-1]["t"] == "error" and "second manifest" in link.sent[-1]["reason"]
+    core.expect("r", [5], cap("r"))  # decode reserves: the parked manifest is taken up
+    assert link.sent[-1] == {"t": "ready", "rid": "r", "xid": cap("r")} and core.slot("r").manifest == m
     core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
     assert link.sent[-1]["t"] == "error" and "second manifest" in link.sent[-1]["reason"]
     other = build_manifest("r", "0" * 32, [1, 2, 3], p_pool, [0])
     core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "0" * 32}, sealed(other, AUTH))
     assert link.sent[-1]["t"] == "error" and "expects another transfer" in link.sent[-1]["reason"]
     assert core.slot("r").manifest == m  # the first (right) manifest still holds
+    receiver.close()
 
+
+def test_a_manifest_decode_never_reserves_is_refused_after_its_time_to_live() -> None:
+    _, _, p_pool, receiver, sender, config = setup()
     p_alloc = PageAllocator(N)
     p_alloc.allocate("ghost", 1)
     pre = PrefillHandoff("ghost", [1, 2], p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("ghost"))
     pre.send()
-    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
-    assert "does not expect request ghost" in pre.reason and p_alloc.num_free == N
+    time.sleep(0.05)
+    assert pre.poll() == PrefillState.SENDING and p_alloc.num_free == N - 1  # parked, waiting for `ready`
+    receiver.core.expire_pending(time.monotonic() + receiver.core.pending_ttl_s + 1)
+    wait_for(lambda: pre.poll() == PrefillState.FINISHED and pre.released)
+    assert pre.outcome == "failed" and "never reserved request ghost" in pre.reason and p_alloc.num_free == N
+    assert pre.handle is not None and pre.handle.pages_sent == 0
     receiver.close()
 
 
@@ -230,11 +242,13 @@ def test_decode_abort_before_any_frame_quarantines_and_tells_a_late_sender_to_st
     dec = DecodeHandoff(Expectation("r", 8, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, config)
     dec.start()
     dec.abort("client went away")
-    assert dec.state == DecodeState.ABORTED and dec.released and d_alloc.num_free == N
+    assert dec.state == DecodeState.FINISHED and dec.released and d_alloc.num_free == N
     pre = PrefillHandoff("r", ids, p_alloc, p_pool, sender, receiver.address, config, transfer_id=cap("r"))
     pre.send()
-    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
-    assert "does not expect request r" in pre.reason  # the slot is gone: nothing of the late transfer lands
+    wait_for(lambda: pre.poll() == PrefillState.FINISHED and pre.released)
+    assert (
+        pre.outcome == "failed" and "no longer expects request r" in pre.reason
+    )  # the slot is gone: nothing of the late transfer lands
     assert p_alloc.num_free == N
     receiver.close()
 
@@ -257,5 +271,5 @@ def test_the_receiver_notifies_decode_whenever_a_transfer_moves_on() -> None:
         core.receive_page("r", cap("r"), i, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(i)), link)
     core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r"), "pages": 2})
     assert calls == ["receiving", "complete"]  # manifest accepted, sender done: each wakes the worker
-    assert dec.poll() == DecodeState.READY
+    assert dec.poll() == DecodeState.VERIFIED
     receiver.close()

@@ -7,26 +7,33 @@ from enum import Enum
 
 import pytest
 
-from kvfence.disagg.decode import DECODE_REQUEST_TRANSITIONS, DecodeRequestState
+from kvfence.disagg.flight import FLIGHT_TRANSITIONS, FlightState
 from kvfence.disagg.handoff import DECODE_TRANSITIONS, PREFILL_TRANSITIONS, DecodeState, PrefillState
 from kvfence.disagg.lifecycle import IllegalTransition, Lifecycle, check_table
-from kvfence.disagg.prefill import PREFILL_REQUEST_TRANSITIONS, PrefillRequestState
-from kvfence.disagg.router import FLIGHT_TRANSITIONS, FlightState
 
 TABLES: dict[str, tuple[Mapping[Enum, frozenset[Enum]], Enum]] = {
     "flight": (FLIGHT_TRANSITIONS, FlightState.PREFILLING),  # type: ignore[dict-item]
-    "decode request": (DECODE_REQUEST_TRANSITIONS, DecodeRequestState.QUEUED),  # type: ignore[dict-item]
-    "prefill request": (PREFILL_REQUEST_TRANSITIONS, PrefillRequestState.COMPUTING),  # type: ignore[dict-item]
-    "decode handoff": (DECODE_TRANSITIONS, DecodeState.WAITING),  # type: ignore[dict-item]
-    "prefill handoff": (PREFILL_TRANSITIONS, PrefillState.PREFILLING),  # type: ignore[dict-item]
+    "decode request": (DECODE_TRANSITIONS, DecodeState.QUEUED),  # type: ignore[dict-item]
+    "prefill request": (PREFILL_TRANSITIONS, PrefillState.COMPUTING),  # type: ignore[dict-item]
 }
 
 
-def paths(table: Mapping[Enum, frozenset[Enum]], start: Enum) -> list[list[Enum]]:
-    """Every path from `start` to a final state (the tables have no cycles)."""
+def paths(table: Mapping[Enum, frozenset[Enum]], start: Enum, seen: tuple[Enum, ...] = ()) -> list[list[Enum]]:
+    """Every path from `start` to a final state that enters no state twice (a flight's retry goes back to
+    PREFILLING: that edge is walked, not looped)."""
     if not table[start]:
         return [[start]]
-    return [[start, *rest] for nxt in sorted(table[start], key=lambda s: s.value) for rest in paths(table, nxt)]
+    seen = (*seen, start)
+    out: list[list[Enum]] = []
+    for nxt in sorted(table[start], key=lambda s: s.value):
+        if nxt in seen:
+            continue
+        out += [[start, *rest] for rest in paths(table, nxt, seen)]
+    return out
+
+
+def edges(table: Mapping[Enum, frozenset[Enum]]) -> set[tuple[Enum, Enum]]:
+    return {(a, b) for a, nexts in table.items() for b in nexts}
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -48,6 +55,9 @@ def test_every_legal_path_walks_to_a_final_state(name: str) -> None:
         assert lc.final and [s for s, _ in lc.history] == path
     reached = {s for p in all_paths for s in p}
     assert reached == set(table), f"unreachable: {set(table) - reached}"
+    walked = {(a, b) for p in all_paths for a, b in zip(p, p[1:], strict=False)}
+    back = edges(table) - walked  # edges back to a state already on the path: only a flight's retry
+    assert all(b is FlightState.PREFILLING for _, b in back), back
 
 
 @pytest.mark.parametrize("name", TABLES)
@@ -72,17 +82,22 @@ def test_the_router_flight_lifecycle() -> None:
         [f.PREFILLING, f.FAILING, f.FINISHED],
         [f.PREFILLING, f.FINISHED],
     ]
+    lc = Lifecycle("flight r", f.PREFILLING, FLIGHT_TRANSITIONS, clock=lambda: 0.0)
+    for state in (f.DECODING, f.PREFILLING, f.PREFILLING, f.FAILING):  # retried after its first token came
+        lc.advance(state)
+    with pytest.raises(IllegalTransition):  # a flight the router failed is never retried
+        lc.advance(f.PREFILLING)
 
 
 def test_a_finished_decode_request_never_comes_back() -> None:
-    lc = Lifecycle("decode request r", DecodeRequestState.QUEUED, DECODE_REQUEST_TRANSITIONS)
-    lc.advance(DecodeRequestState.FINISHED)
+    lc = Lifecycle("decode request r", DecodeState.QUEUED, DECODE_TRANSITIONS)
+    lc.advance(DecodeState.FINISHED)
     with pytest.raises(IllegalTransition, match=r"allowed from finished: none \(final state\)"):
-        lc.advance(DecodeRequestState.RUNNING)
+        lc.advance(DecodeState.RUNNING)
 
 
 def test_check_table_refuses_a_table_missing_a_state() -> None:
-    partial = {k: v for k, v in PREFILL_REQUEST_TRANSITIONS.items() if k is not PrefillRequestState.COMPUTED}
+    partial = {k: v for k, v in PREFILL_TRANSITIONS.items() if k is not PrefillState.AWAITING_VERDICT}
     with pytest.raises(IllegalTransition, match="misses"):
         check_table(partial)  # type: ignore[arg-type]
 
@@ -91,18 +106,19 @@ def test_a_flight_finished_by_the_event_loop_is_not_failed_again_by_the_receiver
     import asyncio
 
     from kvfence.disagg import messages as P
-    from kvfence.disagg.router import Router, _Flight
+    from kvfence.disagg.flight import Flight
+    from kvfence.disagg.router import Router
     from kvfence.engine.sampling_params import SamplingParams
     from kvfence.integrity.record import IntegrityRecord
 
     router = Router(P.QueueHub())
     loop = asyncio.new_event_loop()
     try:
-        flight = _Flight("r", [1, 2], SamplingParams(), 2, "h", "f" * 32, loop, asyncio.Queue())
+        flight = Flight("r", [1, 2], SamplingParams(), 2, "h", "f" * 32, loop, asyncio.Queue())
         record = IntegrityRecord("r", "failed", "aborted", "client gone", 2, 0, 0, role="router")
         router._finish(flight, record)
         router._fail_flight(flight, "router", "handoff deadline")  # the receiver thread, a moment too late
-        assert flight.state is FlightState.FINISHED and flight.record is record
+        assert flight.state is FlightState.FINISHED and flight.record == record
         assert router.integrity_counts == {"failed": 1}
         loop.run_until_complete(asyncio.sleep(0))
         assert flight.queue.empty()  # no second ending queued for the client

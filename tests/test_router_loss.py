@@ -16,8 +16,9 @@ import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg import messages as P
-from kvfence.disagg.decode import DecodeConfig, DecodeRequestState, DecodeWorker
-from kvfence.disagg.prefill import PrefillConfig, PrefillRequestState, PrefillWorker
+from kvfence.disagg.decode import DecodeConfig, DecodeWorker
+from kvfence.disagg.handoff import DecodeState, PrefillState
+from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
 from kvfence.disagg.worker import WorkerIdentity, drop_requests
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
@@ -31,9 +32,9 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, detoken
 
 
 class Pair:
-    """A prefill and a decode worker joined by the local transport; `relay` plays the router's part."""
+    """A prefill and a decode worker joined by the local transport; `order` plays the router's part."""
 
-    def __init__(self, loaded: Any, decode_pool_tokens: int = 1024) -> None:
+    def __init__(self, loaded: Any, decode_pool_tokens: int = 1024, prefill_deadline_s: float = 30.0) -> None:
         auth, fabric = plane_auth(), LocalFabric()
 
         def engine(pool: int) -> LLMEngine:
@@ -44,7 +45,8 @@ class Pair:
 
         pe, de = engine(1024), engine(decode_pool_tokens)
         self.prefill = PrefillWorker(
-            pe, WorkerIdentity("prefill-0", "m", "fp", {}), PrefillConfig(transport="local", deadline_s=30),
+            pe, WorkerIdentity("prefill-0", "m", "fp", {}),
+            PrefillConfig(transport="local", deadline_s=prefill_deadline_s),
             sender=LocalSender(fabric, pe.pool, auth=auth), auth=auth,
         )  # fmt: skip
         self.decode = DecodeWorker(
@@ -56,31 +58,21 @@ class Pair:
         self.decode.attach(lambda m: self.to_router.append(("decode", m)))
 
     def order(self, rid: str, to_decode: bool = True, to_prefill: bool = True) -> None:
+        """The router's two orders for `rid` (one capability), or only one of them."""
         xid, wire = new_transfer_id(), P.params_to_wire(PARAMS)
         if to_decode:
-            self.decode.handle(P.DecodePrepare(rid, PROMPT, len(PROMPT), token_hash(PROMPT), xid, wire, 30.0))
+            self.decode.handle(
+                P.Order(rid, PROMPT, xid, wire, tokens_expected=len(PROMPT), token_hash=token_hash(PROMPT))
+            )
         if to_prefill:
-            self.prefill.handle(P.PrefillOrder(rid, PROMPT, xid, wire, "", {}, 30.0))
+            self.prefill.handle(P.Order(rid, PROMPT, xid, wire, decode_address=self.decode.receiver.address))
 
-    def relay(self) -> None:
-        """What the router passes on: decode's reservation to prefill, prefill's PrefillSent to decode."""
-        for _role, msg in self.to_router[:]:
-            if isinstance(msg, P.Batch):
-                continue
-            if isinstance(msg, P.DecodeReserved):
-                self.prefill.handle(msg)
-            elif isinstance(msg, P.PrefillSent):
-                self.decode.handle(msg)
-        self.to_router.clear()
-
-    def run_until(self, done: Callable[[], bool], relay: bool = True, timeout: float = 30.0) -> None:
+    def run_until(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
         while not done():
             assert time.monotonic() < end, (self.prefill.requests, self.decode.requests)
             self.prefill.step()
             self.decode.step()
-            if relay:
-                self.relay()
             time.sleep(0.001)
 
     def state(self, worker: Any, rid: str) -> Any:
@@ -108,30 +100,29 @@ def pair(loaded: Any) -> Any:
 
 def drop_and_drain(pair: Pair) -> int:
     dropped = sum(drop_requests(w, "router lost: test") for w in (pair.prefill, pair.decode))
-    pair.run_until(lambda: not pair.prefill.requests and not pair.decode.requests, relay=False)
+    pair.run_until(lambda: not pair.prefill.requests and not pair.decode.requests)
     pair.assert_nothing_held()
     return dropped
 
 
 def test_prefill_computing(pair: Pair) -> None:
     pair.order("r", to_decode=False)
-    assert pair.state(pair.prefill, "r") is PrefillRequestState.COMPUTING
+    assert pair.state(pair.prefill, "r") is PrefillState.COMPUTING
     assert drop_and_drain(pair) == 1
 
 
-def test_prefill_computed_waiting_for_decodes_reservation(pair: Pair) -> None:
-    pair.order("r", to_decode=False)  # decode never reserves: the prompt waits, computed, holding its pages
-    pair.run_until(lambda: pair.state(pair.prefill, "r") is PrefillRequestState.COMPUTED, relay=False)
+def test_prefill_sending_to_a_decode_that_has_not_reserved(pair: Pair) -> None:
+    pair.order("r", to_decode=False)  # decode never reserves: the manifest waits there, the pages here
+    pair.run_until(lambda: pair.state(pair.prefill, "r") is PrefillState.SENDING)
     assert pair.prefill.engine.allocator.num_free < pair.prefill.engine.allocator.num_pages
     assert drop_and_drain(pair) == 1
 
 
-def test_prefill_handing_off_and_decode_waiting_for_the_pages(pair: Pair) -> None:
+def test_prefill_sending_and_decode_reserved(pair: Pair) -> None:
     pair.order("r")
-    pair.relay()  # decode's reservation reaches prefill, which sends as soon as the prompt is computed
-    pair.prefill.step()
-    assert pair.state(pair.prefill, "r") is PrefillRequestState.HANDOFF
-    assert pair.state(pair.decode, "r") is DecodeRequestState.HANDOFF
+    assert pair.state(pair.decode, "r") is DecodeState.RESERVED
+    pair.prefill.step()  # computes the prompt and sends at once
+    assert pair.state(pair.prefill, "r") in (PrefillState.SENDING, PrefillState.AWAITING_VERDICT)
     assert drop_and_drain(pair) == 2
 
 
@@ -140,8 +131,8 @@ def test_decode_queued_for_pages(loaded: Any) -> None:
     try:
         pair.order("a", to_prefill=False)
         pair.order("b", to_prefill=False)
-        assert pair.state(pair.decode, "a") is DecodeRequestState.HANDOFF
-        assert pair.state(pair.decode, "b") is DecodeRequestState.QUEUED
+        assert pair.state(pair.decode, "a") is DecodeState.RESERVED
+        assert pair.state(pair.decode, "b") is DecodeState.QUEUED
         assert drop_and_drain(pair) == 2
     finally:
         pair.close()
@@ -149,20 +140,19 @@ def test_decode_queued_for_pages(loaded: Any) -> None:
 
 def test_decode_running(pair: Pair) -> None:
     pair.order("r")
-    pair.run_until(lambda: pair.state(pair.decode, "r") is DecodeRequestState.RUNNING)
+    pair.run_until(lambda: pair.state(pair.decode, "r") is DecodeState.RUNNING)
     pair.run_until(lambda: "r" not in pair.prefill.requests)  # prefill released on decode's verdict
     assert drop_and_drain(pair) == 1
 
 
-def test_a_computed_prompt_whose_reservation_never_comes_is_dropped_at_the_deadline(loaded: Any) -> None:
-    pair = Pair(loaded)
-    pair.prefill.config = PrefillConfig(transport="local", deadline_s=0.3)
+def test_a_prompt_whose_decode_never_reserves_is_dropped_at_the_deadline(loaded: Any) -> None:
+    pair = Pair(loaded, prefill_deadline_s=0.3)
     try:
         pair.order("r", to_decode=False)
-        pair.run_until(lambda: pair.state(pair.prefill, "r") is PrefillRequestState.COMPUTED, relay=False)
-        pair.run_until(lambda: "r" not in pair.prefill.requests, relay=False, timeout=10)
+        pair.run_until(lambda: "r" not in pair.prefill.requests, timeout=10)
         failed = [m for _, m in pair.to_router if isinstance(m, P.RequestFailed)]
-        assert len(failed) == 1 and failed[0].reason.startswith("timeout: decode's reservation never reached")
+        assert len(failed) == 1 and "decode never accepted the manifest" in failed[0].reason, failed
+        assert [m.token_ids for _, m in pair.to_router if isinstance(m, P.Tokens)] != []  # it had computed
         pair.assert_nothing_held()
     finally:
         pair.close()

@@ -8,7 +8,9 @@ Every test here runs the real TCP transport threads and sockets.
 
 from __future__ import annotations
 
+import json
 import socket
+import struct
 import threading
 import time
 
@@ -26,7 +28,7 @@ from kvfence.transfer.base import SendStatus, SlotStatus, TransferConfig
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 from tests.helpers import kv as helpers
 from tests.helpers.auth import cap, plane_auth
-from tests.helpers.kv import WireClient, wait_for
+from tests.helpers.kv import WireClient, verdict, wait_for
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
@@ -69,7 +71,7 @@ def send_and_verify(rid: str, ids: list[int], src: KVPool, receiver: TcpReceiver
     sender = TcpSender(src, auth=AUTH)
     pre = PrefillHandoff(rid, ids, alloc, src, sender, receiver.address, HandoffConfig(), transfer_id=cap(rid))
     pre.send()
-    wait_for(lambda: dec.poll() == DecodeState.READY and pre.poll() == PrefillState.RELEASED)
+    wait_for(lambda: dec.poll() == DecodeState.VERIFIED and pre.poll() == PrefillState.FINISHED)
     sender.close()
 
 
@@ -87,15 +89,15 @@ def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_ow
     pages_a = dec_a.start()
     stalled = StalledPrefill(receiver.address, "a", ids_a, seeded_pool(2, seed=1))
     wait_for(lambda: receiver.core.slot("a").writing == 1)  # the receiver thread is inside page 0's write
-    assert dec_a.poll() == DecodeState.TRANSFERRING  # decode's loop sees the transfer start: its clock runs
+    assert dec_a.poll() == DecodeState.RECEIVING  # decode's loop sees the transfer start: its clock runs
 
     now[0] += 2  # the transfer deadline passes: request a fails
-    assert dec_a.poll() == DecodeState.FAILED and dec_a.record.reason == "timeout"
+    assert verdict(dec_a) is False and dec_a.record.reason == "timeout"
     assert not dec_a.released and d_alloc.num_quarantined == 2  # a write is in progress: nothing is freed
     now[0] += 2  # the quarantine deadline passes: decode cuts the stalled connection, never frees by clock
     dec_a.poll()
     assert dec_a.overdue and dec_a.severed
-    wait_for(lambda: dec_a.poll() == DecodeState.FAILED and dec_a.released)  # once the stuck write has failed
+    wait_for(lambda: verdict(dec_a) is False and dec_a.released)  # once the stuck write has failed
     assert receiver.core.slot("a") is None and d_alloc.num_free == 2
 
     ids_b = list(range(100, 108))
@@ -119,7 +121,7 @@ def test_a_receiver_drops_a_connection_that_stalls_mid_frame_without_waiting_for
     dec = DecodeHandoff(Expectation("r", 8, token_hash(ids), cap("r")), d_alloc, d_pool, receiver, HandoffConfig())
     dec.start()
     stalled = StalledPrefill(receiver.address, "r", ids, seeded_pool(2, seed=1))
-    wait_for(lambda: dec.poll() == DecodeState.FAILED, timeout=5)
+    wait_for(lambda: verdict(dec) is False, timeout=5)
     assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
     assert dec.released and d_alloc.num_free == 4 and not dec.overdue
     stalled.close()
@@ -141,7 +143,7 @@ def test_idle_connections_survive_the_socket_timeout_between_frames() -> None:
         p_alloc.allocate(rid, 2)
         pre = PrefillHandoff(rid, ids, p_alloc, src, sender, receiver.address, HandoffConfig(), transfer_id=cap(rid))
         pre.send()
-        wait_for(lambda dec=dec, pre=pre: dec.poll() == DecodeState.READY and pre.poll() == PrefillState.RELEASED)
+        wait_for(lambda dec=dec, pre=pre: dec.poll() == DecodeState.VERIFIED and pre.poll() == PrefillState.FINISHED)
         d_alloc.free(rid)
     assert len(sender._conns) == 1 and not next(iter(sender._conns.values())).closed
     sender.close()
@@ -173,8 +175,9 @@ def test_pages_of_a_transfer_arriving_on_another_connection_are_discarded() -> N
 
 
 class Blackhole:
-    """A decode that authenticates a connection, then never reads again: one that stopped (SIGSTOP) with its socket
-    open. Its accept thread answers the handshake, so the sender gets as far as sending pages."""
+    """A decode that authenticates a connection, accepts its manifest, then never reads again: one that stopped
+    (SIGSTOP) with its socket open. Its accept thread answers the handshake and the manifest (`ready`), so the sender
+    gets as far as sending pages."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -188,7 +191,14 @@ class Blackhole:
         self.listener.settimeout(10)
         try:
             sock = self.listener.accept()[0]
-            handshake.accept(sock, AUTH.data_key, 5.0)
+            mac = handshake.accept(sock, AUTH.data_key, 5.0)
+            prefix = sock.recv(8, socket.MSG_WAITALL)  # the manifest: read it whole and say `ready`
+            hlen, plen = struct.unpack("<II", prefix)
+            header = json.loads(sock.recv(hlen + 16, socket.MSG_WAITALL)[:hlen])
+            sock.recv(plen, socket.MSG_WAITALL)
+            hb = json.dumps({"t": "ready", "rid": header["rid"], "xid": header["xid"]}).encode()
+            reply = struct.pack("<II", len(hb), 0)
+            sock.sendall(reply + hb + mac.sign(reply, hb))
         except OSError:
             return
         self.conns.append(sock)
@@ -227,10 +237,10 @@ def test_prefill_keeps_source_pages_while_a_blocked_send_still_reads_them_then_c
     for _ in range(3):  # send deadline, then verdict deadline: the send thread is still reading the pages
         now[0] += 1.5
         pre.poll()
-        assert pre.state == PrefillState.FAILED
+        assert pre.outcome == "failed"
         assert not pre.released or handle.sender_done, "source pages freed while a send still reads them"
     assert pre.severed
-    wait_for(lambda: pre.poll() == PrefillState.FAILED and pre.released)
+    wait_for(lambda: pre.poll() == PrefillState.FINISHED and pre.outcome == "failed")
     assert handle.sender_done and alloc.num_free == 64
     alloc.check()
     sender.close()

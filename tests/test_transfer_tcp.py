@@ -22,7 +22,7 @@ from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 from tests.helpers import kv as helpers
 from tests.helpers.auth import cap, plane_auth
-from tests.helpers.kv import WireClient, wait_for
+from tests.helpers.kv import WireClient, verdict, wait_for
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
 
@@ -72,18 +72,18 @@ def test_handoff_between_two_processes_over_tcp() -> None:
         while not pre.settled and time.monotonic() < end:
             pre.poll()
             time.sleep(0.001)
-        print(pre.state.value, pre.handle.chunks_sent, alloc.num_free)
+        print(pre.outcome, pre.handle.chunks_sent, alloc.num_free)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: dec.poll() in (DecodeState.READY, DecodeState.FAILED), timeout=60)
+        wait_for(lambda: verdict(dec) is not None, timeout=60)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
         receiver.close()
-    assert dec.state == DecodeState.READY, (dec.record, err)
-    assert out.split() == ["released", "3", str(N - 3)], err  # 8 pages in chunks of 3; source pages freed
+    assert dec.state == DecodeState.VERIFIED, (dec.record, err)
+    assert out.split() == ["verified", "3", str(N - 3)], err  # 8 pages in chunks of 3; source pages freed
     expected = seeded_pool(7)
     assert [expected.read_page(p) for p in range(3, 11)] == [d_pool.read_page(p) for p in dec.pages]
 
@@ -121,10 +121,11 @@ def test_wire_format_and_a_connection_lost_mid_transfer_fails_the_request() -> N
     bpp = LAYOUT.bytes_per_page
     with WireClient(receiver.address, AUTH) as c:
         c.send_manifest("r", xid, m)
+        assert c.read() == {"t": "ready", "rid": "r", "xid": xid}  # decode accepted it: the pages may come
         c.send({"t": "pages", "rid": "r", "xid": xid, "seq": 0, "idx": [0, 9], "nb": [bpp, bpp]},
                src.read_page(0) + src.read_page(1))  # fmt: skip
         assert c.read() == {"t": "chunk_ack", "rid": "r", "xid": xid, "seq": 0, "n": 2 * bpp}
-    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    wait_for(lambda: verdict(dec) is False)
     assert dec.record.reason == "transfer_error" and "closed" in dec.record.detail
     assert dec.slot.coverage.counts.tolist() == [1, 0, 0, 0] and dec.slot.coverage.outside == 1
     assert d_pool.read_page(dec.pages[0]) == src.read_page(0)
@@ -154,9 +155,10 @@ def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -
     bpp, xid = LAYOUT.bytes_per_page, cap("r")
     with WireClient(receiver.address, AUTH) as c:
         c.send_manifest("r", xid, build_manifest("r", xid, ids, src, [0, 1]))
+        assert c.read()["t"] == "ready"
         c.send({"t": "pages", "rid": "r", "xid": xid, "seq": 0, "idx": [0], "nb": [2 * bpp]}, bytes(2 * bpp))
         assert c.sock.recv(1) == b""  # the receiver hung up
-    wait_for(lambda: dec.poll() == DecodeState.FAILED)
+    wait_for(lambda: verdict(dec) is False)
     assert dec.record.reason == "transfer_error"
     assert [d_pool.read_page(p) for p in dec.pages] == before  # nothing of the oversized page was written
     assert AUTH.events.counts().get("frame_malformed", 0) >= 1  # counted as a security event, not a traceback

@@ -1,16 +1,16 @@
 """The decode worker: reserves pages for the router's prompt length, verifies the KV that lands, then decodes.
 
-What it knows: the requests the router announced, one `_DecodeRequest` record each whose
-`DecodeRequestState` moves only along `DECODE_REQUEST_TRANSITIONS` (queued, handoff,
-running, quarantined, finished; docs/handoff.md, "Lifecycles"), each with the expectation
-the router computed (`tokens_expected`, token hash) and its sampling params; one
-`DecodeHandoff` per request (pages reserved through the engine, a receive slot on the
-data plane, verification before anything reads the pages); the first token prefill
-sampled (relayed by the router); which requests run in its engine's continuous batch,
-and the integrity record each one ends with. A request enters the batch
-only when its handoff is READY; a rejected or failed handoff fails only that request
-(`RequestFailed` with the reason and the record), its pages quarantined until the
-transfer is settled, then released.
+What it knows: the requests the router ordered, one `_DecodeRequest` record each, whose one
+state (`DecodeState`: queued, reserved, receiving, verifying, verified, running, quarantined,
+finished; docs/handoff.md, "One request") is its `DecodeHandoff`'s, moved only along
+`DECODE_TRANSITIONS`; each with the expectation the router computed (`tokens_expected`, token
+hash, the transfer id it issued) and its sampling params. A request's pages are reserved
+through the engine when the pool has room; the KV lands in them on the data plane and is
+verified before anything reads it; the first token prefill sampled comes in the authenticated
+manifest; a verified request enters the engine's continuous batch (once its grammar, if any,
+has compiled off the loop) and streams `Tokens` to the router, the first and the last carrying
+its integrity record. A rejected or failed handoff fails only that request (`RequestFailed`
+with the reason and the record), its pages quarantined until the transfer is settled.
 
 What it does not know: prompt text, prefill's pages, HTTP.
 """
@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvfence.auth.plane import PlaneAuth
@@ -29,7 +28,6 @@ from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_choice, require_positive
 from kvfence.disagg.grammars import GrammarWaits
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
-from kvfence.disagg.lifecycle import Lifecycle
 from kvfence.disagg.worker_engine import DecodeEngine
 from kvfence.engine.llm_engine import RequestOutput
 from kvfence.engine.sampler import TokenLogprobs
@@ -37,14 +35,15 @@ from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.structured_output import GrammarBudget
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
-from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
-from kvfence.integrity.verify import Expectation
+from kvfence.integrity.record import IntegrityMetrics
+from kvfence.integrity.verify import Expectation, Reason
 from kvfence.transfer.base import TRANSFER_BACKENDS, Receiver, is_transfer_id
 
 if TYPE_CHECKING:
     from kvfence.disagg.worker import WorkerIdentity
 
 logger = logging.getLogger(__name__)
+_S = DecodeState
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class DecodeConfig:
     transport: str = "tcp"  # the transfer backend, one of TRANSFER_BACKENDS (field name kept: worker_main sets it)
     listen_host: str = "127.0.0.1"
     listen_port: int = 0  # the launcher passes a free port explicitly; 0 only in tests
-    deadline_s: float = 60.0  # reserve -> verified (including waiting for pages and the first token)
+    deadline_s: float = 60.0  # waiting for pages, the transfer once it started, its quarantine (each)
     verify: bool = True  # False ONLY to demonstrate what the checks protect against
     strict: bool = False  # poison quarantined and released pages
     io_timeout_s: float = 10.0  # a data connection that moves no byte this long in the middle of a frame is dropped
@@ -100,59 +99,26 @@ class _EngineReservations:
         return self.engine.allocator.release_quarantine(request_id)
 
 
-class DecodeRequestState(str, Enum):
-    """Where one request stands on the decode worker (docs/handoff.md, "Lifecycles")."""
-
-    QUEUED = "queued"  # DecodePrepare accepted; waiting for free pages
-    HANDOFF = "handoff"  # pages reserved, DecodeReserved sent; the KV handoff runs (`DecodeHandoff` has its states)
-    RUNNING = "running"  # verified and in the engine's batch, streaming tokens
-    QUARANTINED = "quarantined"  # the handoff failed or was aborted: its pages wait until the transfer settled
-    FINISHED = "finished"  # gone from this worker (finished, failed, aborted or released)
-
-
-_R = DecodeRequestState
-DECODE_REQUEST_TRANSITIONS: dict[DecodeRequestState, frozenset[DecodeRequestState]] = {
-    _R.QUEUED: frozenset({_R.HANDOFF, _R.FINISHED}),  # reserved; or aborted, timed out, cannot reserve
-    # into the batch; handoff failed with pages to quarantine; or ended with none held any more
-    _R.HANDOFF: frozenset({_R.RUNNING, _R.QUARANTINED, _R.FINISHED}),
-    _R.RUNNING: frozenset({_R.FINISHED}),
-    _R.QUARANTINED: frozenset({_R.FINISHED}),
-    _R.FINISHED: frozenset(),
-}
-
-
 @dataclass
 class _DecodeRequest:
-    """One request on the decode worker, from DecodePrepare until it is gone."""
+    """One request on the decode worker, from its order until it is gone; its state is its handoff's."""
 
-    prepare: P.DecodePrepare
+    order: P.Order
     params: SamplingParams
     handoff: DecodeHandoff
     received_at: float
-    first_token: int | None = None  # prefill's, from the manifest or the router's relay (they must agree)
-    first_logprobs: TokenLogprobs | None = None  # prefill's scores of the first token, when asked for
     abort_reason: str | None = None  # the router's, when it aborted the request (it told the client itself)
     integrity: dict[str, Any] | None = None  # the handoff's record (wire form), from entering the batch
     chunks_sent: int = 0  # Tokens messages sent (the record rides on the first and the last)
-    lifecycle: Lifecycle[DecodeRequestState] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.lifecycle = Lifecycle(f"decode request {self.request_id}", _R.QUEUED, DECODE_REQUEST_TRANSITIONS)
+    reported: bool = False  # its failure was reported (or the router ended it)
 
     @property
     def request_id(self) -> str:
-        return self.prepare.request_id
+        return self.order.request_id
 
     @property
-    def state(self) -> DecodeRequestState:
-        return self.lifecycle.state
-
-    def advance(self, new: DecodeRequestState) -> None:
-        self.lifecycle.advance(new)
-
-    @property
-    def aborted_by_router(self) -> bool:
-        return self.abort_reason is not None
+    def state(self) -> DecodeState:
+        return self.handoff.state
 
 
 class DecodeWorker:
@@ -188,6 +154,7 @@ class DecodeWorker:
                 engine.pool, c.listen_host, c.listen_port, faults, io_timeout_s=c.io_timeout_s, auth=auth
             )
         self.receiver = receiver
+        self.receiver.core.pending_ttl_s = 2 * self.config.deadline_s  # an early manifest waits for our reservation
         self.metrics = metrics if metrics is not None else IntegrityMetrics()
         self._pages = _EngineReservations(engine)
         self._handoff_config = HandoffConfig(
@@ -200,7 +167,6 @@ class DecodeWorker:
         )
         self.send_msg: Callable[[P.Message], None] | None = None  # set by `attach`
         self.requests: dict[str, _DecodeRequest] = {}  # every request not FINISHED, in arrival order
-        self._settled: list[str] = []  # entered the batch this step: HandoffSettled goes out after their first tokens
         self._grammars = GrammarWaits(engine, self.config.grammar_budget)  # compiled while the KV travels
         self.counts: dict[str, int] = {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
 
@@ -211,17 +177,21 @@ class DecodeWorker:
         """Every request this worker holds, in any state but FINISHED (what a lost router's requests are)."""
         return list(self.requests)
 
-    def ids(self, state: DecodeRequestState) -> list[str]:
+    def ids(self, state: DecodeState) -> list[str]:
         """The requests in `state`, in arrival order."""
         return [rid for rid, req in self.requests.items() if req.state is state]
 
-    def _in(self, state: DecodeRequestState) -> list[_DecodeRequest]:
-        return [req for req in self.requests.values() if req.state is state]
+    def _in(self, *states: DecodeState) -> list[_DecodeRequest]:
+        return [req for req in self.requests.values() if req.state in states]
 
-    def _finish(self, req: _DecodeRequest) -> None:
-        req.advance(_R.FINISHED)
+    def _gone(self, req: _DecodeRequest) -> None:
+        """The request left this worker (its handoff is FINISHED)."""
         del self.requests[req.request_id]
         self._grammars.forget(req.request_id)
+
+    def _finish(self, req: _DecodeRequest) -> None:
+        req.handoff.finish()
+        self._gone(req)
 
     def registration(self) -> P.Register:
         from kvfence.disagg.worker import registration_for
@@ -230,24 +200,14 @@ class DecodeWorker:
 
     # -- messages ---------------------------------------------------------------------------------------------
     def handle(self, msg: P.Message) -> None:
-        if isinstance(msg, P.DecodePrepare):
-            self._prepare(msg)
-        elif isinstance(msg, P.PrefillSent):
-            rid, token = msg.request_id, int(msg.first_token)
-            req = self.requests.get(rid)
-            if req is not None and req.state is _R.HANDOFF:
-                self._first_token(req, token, msg.first_logprobs, "the router")
-            elif req is not None and req.state is _R.RUNNING and req.first_token != token:  # batched on the manifest's
-                self.engine.abort_request(rid)
-                self._finish(req)
-                detail = f"prefill's first token differs: {req.first_token} in the manifest, {token} from the router"
-                self._out(P.RequestFailed(rid, self.role, detail))
+        if isinstance(msg, P.Order):
+            self._order(msg)
         elif isinstance(msg, P.Abort):
             self._abort(msg.request_id, msg.reason)
         elif not isinstance(msg, P.RegisterReply):
             logger.warning("decode: unexpected %s", msg.kind)
 
-    def _prepare(self, msg: P.DecodePrepare) -> None:
+    def _order(self, msg: P.Order) -> None:
         rid = msg.request_id
         if rid in self.requests:
             self._out(P.RequestFailed(rid, self.role, f"request id {rid!r} is already in use on decode"))
@@ -270,63 +230,58 @@ class DecodeWorker:
                 authenticated=self.auth.secure,
             )
         except (KvfenceError, ValueError) as e:
-            self._out(P.RequestFailed(rid, self.role, f"cannot prepare request: {e}"))
+            self._out(P.RequestFailed(rid, self.role, f"cannot take the request: {e}"))
             return
         self.requests[rid] = _DecodeRequest(msg, params, handoff, time.monotonic())
         self._grammars.start(rid, params)  # compiles while the pages are reserved and the KV travels
-        self._start_queued()
+        self._reserve_queued()
 
-    def _start_queued(self) -> None:
+    def _reserve_queued(self) -> None:
         """Reserve pages for queued requests, first come first served, while the pool has room."""
-        for req in self._in(_R.QUEUED):
+        for req in self._in(_S.QUEUED):
             rid = req.request_id
             total = self._reserve_tokens(req)
             if not self._pages.can_allocate(self._pages.pages_for(total)):
                 if time.monotonic() - req.received_at > self.config.deadline_s:
-                    self._finish(req)
-                    self._out(
-                        P.RequestFailed(
-                            rid,
-                            self.role,
-                            f"timeout: no free KV pages for {total} tokens within {self.config.deadline_s:.0f}s",
-                        )
-                    )
+                    req.handoff.abort("no free KV pages")
+                    self._gone(req)
+                    reason = f"timeout: no free KV pages for {total} tokens within {self.config.deadline_s:.0f}s"
+                    self._out(P.RequestFailed(rid, self.role, reason))
                     continue
                 return
             self._pages.tokens[rid] = total
             try:
-                pages = req.handoff.start()
+                req.handoff.start()
             except (KvfenceError, MemoryError) as e:
                 self._pages.tokens.pop(rid, None)
-                self._finish(req)
+                req.handoff.abort(str(e))
+                self._gone(req)
                 self._out(P.RequestFailed(rid, self.role, f"cannot reserve pages: {e}"))
-                continue
-            req.advance(_R.HANDOFF)
-            self._out(P.DecodeReserved(rid, self.receiver.address, len(pages)))
 
     def _reserve_tokens(self, req: _DecodeRequest) -> int:
         """Prompt + max_tokens, capped at the context length (the request can never hold more)."""
-        return min(req.prepare.tokens_expected + req.params.max_tokens, self.engine.resolved.context_length)
+        return min(req.order.tokens_expected + req.params.max_tokens, self.engine.resolved.context_length)
 
     def _abort(self, rid: str, reason: str) -> None:
         req = self.requests.get(rid)
         if req is None:
             return
-        if req.state is _R.QUEUED:
+        req.abort_reason = reason
+        h = req.handoff
+        if req.state is _S.QUEUED:
+            h.abort(reason)
+            self._gone(req)
+            self.counts["aborted"] += 1
+        elif req.state in (_S.RESERVED, _S.RECEIVING):
+            h.abort(reason)
+            self._ended(req)
+            if req.state is _S.FINISHED:  # settled at once: nothing was writing
+                self._gone(req)
+        elif req.state is _S.VERIFIED:  # verified but not in the batch yet: the pages are plain reserved ones
+            self.engine.release(rid)
             self._finish(req)
             self.counts["aborted"] += 1
-        elif req.state is _R.HANDOFF:
-            req.abort_reason = reason
-            h = req.handoff
-            if h.state in (DecodeState.WAITING, DecodeState.TRANSFERRING):
-                h.abort(reason)
-            elif h.state == DecodeState.READY:  # verified but not in the batch yet: the pages are plain reserved ones
-                self.engine.release(rid)
-                self._finish(req)
-                self.counts["aborted"] += 1
-                return
-            self._end(req)
-        elif req.state is _R.RUNNING:
+        elif req.state is _S.RUNNING:
             self.engine.abort_request(rid)
             self._finish(req)
             self.counts["aborted"] += 1
@@ -335,15 +290,10 @@ class DecodeWorker:
     # -- the step ---------------------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Work to do right now: requests in the engine, or a verified handoff that can enter the batch."""
+        """Work to do right now: requests in the engine, or a verified request that can enter the batch."""
         if self.engine.has_unfinished_requests():
             return True
-        return any(
-            req.first_token is not None
-            and req.handoff.state == DecodeState.READY
-            and not self._grammars.waiting(req.request_id)
-            for req in self._in(_R.HANDOFF)
-        )
+        return any(not self._grammars.waiting(req.request_id) for req in self._in(_S.VERIFIED))
 
     def set_waker(self, wake: Callable[[], None]) -> None:
         """The worker loop's wake-up (its channel's `wake`): the receiver calls it when a transfer moves on."""
@@ -359,39 +309,24 @@ class DecodeWorker:
         """
         if self.receiver.core.notify is not None:
             return None
-        return 0.001 if any(req.state is _R.HANDOFF for req in self.requests.values()) else None
+        return 0.001 if self._in(_S.RESERVED, _S.RECEIVING) else None
 
     def step(self) -> bool:
-        self._start_queued()
-        for req in self._in(_R.HANDOFF):
-            h = req.handoff
-            h.poll()
-            if h.state == DecodeState.READY:
-                m = h.slot.manifest if h.slot is not None else None
-                if m is not None and m.first_token is not None:  # no relay to wait for; or it must agree
-                    self._first_token(req, m.first_token, m.first_logprobs, "the manifest")
-                if req.state is not _R.HANDOFF:
-                    continue  # the two sources disagreed: failed
-                if req.first_token is not None:
-                    self._enter_batch(req)
-                elif time.monotonic() - req.received_at > self.config.deadline_s:
-                    self.engine.release(req.request_id)
-                    self._finish(req)
-                    self._out(
-                        P.RequestFailed(req.request_id, self.role, "timeout: prefill's first token never arrived")
-                    )
-            elif h.state in (DecodeState.FAILED, DecodeState.ABORTED):
-                self._end(req)
-        for req in self._in(_R.QUARANTINED):
+        self._reserve_queued()
+        self.receiver.core.expire_pending()
+        for req in self._in(_S.RESERVED, _S.RECEIVING, _S.QUARANTINED):
+            before = req.state
             req.handoff.poll()
-            if req.handoff.released:
-                self._finish(req)
-        self._send_tokens(
-            self.engine.report_pending()
-        )  # first tokens of requests that just entered the batch, before a forward
-        for rid in self._settled:  # now prefill may release their source pages
-            self._out(P.HandoffSettled(rid, verified=True))
-        self._settled.clear()
+            if req.state is _S.QUARANTINED and before is not _S.QUARANTINED:
+                self._ended(req)
+            if req.state is _S.FINISHED:
+                self._gone(req)
+                if before is not _S.QUARANTINED:
+                    self._ended(req)
+        for req in self._in(_S.VERIFIED):
+            self._enter_batch(req)
+        # first tokens of requests that just entered the batch, before a forward
+        self._send_tokens(self.engine.report_pending())
         worked = False
         if self.engine.has_unfinished_requests():
             worked = True
@@ -403,7 +338,7 @@ class DecodeWorker:
         tokens: list[P.Message] = []
         for out in outputs:
             req = self.requests.get(out.request_id)
-            if req is None or req.state is not _R.RUNNING:
+            if req is None or req.state is not _S.RUNNING:
                 continue
             record = req.integrity if out.finished or req.chunks_sent == 0 else None
             req.chunks_sent += 1
@@ -424,52 +359,38 @@ class DecodeWorker:
         if (msg := P.batch(tokens)) is not None:
             self._out(msg)
 
-    def _first_token(self, req: _DecodeRequest, token: int, logprobs: list | None, source: str) -> None:
-        """Prefill's first token, from whichever of its two messages comes first (the manifest or the router's
-        relay of PrefillSent); the second must say the same, else the request fails."""
-        if req.first_token is not None:
-            if req.first_token != token:
-                rid = req.request_id
-                self.engine.release(rid)
-                self._finish(req)
-                detail = f"prefill's first token differs: {req.first_token} earlier, {token} from {source}"
-                self._out(P.RequestFailed(rid, self.role, detail))
-            return
-        req.first_token = token
-        first = P.logprobs_from_wire([logprobs]) if logprobs is not None else None
-        req.first_logprobs = first[0] if first else None
-
     def _enter_batch(self, req: _DecodeRequest) -> None:
-        """A verified handoff with its first token: the request joins the engine's continuous batch (once its
-        grammar, if it has one, has compiled off the loop)."""
+        """A verified request joins the engine's continuous batch, from the first token prefill put in its sealed
+        manifest (once its grammar, if it has one, has compiled off the loop)."""
         rid, h = req.request_id, req.handoff
         if self._grammars.waiting(rid):
             return  # still compiling: the next step looks again
+        record = h.record.to_dict() if h.record is not None else None
         why = self._grammars.outcome(rid)
+        manifest = h.slot.manifest if h.slot is not None else None
+        if not why and (manifest is None or manifest.first_token is None):
+            why = "prefill's manifest carries no first token"
+        first_logprobs: TokenLogprobs | None = None
+        if not why and manifest is not None and manifest.first_logprobs is not None:
+            first = P.logprobs_from_wire([manifest.first_logprobs])
+            first_logprobs = first[0] if first else None
+        if not why:
+            assert manifest is not None and manifest.first_token is not None
+            try:
+                self.engine.add_prefilled_request(
+                    rid, req.order.prompt_token_ids, manifest.first_token, req.params, first_logprobs=first_logprobs
+                )
+            except KvfenceError as e:
+                why = f"cannot start decoding the request: {e}"
         if why:
             self.engine.release(rid)
             self._finish(req)
-            record = h.record.to_dict() if h.record is not None else None
-            self._out(P.RequestFailed(rid, self.role, f"response_format: {why}", integrity=record))
+            self._out(P.RequestFailed(rid, self.role, why, integrity=record))
             return
-        record = h.record.to_dict() if h.record is not None else None
         self.counts["verified" if self.config.verify else "unverified"] += 1
-        first_token = req.first_token
-        if first_token is None:  # callers check; an explicit error survives `python -O`
-            raise RuntimeError(f"decode request {rid}: into the batch without prefill's first token")
-        try:
-            self.engine.add_prefilled_request(
-                rid, req.prepare.prompt_token_ids, first_token, req.params, first_logprobs=req.first_logprobs
-            )
-        except KvfenceError as e:
-            self.engine.release(rid)
-            self._finish(req)
-            self._out(P.RequestFailed(rid, self.role, f"cannot start decoding the request: {e}", integrity=record))
-            return
         self._skip_first_draw(rid)
         req.integrity = record
-        req.advance(_R.RUNNING)
-        self._settled.append(rid)  # told after its first token went out (that is on the client's critical path)
+        h.enter_batch()
 
     def _skip_first_draw(self, rid: str) -> None:
         """A seeded request's generator has already made one draw on prefill (the first token).
@@ -484,27 +405,25 @@ class DecodeWorker:
         if req is not None and req.generator is not None and req.sampling_params.seed is not None:
             torch.rand((), generator=req.generator)
 
-    def _end(self, req: _DecodeRequest) -> None:
-        """A handoff that failed or was aborted: report it once; its pages stay QUARANTINED until no write can land
-        (invariant 5, docs/handoff.md)."""
-        rid, h = req.request_id, req.handoff
-        if h.released:
-            self._finish(req)
-        else:
-            req.advance(_R.QUARANTINED)
-        rec: IntegrityRecord | None = h.record
-        if h.state == DecodeState.ABORTED:
+    def _ended(self, req: _DecodeRequest) -> None:
+        """A handoff that failed or was aborted: count it and report it once (unless the router ended it); its pages
+        stay QUARANTINED until no write can land (invariant 5, docs/handoff.md)."""
+        if req.reported:
+            return
+        req.reported = True
+        rec = req.handoff.record
+        if rec is not None and rec.reason == Reason.ABORTED.value:
             self.counts["aborted"] += 1
         else:
             self.counts["rejected" if rec is not None and rec.status == "rejected" else "failed"] += 1
-        if req.aborted_by_router:
+        if req.abort_reason is not None:
             return  # the router ended it and told the client already
         if rec is not None:
             what = "rejected" if rec.status == "rejected" else "failed"
             reason = f"KV handoff {what} ({rec.reason}): {rec.detail}"
         else:
-            reason = f"KV handoff {h.state.value}"
-        self._out(P.RequestFailed(rid, self.role, reason, integrity=rec.to_dict() if rec is not None else None))
+            reason = f"KV handoff {req.state.value}"
+        self._out(P.RequestFailed(req.request_id, self.role, reason, integrity=rec.to_dict() if rec else None))
 
     def _out(self, msg: P.Message) -> None:
         if self.send_msg is None:
@@ -514,12 +433,12 @@ class DecodeWorker:
     # -- numbers ----------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         pool = P.engine_pool_stats(self.engine)
-        queued, quarantined = self._in(_R.QUEUED), self._in(_R.QUARANTINED)
+        queued, quarantined = self._in(_S.QUEUED), self._in(_S.QUARANTINED)
         return {
             **pool,
             "num_waiting": pool["num_waiting"] + len(queued),
             "pages_wanted": sum(self._pages.pages_for(self._reserve_tokens(req)) for req in queued),
-            "handoffs_in_flight": len(self._in(_R.HANDOFF)),
+            "handoffs_in_flight": len(self._in(_S.RESERVED, _S.RECEIVING, _S.VERIFYING, _S.VERIFIED)),
             "handoffs_quarantined": len(quarantined),
             "handoffs_overdue": sum(req.handoff.overdue for req in quarantined),  # a write could still land
             **{f"handoffs_{k}": v for k, v in self.counts.items()},

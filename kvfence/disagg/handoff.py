@@ -1,30 +1,30 @@
-"""The KV handoff state machine, one object per request on each side.
+"""One request on each side of a KV handoff: its state, one enum per side, and what each side does in each.
 
-What it knows: the states of a handoff and the only transitions allowed between
-them (an illegal one raises), and what each side does on entering a state:
+What it knows: the states a request goes through on decode and on prefill, the only transitions
+allowed between them (an illegal one raises), and what each side does on entering a state. The
+handoff's sub-states are the request's states: there is no second machine beside it.
 
-    decode:   WAITING ──manifest──▶ TRANSFERRING ──done──▶ VERIFYING ──ok──▶ READY
-                 │                      │                       └──bad──▶ FAILED (rejected)
-                 ├──────────────────────┴──error/timeout──────────────▶ FAILED (failed)
-                 └──────────────────────┴──abort (either side)────────▶ ABORTED
+    decode:   QUEUED ─pages─▶ RESERVED ─manifest─▶ RECEIVING ─done─▶ VERIFYING ─ok─▶ VERIFIED ─▶ RUNNING ─▶ FINISHED
+                │                │                   │                   └─bad─┐
+                │                └─── error / timeout / abort ───────────┴──▶ QUARANTINED ─settled─▶ FINISHED
+                └──abort, no pages in time──────────────────────────────────────────────────────▶ FINISHED
 
-    prefill:  PREFILLING ──send──▶ SENDING ──done──▶ AWAITING_VERDICT ──verified──▶ RELEASED
-                                      └─────────────────┴──error/abort/nack/deadline──▶ FAILED
+    prefill:  COMPUTING ─send─▶ SENDING ─done─▶ AWAITING_VERDICT ─verdict, or the end of a failed send─▶ FINISHED
+                  └──abort───────────────────────────────────────────────────────────────────────────▶ FINISHED
 
 - Decode allocates the pages for the router's expected length (never prefill's claim),
   registers them with its receiver, and lets the request into the batch only after
-  `integrity.verify` passes. A FAILED or ABORTED request's pages go to the allocator's
-  quarantine; they are released (and poisoned again in strict mode) only once the
+  `integrity.verify` passes. A failed or aborted request's pages go to the allocator's
+  quarantine (QUARANTINED); they are released (and poisoned again in strict mode) only once the
   receive slot is settled: no write of that transfer can still land. No deadline frees
   a page. When the quarantine deadline passes with the slot still unsettled (a write
   stuck mid-page), decode cuts the transfer's connection (`Receiver.sever`) so the
-  stuck write fails, and releases once it has ended. A one-sided transfer (Mooncake)
-  cannot be cut from decode: its pages stay quarantined (`overdue`, logged) until the
-  sender's last frame or its `fenced` frame says its writer is gone.
+  stuck write fails, and releases once it has ended.
 - Prefill keeps its source pages until decode's verdict arrives or the send ended, and
   in both cases only once the send thread has stopped reading them (`sender_done`);
-  then it frees them (poisoned first in strict mode). When the verdict deadline passes with
-  the send thread still inside a write, prefill cuts its connection so the write fails.
+  then it frees them (poisoned first in strict mode) and the request is FINISHED. When the
+  verdict deadline passes with the send thread still inside a write, prefill cuts its
+  connection so the write fails. How it ended (verified or why not) is `outcome`, not a state.
 - Each decode handoff ends with exactly one `IntegrityRecord` (invariant 8, docs/handoff.md), counted in
   the `IntegrityMetrics` passed in.
 
@@ -52,43 +52,50 @@ from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Expectation, Reason, VerifyResult, verify_handoff
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, SendStatus, SlotStatus, transfer_ref
+from kvfence.transfer.base import Receiver, ReceiveSlot, Sender, SendHandle, transfer_ref
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeState(str, Enum):
-    WAITING = "waiting"
-    TRANSFERRING = "transferring"
-    VERIFYING = "verifying"
-    READY = "ready"
-    FAILED = "failed"
-    ABORTED = "aborted"
+    """Where one request stands on the decode worker, from its order until it is gone."""
+
+    QUEUED = "queued"  # ordered; waiting for free pages
+    RESERVED = "reserved"  # pages reserved for the router's length, receive slot open; no manifest yet
+    RECEIVING = "receiving"  # the sender's manifest accepted: pages landing
+    VERIFYING = "verifying"  # the sender said done: the checks run
+    VERIFIED = "verified"  # every check passed: about to enter the batch (prefill's first token, its grammar)
+    RUNNING = "running"  # in the engine's batch, streaming tokens
+    QUARANTINED = "quarantined"  # failed or aborted: its pages wait until no write of its transfer can land
+    FINISHED = "finished"  # gone from this worker (finished, failed, aborted; every page back)
 
 
 class PrefillState(str, Enum):
-    PREFILLING = "prefilling"
-    SENDING = "sending"
-    AWAITING_VERDICT = "awaiting_verdict"
-    RELEASED = "released"
-    FAILED = "failed"
+    """Where one request stands on the prefill worker, from its order until its pages are freed."""
+
+    COMPUTING = "computing"  # the prompt runs in the engine (prefill_only), or its grammar compiles first
+    SENDING = "sending"  # manifest and pages on their way to decode (source pages held)
+    AWAITING_VERDICT = "awaiting_verdict"  # `done` sent: the pages are held until decode's verdict
+    FINISHED = "finished"  # gone from this worker (pages freed); `outcome` says how it ended
 
 
 _D, _P = DecodeState, PrefillState
 DECODE_TRANSITIONS: dict[DecodeState, frozenset[DecodeState]] = {
-    _D.WAITING: frozenset({_D.TRANSFERRING, _D.FAILED, _D.ABORTED}),
-    _D.TRANSFERRING: frozenset({_D.VERIFYING, _D.FAILED, _D.ABORTED}),
-    _D.VERIFYING: frozenset({_D.READY, _D.FAILED}),
-    _D.READY: frozenset(),
-    _D.FAILED: frozenset(),
-    _D.ABORTED: frozenset(),
+    _D.QUEUED: frozenset({_D.RESERVED, _D.FINISHED}),  # reserved; or aborted, no pages in time, cannot reserve
+    _D.RESERVED: frozenset({_D.RECEIVING, _D.QUARANTINED}),
+    _D.RECEIVING: frozenset({_D.VERIFYING, _D.QUARANTINED}),
+    _D.VERIFYING: frozenset({_D.VERIFIED, _D.QUARANTINED}),
+    # into the batch; or gone before it (aborted, prefill's first tokens disagree, cannot enter the batch)
+    _D.VERIFIED: frozenset({_D.RUNNING, _D.FINISHED}),
+    _D.RUNNING: frozenset({_D.FINISHED}),
+    _D.QUARANTINED: frozenset({_D.FINISHED}),
+    _D.FINISHED: frozenset(),
 }
 PREFILL_TRANSITIONS: dict[PrefillState, frozenset[PrefillState]] = {
-    _P.PREFILLING: frozenset({_P.SENDING, _P.FAILED}),
-    _P.SENDING: frozenset({_P.AWAITING_VERDICT, _P.FAILED}),
-    _P.AWAITING_VERDICT: frozenset({_P.RELEASED, _P.FAILED}),
-    _P.RELEASED: frozenset(),
-    _P.FAILED: frozenset(),
+    _P.COMPUTING: frozenset({_P.SENDING, _P.FINISHED}),
+    _P.SENDING: frozenset({_P.AWAITING_VERDICT, _P.FINISHED}),
+    _P.AWAITING_VERDICT: frozenset({_P.FINISHED}),
+    _P.FINISHED: frozenset(),
 }
 
 
@@ -111,7 +118,8 @@ class HandoffConfig:
 
 
 class DecodeHandoff:
-    """Decode side of one request: allocate, receive, verify, then READY or quarantine."""
+    """Decode side of one request, from its order until it is gone: reserve, receive, verify; then the batch, or the
+    quarantine. The worker moves it into the batch (`enter_batch`) and out of this worker (`finish`)."""
 
     def __init__(
         self,
@@ -134,14 +142,14 @@ class DecodeHandoff:
         self.metrics = metrics
         self.authenticated = authenticated
         self.clock = clock
-        self._m = Lifecycle(f"decode handoff {expect.request_id}", _D.WAITING, DECODE_TRANSITIONS, clock)
+        self._m = Lifecycle(f"decode request {expect.request_id}", _D.QUEUED, DECODE_TRANSITIONS, clock)
         self.num_pages = pages_for_tokens(expect.tokens_expected, pool.page_size)
         self.pages: list[int] = []
         self.slot: ReceiveSlot | None = None
         self.record: IntegrityRecord | None = None
         self.result: VerifyResult | None = None
         self.quarantined: list[int] = []
-        self.released = False  # quarantine over (or never needed)
+        self.released = False  # no page of it is quarantined any more (verified, or its quarantine is over)
         self.overdue = False  # the quarantine deadline passed with a write still possible
         self.severed = False  # ... and decode cut the transfer's connection to end it
         self._started_at = clock()
@@ -161,9 +169,14 @@ class DecodeHandoff:
         return self._m.history
 
     @property
+    def ok(self) -> bool | None:
+        """True once verified, False once failed or aborted, None before either."""
+        return None if self.result is None else self.result.ok
+
+    @property
     def settled(self) -> bool:
-        """READY, or ended and its pages are back in the free list."""
-        return self.state == _D.READY or (self.state in (_D.FAILED, _D.ABORTED) and self.released)
+        """Verified (its pages are plain reserved ones), or ended with every page back in the free list."""
+        return self.state in (_D.VERIFIED, _D.RUNNING) or (self.state == _D.FINISHED and self.released)
 
     # -- paired verbs ----------------------------------------------------------------------------------------
     def can_start(self) -> bool:
@@ -171,46 +184,62 @@ class DecodeHandoff:
 
     def start(self) -> list[int]:
         """Allocate pages for the router's expected length and expect the transfer; returns the page table."""
-        assert self.slot is None, "started twice"
-        self.pages = self.allocator.allocate(self.request_id, self.num_pages)
+        self.pages = self.allocator.allocate(self.request_id, self.num_pages)  # raises, still QUEUED, when it cannot
+        self._m.advance(_D.RESERVED)
         self.slot = self.receiver.expect(self.request_id, self.pages, self.expect.transfer_id)
         self._started_at = self.clock()
         return list(self.pages)
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        """Give up (client gone, router abort): tell the sender, quarantine the pages."""
-        if self.state in (_D.WAITING, _D.TRANSFERRING):
+        """Give up (client gone, router abort): tell the sender, quarantine the pages. A queued request (no pages
+        yet) is simply gone; a verified one is the worker's to release."""
+        if self.state == _D.QUEUED:
+            self.receiver.abort(self.request_id, reason)  # a sender whose manifest came early stops waiting
+            self._m.advance(_D.FINISHED)
+            self.released = True
+        elif self.state in (_D.RESERVED, _D.RECEIVING):
             self.receiver.abort(self.request_id, reason)
-            self._end(_D.ABORTED, VerifyResult(False, Reason.ABORTED, reason, 0, 0))
+            self._end(VerifyResult(False, Reason.ABORTED, reason, 0, 0))
+
+    def enter_batch(self) -> None:
+        """The engine took the verified request into its batch."""
+        self._m.advance(_D.RUNNING)
+
+    def finish(self) -> None:
+        """The request is gone from this worker (finished, or given up after it verified: the worker released its
+        pages), or its quarantine is over."""
+        self._m.advance(_D.FINISHED)
 
     def poll(self) -> DecodeState:
         """Advance as far as the transfer allows; never blocks. Returns the state."""
-        assert self.slot is not None, "poll() before start()"
+        if self.state in (_D.QUEUED, _D.VERIFIED, _D.RUNNING, _D.FINISHED):
+            return self.state
         slot, now = self.slot, self.clock()
-        status = slot.status  # read once: the transport thread may move it on meanwhile
-        if self.state == _D.WAITING and status != SlotStatus.WAITING:
-            self._m.advance(_D.TRANSFERRING)
+        assert slot is not None  # RESERVED and after have their slot
+        if self.state == _D.RESERVED and slot.started:
+            self._m.advance(_D.RECEIVING)
             self._sending_since = now
-        if self.state in (_D.WAITING, _D.TRANSFERRING):
-            if status == SlotStatus.COMPLETE:
+        if self.state in (_D.RESERVED, _D.RECEIVING):
+            failure = slot.failure  # read once: the transport thread may move it on meanwhile
+            if slot.complete:
                 self._verify()
-            elif status == SlotStatus.SENDER_ABORTED:
-                self._end(_D.ABORTED, VerifyResult(False, Reason.ABORTED, f"prefill aborted: {slot.error}", 0, 0))
-            elif status == SlotStatus.ERROR:
-                self.receiver.abort(self.request_id, slot.error)
-                self._end(_D.FAILED, VerifyResult(False, Reason.TRANSFER_ERROR, slot.error, 0, 0))
+            elif failure is not None and failure[0] == "aborted":
+                self._end(VerifyResult(False, Reason.ABORTED, f"prefill aborted: {failure[1]}", 0, 0))
+            elif failure is not None:
+                self.receiver.abort(self.request_id, failure[1])
+                self._end(VerifyResult(False, Reason.TRANSFER_ERROR, failure[1], 0, 0))
             elif self._sending_since is None and now - self._started_at > self.config.sender_wait_s:
                 detail = f"no sender started the transfer within {self.config.sender_wait_s:g}s of decode's reservation"
                 self.receiver.abort(self.request_id, detail)
-                self._end(_D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+                self._end(VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
             elif self._sending_since is not None and now - self._sending_since > self.config.transfer_timeout_s:
                 detail = (
                     f"no complete transfer {self.config.transfer_timeout_s:g}s after the sender started "
                     f"({slot.coverage.num_covered}/{self.num_pages} pages landed)"
                 )
                 self.receiver.abort(self.request_id, detail)
-                self._end(_D.FAILED, VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
-        if self.state in (_D.FAILED, _D.ABORTED) and not self.released:
+                self._end(VerifyResult(False, Reason.TIMEOUT, detail, 0, 0))
+        if self.state == _D.QUARANTINED:
             self._maybe_release(now)
         return self.state
 
@@ -218,6 +247,8 @@ class DecodeHandoff:
     def _verify(self) -> None:
         slot = self.slot
         assert slot is not None and slot.manifest is not None
+        if self.state == _D.RESERVED:  # manifest and done seen in one poll
+            self._m.advance(_D.RECEIVING)
         self._m.advance(_D.VERIFYING)
         t0 = self.clock()
         if self.config.verify:
@@ -227,15 +258,15 @@ class DecodeHandoff:
         verify_s = self.clock() - t0
         self.receiver.verdict(self.request_id, result.ok, "" if result.ok else Reason(result.reason).value)
         if result.ok:
-            self._m.advance(_D.READY)
+            self._m.advance(_D.VERIFIED)
             self.released = True
             self.receiver.forget(self.request_id)
             self._emit(result, verify_s)
         else:
-            self._end(_D.FAILED, result, verify_s)
+            self._end(result, verify_s)
 
-    def _end(self, state: DecodeState, result: VerifyResult, verify_s: float | None = None) -> None:
-        self._m.advance(state)
+    def _end(self, result: VerifyResult, verify_s: float | None = None) -> None:
+        self._m.advance(_D.QUARANTINED)
         self._failed_at = self.clock()
         self.quarantined = self.allocator.quarantine(self.request_id)
         if self.config.strict and self.quarantined:
@@ -254,6 +285,7 @@ class DecodeHandoff:
             self.allocator.release_quarantine(self.request_id)
             self.receiver.forget(self.request_id)
             self.released = True
+            self._m.advance(_D.FINISHED)
             return
         if not self.overdue and now - self._failed_at > self.config.quarantine_timeout_s:
             self.overdue = True
@@ -295,7 +327,9 @@ class DecodeHandoff:
 
 
 class PrefillHandoff:
-    """Prefill side of one request: build the manifest, send, hold source pages until the verdict."""
+    """Prefill side of one request, from its order until its pages are freed: the prompt computes, then build the
+    manifest, send, hold the source pages until decode's verdict. How it ended is `outcome` ("verified" or
+    "failed", with `reason`)."""
 
     def __init__(
         self,
@@ -314,22 +348,24 @@ class PrefillHandoff:
         first_logprobs: list | None = None,
     ) -> None:
         """`transfer_id`: the capability the router issued for this handoff (decode accepts no other);
-        `first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest."""
+        `first_token`/`first_logprobs`: what prefill sampled after the prompt, sent in the manifest (set them before
+        `send` when they are not known yet)."""
         if not token_ids:
             raise ValueError(f"prefill handoff {request_id}: empty prompt")
+        if not transfer_id:
+            raise ValueError(f"prefill handoff {request_id}: no transfer id (the router issues one per request)")
         self.first_token, self.first_logprobs = first_token, first_logprobs
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.allocator, self.pool, self.sender, self.address = allocator, pool, sender, address
         self.config = config or HandoffConfig()
         self.faults = faults
-        if not transfer_id:
-            raise ValueError(f"prefill handoff {request_id}: no transfer id (the router issues one per request)")
         self.transfer_id = transfer_id
         self.clock = clock
-        self._m = Lifecycle(f"prefill handoff {request_id}", _P.PREFILLING, PREFILL_TRANSITIONS, clock)
+        self._m = Lifecycle(f"prefill request {request_id}", _P.COMPUTING, PREFILL_TRANSITIONS, clock)
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
+        self.outcome: str | None = None  # "verified" | "failed", once known
         self.reason = ""
         self.released = False
         self.severed = False  # the verdict deadline passed with the send thread still running: its connection was cut
@@ -347,7 +383,7 @@ class PrefillHandoff:
 
     @property
     def settled(self) -> bool:
-        return self.state in (_P.RELEASED, _P.FAILED) and self.released
+        return self.state == _P.FINISHED
 
     def send(self) -> SendHandle | None:
         """The prompt's KV is in the pool: build the manifest and start the transfer."""
@@ -365,6 +401,7 @@ class PrefillHandoff:
             )
         except ValueError as e:
             self._fail(f"cannot build manifest: {e}")
+            self.poll()
             return None
         self._m.advance(_P.SENDING)
         self.handle = self.sender.send(self.address, self.manifest, pages)
@@ -373,37 +410,33 @@ class PrefillHandoff:
         return self.handle
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        if self.state == _P.PREFILLING:
+        if self.state == _P.COMPUTING:
             self._fail(reason)
         elif self.state in (_P.SENDING, _P.AWAITING_VERDICT) and self.handle is not None:
             self.handle.abort(reason)
             self._fail(reason)
-
-    def settle(self, verified: bool, reason: str = "") -> None:
-        """The verdict arrived another way (the router's ReleaseSource message)."""
-        if self.handle is not None:
-            self.handle.on_frame({"t": "verdict", "ok": verified, "reason": reason})
         self.poll()
 
     def poll(self) -> PrefillState:
         h, now = self.handle, self.clock()
-        if h is not None and self.state == _P.SENDING:
-            if h.status == SendStatus.AWAITING_VERDICT or h.status in (SendStatus.VERIFIED, SendStatus.REJECTED):
+        if h is not None and self.state == _P.SENDING and self.outcome is None:
+            if h.done_sent:
                 self._m.advance(_P.AWAITING_VERDICT)
                 self._verdict_deadline = now + self.config.verdict_timeout_s
-            elif h.status in (SendStatus.ABORTED, SendStatus.ERROR):
+            elif h.finished:
                 self._fail(f"{h.status.value}: {h.reason}")
             elif now > self._send_deadline:
                 h.abort("send deadline passed")
-                self._fail(f"transfer not done within {self.config.transfer_timeout_s}s")
-        if h is not None and self.state == _P.AWAITING_VERDICT:
-            if h.status == SendStatus.VERIFIED:
-                self._m.advance(_P.RELEASED)
-            elif h.status in (SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR):
+                what = "transfer not done" if h.ready else "decode never accepted the manifest (it reserved no pages)"
+                self._fail(f"{what} within {self.config.transfer_timeout_s:g}s")
+        if h is not None and self.state == _P.AWAITING_VERDICT and self.outcome is None:
+            if h.verified:
+                self.outcome = "verified"
+            elif h.finished:
                 self._fail(f"{h.status.value}: {h.reason}")
             elif self._verdict_deadline is not None and now > self._verdict_deadline:
                 self._fail(f"no verdict from decode within {self.config.verdict_timeout_s}s")
-        if self.state in (_P.RELEASED, _P.FAILED) and not self.released:
+        if self.outcome is not None and not self.released:
             if h is None or h.sender_done:  # no thread reads the source pages any more
                 self._release()
             elif not self.severed and self._verdict_deadline is not None and now > self._verdict_deadline:
@@ -412,9 +445,8 @@ class PrefillHandoff:
         return self.state
 
     def _fail(self, reason: str) -> None:
-        if self.state not in (_P.RELEASED, _P.FAILED):
-            self.reason = reason
-            self._m.advance(_P.FAILED)
+        if self.outcome is None:
+            self.outcome, self.reason = "failed", reason
 
     def _release(self) -> None:
         pages = self.allocator.pages_of(self.request_id)
@@ -422,3 +454,4 @@ class PrefillHandoff:
             self.pool.poison(pages)
         self.released_pages = self.allocator.free(self.request_id)
         self.released = True
+        self._m.advance(_P.FINISHED)

@@ -1,45 +1,46 @@
 """Control-plane messages between the router and the prefill/decode workers.
 
-What it knows: every message the router and the workers exchange (registration, the
-per-request orders, progress, verdicts, aborts, streamed tokens), each a small frozen
-dataclass with a `kind` tag, and how to turn one into JSON bytes and back. Two
+What it knows: every message the router and the workers exchange, each a small frozen
+`msgspec.Struct` whose class is its `kind` tag, and how to turn one into bytes and back:
+MessagePack with the tag in `kind`, decoded into the typed struct (a message that is not
+one of these, misses a field, names an unknown one or has one of the wrong type raises
+`WireError`; MessagePack, unlike JSON, carries -inf log probabilities as they are). Two
 channels carry them: `QueueChannel` (threads in one process, for fast tests) and
 `ZmqChannel` (a DEALER socket per worker talking to the router's ROUTER socket over
-TCP). Both have the same three verbs: `send`, `recv(timeout)`, `close`. A worker may send
-several messages as one `Batch` frame; the hubs unpack it, so the router sees them
-one by one.
+TCP, CURVE-encrypted). Both have the same three verbs: `send`, `recv(timeout)`, `close`.
+A worker may send several messages as one `Batch` frame; the hubs unpack it, so the
+router sees them one by one.
 
-Log probabilities travel as JSON lists: one position is `[token id, logprob, [[id,
-logprob], ...]]` (`logprobs_to_wire` / `logprobs_from_wire`); -inf stays -Infinity.
+One request takes four kinds of message, whatever its fate (docs/handoff.md, "One request"):
+
+    R -> P, R -> D   Order(prompt ids, transfer id, params; prefill: decode's data-plane address;
+                           decode: tokens_expected and token_hash, the router's own count and hash)
+    P -> R           Tokens(the first token, its text and logprobs, the prompt's logprobs)   once computed
+    D -> R           Tokens(...)*, the last one finished and carrying the integrity record; the first repeats
+                           prefill's first token (the router checks they agree and drops the repeat)
+    P|D -> R         Failed(reason, code, record)     this side cannot go on (the router aborts the other)
+    R -> P|D         Abort(reason)                    the client went away, the other side failed, a deadline
+
+The KV itself, its verdict and the release of prefill's source pages are the data plane's
+(`kvfence.transfer`): prefill sends to the address in its order, decode answers with its verdict
+on the same connection, and prefill frees its pages on that verdict (or its deadline).
+
+Log probabilities travel as lists: one position is `[token id, logprob, [[id, logprob], ...]]`
+(`logprobs_to_wire` / `logprobs_from_wire`).
 
 What it does not know: KV bytes (those travel on the data plane, `kvfence.transfer`),
 what a worker does with an order, or how the router schedules.
-
-Message flow of one request (router = R, prefill = P, decode = D):
-    R -> D  DecodePrepare(prompt ids, tokens_expected, token_hash, transfer id, params, deadline)
-    D -> R  DecodeReserved(handoff address, reserved pages)          (or RequestFailed)
-    R -> P  PrefillOrder(prompt ids, transfer id, params, where decode listens, deadline)
-    P -> R  FirstToken(first token, its text and logprobs, prompt logprobs)   as soon as the prompt is computed
-    P -> R  PrefillSent(pages, manifest summary, first token and its logprobs)
-                                                                      (or RequestFailed)
-    R -> D  PrefillSent (decode's second source of the first token)
-    D -> R  Tokens(...)*, the last one finished with the integrity record; the first repeats prefill's first
-            token, which the router drops when it streamed FirstToken already
-    D -> R  HandoffSettled(verified | rejected)  ->  R -> P  ReleaseSource
-    R -> P|D  Abort(reason)  on client disconnect, a failure on the other side, or a deadline
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import queue
 import socket
 import threading
-import types
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Union, get_args, get_origin, get_type_hints
+from typing import Any, Protocol
+
+import msgspec
 
 from kvfence.auth.curve import CurveKeys, CurveServer
 from kvfence.auth.curve import make_client as make_curve_client
@@ -48,27 +49,28 @@ from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 
-MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids as JSON; larger control messages are dropped
+MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped
 
 
 class WireError(KvfenceError, ValueError):
-    """A control message that cannot be decoded: not JSON, an unknown kind, a missing/unknown field or a field of
-    the wrong type. Raised explicitly (never `assert`, which `python -O` removes)."""
+    """A control message that cannot be decoded: not MessagePack, an unknown kind, a missing/unknown field or a field
+    of the wrong type. Raised explicitly (never `assert`, which `python -O` removes)."""
 
 
 # -- messages ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Message:
-    kind: ClassVar[str] = ""
+class Message(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=True):
+    """Every control message; its class name's tag is its `kind` on the wire."""
+
+    @property
+    def kind(self) -> str:
+        return str(type(self).__struct_config__.tag)
 
 
-@dataclass(frozen=True)
-class Register(Message):
+class Register(Message, tag="register"):
     """Worker -> router, once at start: who it is and what it can hold."""
 
-    kind: ClassVar[str] = "register"
     role: str  # "prefill" | "decode"
     worker_id: str
     model_name: str
@@ -80,125 +82,50 @@ class Register(Message):
     layout_fingerprint: str
     layout: dict[str, Any]  # KVLayout.describe()
     handoff_address: str = ""  # decode: where its data plane listens ("tcp://host:port" or "local:<name>")
-    settings: dict[str, Any] = field(default_factory=dict)  # every resolved setting, for server_info
+    settings: dict[str, Any] = {}  # every resolved setting, for server_info
     vocab_size: int = 0  # token ids the model accepts are [0, vocab_size); 0: not known
+    instance: str = ""  # random per process start: tells a worker that comes back from one that replaced it
 
 
-@dataclass(frozen=True)
-class RegisterReply(Message):
-    kind: ClassVar[str] = "register_reply"
+class RegisterReply(Message, tag="register_reply"):
     accepted: bool
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class DecodePrepare(Message):
-    """Router -> decode: reserve pages for `tokens_expected` tokens and wait for the handoff."""
+class Order(Message, tag="order"):
+    """Router -> prefill and decode: one request, the same capability to both (and nobody else)."""
 
-    kind: ClassVar[str] = "decode_prepare"
     request_id: str
     prompt_token_ids: list[int]
-    tokens_expected: int  # computed by the router from the prompt it admitted, never by prefill
-    token_hash: str  # likewise
     transfer_id: str  # the router's capability for this handoff (128 random bits): the only transfer decode accepts
     params: dict[str, Any]  # SamplingParams fields
-    deadline_s: float  # seconds from receipt until the handoff must have verified
+    decode_address: str = ""  # prefill: where the chosen decode's data plane listens (from its registration)
+    tokens_expected: int = 0  # decode: the prompt's length as the router admitted it, never prefill's word
+    token_hash: str = ""  # decode: likewise, the hash of the admitted ids
 
 
-@dataclass(frozen=True)
-class DecodeReserved(Message):
-    """Decode -> router: pages are reserved; prefill may send to `handoff_address`."""
+class Tokens(Message, tag="tokens"):
+    """Worker -> router: new output tokens. From prefill: the first token (and the prompt's logprobs), the moment
+    the prompt is computed. From decode: the rest; the last one is finished and carries the integrity record."""
 
-    kind: ClassVar[str] = "decode_reserved"
-    request_id: str
-    handoff_address: str
-    num_pages: int
-    transfer_info: dict[str, Any] = field(default_factory=dict)  # what prefill's sender needs (page ids, ...)
-
-
-@dataclass(frozen=True)
-class PrefillOrder(Message):
-    """Router -> prefill: run the prompt, send its KV to decode."""
-
-    kind: ClassVar[str] = "prefill_order"
-    request_id: str
-    prompt_token_ids: list[int]
-    transfer_id: str  # the capability decode expects on the manifest (sent to this prefill and that decode only)
-    params: dict[str, Any]
-    handoff_address: str
-    transfer_info: dict[str, Any]
-    deadline_s: float  # seconds until prefill frees its source pages even without a verdict
-
-
-@dataclass(frozen=True)
-class PrefillSent(Message):
-    """Prefill -> router: the KV and manifest are on their way (source pages still held)."""
-
-    kind: ClassVar[str] = "prefill_sent"
-    request_id: str
-    num_pages: int
-    num_tokens: int
-    first_token: int
-    first_logprobs: list[Any] | None = None  # the first token's entry (wire form), when the request asked
-    prompt_logprobs: list[Any] | None = None  # the prompt's entries (wire form, first one null), when asked
-
-
-@dataclass(frozen=True)
-class FirstToken(Message):
-    """Prefill -> router, the moment the prompt is computed (before the KV is sent): the first token, which the
-    router may stream to the client before decode verified the handoff (it comes from prefill's own KV)."""
-
-    kind: ClassVar[str] = "first_token"
-    request_id: str
-    first_token: int
-    text: str | None = None  # its text as decode's detokenizer will give it (LLMEngine.first_token_text)
-    first_logprobs: list[Any] | None = None  # the first token's entry (wire form), when the request asked
-    prompt_logprobs: list[Any] | None = None  # the prompt's entries (wire form, first one null), when asked
-
-
-@dataclass(frozen=True)
-class HandoffSettled(Message):
-    """Decode -> router: the handoff ended; prefill may release its source pages."""
-
-    kind: ClassVar[str] = "handoff_settled"
-    request_id: str
-    verified: bool
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class ReleaseSource(Message):
-    """Router -> prefill: decode no longer needs the source pages of `request_id`."""
-
-    kind: ClassVar[str] = "release_source"
-    request_id: str
-    verified: bool
-
-
-@dataclass(frozen=True)
-class Tokens(Message):
-    """Decode -> router: new output tokens; the last one has finished=True and the integrity record."""
-
-    kind: ClassVar[str] = "tokens"
     request_id: str
     token_ids: list[int]
-    text: str = ""
+    text: str | None = ""  # None: this worker could not say the text (no tokenizer)
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
     integrity: dict[str, Any] | None = None
     num_output_tokens: int = 0
     logprobs: list[Any] | None = None  # one wire entry per token in token_ids, when the request asked
+    prompt_logprobs: list[Any] | None = None  # prefill's first token only: the prompt's entries (first one null)
 
 
 WORKER_LOST = "worker_lost"  # the client's error code when a worker of the request's pair is gone
 
 
-@dataclass(frozen=True)
-class RequestFailed(Message):
+class RequestFailed(Message, tag="request_failed"):
     """Worker -> router: this request cannot go on on this side (the router aborts the other side)."""
 
-    kind: ClassVar[str] = "request_failed"
     request_id: str
     role: str
     reason: str
@@ -206,32 +133,61 @@ class RequestFailed(Message):
     code: str = ""  # the client's error code when it is not the generic one (e.g. "worker_lost")
 
 
-@dataclass(frozen=True)
-class Abort(Message):
+class Abort(Message, tag="abort"):
     """Router -> worker: drop `request_id` and free (or quarantine) everything it holds."""
 
-    kind: ClassVar[str] = "abort"
     request_id: str
     reason: str
 
 
-@dataclass(frozen=True)
-class WorkerStats(Message):
+class WorkerStats(Message, tag="worker_stats"):
     """Worker -> router, every few hundred ms: its load (the router routes by it) and live numbers for /metrics.
 
     Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting,
     handoffs_in_flight; prefill: queued_prompt_tokens; decode: pages_wanted (pages its
-    queued requests wait for); and orders_seen, the orders (PrefillOrder / DecodePrepare)
-    the worker had handled since it registered when it made the report.
+    queued requests wait for); and orders_seen, the orders the worker had handled since it
+    registered when it made the report.
     """
 
-    kind: ClassVar[str] = "worker_stats"
     role: str
     stats: dict[str, Any]
+    instance: str = ""  # the sender's process (Register.instance)
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+Single = Register | RegisterReply | Order | Tokens | RequestFailed | Abort | WorkerStats | Shutdown
+
+
+class Batch(Message, tag="batch"):
+    """Several messages in one frame (decode's tokens of one step: one send, one router wakeup).
+
+    Hubs unpack it: `recv` hands out the messages inside one by one, in order, so the
+    router never sees a Batch. Batches do not nest (the type says so).
+    """
+
+    messages: list[Single]
+
+
+AnyMessage = Single | Batch
+
+
+def batch(messages: list[Message]) -> Message | None:
+    """The one message to send for `messages`: None for none, the message itself for one, else a Batch."""
+    if not messages:
+        return None
+    return messages[0] if len(messages) == 1 else Batch(list(messages))  # type: ignore[arg-type]
+
+
+def replace(msg: Any, **changes: Any) -> Any:
+    """A copy of `msg` with `changes` (messages are frozen)."""
+    return msgspec.structs.replace(msg, **changes)
 
 
 def logprobs_to_wire(entries: list[TokenLogprobs | None] | None) -> list[Any] | None:
-    """Log probability entries as JSON lists (None entries, e.g. the first prompt token, stay null)."""
+    """Log probability entries as lists (None entries, e.g. the first prompt token, stay null)."""
     if entries is None:
         return None
     return [None if e is None else [e.token_id, e.logprob, [list(t) for t in e.top]] for e in entries]
@@ -248,14 +204,14 @@ def logprobs_from_wire(data: list[Any] | None) -> list[TokenLogprobs | None] | N
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """Sampling params as the JSON object `DecodePrepare.params` / `PrefillOrder.params` carry."""
+    """Sampling params as the map `Order.params` carries."""
     return params.to_dict()
 
 
 def params_from_wire(data: dict[str, Any]) -> SamplingParams:
     """The inverse of `params_to_wire`; a payload that does not make valid params raises `WireError`."""
     if not isinstance(data, dict):
-        raise WireError(f"sampling params: expected a JSON object, got {type(data).__name__}")
+        raise WireError(f"sampling params: expected a map, got {type(data).__name__}")
     try:
         return SamplingParams.from_dict(data)
     except (KvfenceError, TypeError, ValueError) as e:
@@ -276,141 +232,21 @@ def engine_pool_stats(engine: Any) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Shutdown(Message):
-    kind: ClassVar[str] = "shutdown"
-
-
-@dataclass(frozen=True)
-class Batch(Message):
-    """Several messages in one frame (decode's tokens of one step: one send, one router wakeup).
-
-    Hubs unpack it: `recv` hands out the messages inside one by one, in order, so the
-    router never sees a Batch. Batches do not nest.
-    """
-
-    kind: ClassVar[str] = "batch"
-    messages: list[Message]
-
-    def __post_init__(self) -> None:
-        if any(isinstance(m, Batch) for m in self.messages):
-            raise WireError("batches do not nest")
-
-
-def batch(messages: list[Message]) -> Message | None:
-    """The one message to send for `messages`: None for none, the message itself for one, else a Batch."""
-    if not messages:
-        return None
-    return messages[0] if len(messages) == 1 else Batch(list(messages))
-
-
-_KINDS: dict[str, type[Message]] = {
-    cls.kind: cls
-    for cls in (
-        Register,
-        RegisterReply,
-        DecodePrepare,
-        DecodeReserved,
-        PrefillOrder,
-        FirstToken,
-        PrefillSent,
-        HandoffSettled,
-        ReleaseSource,
-        Tokens,
-        RequestFailed,
-        Abort,
-        WorkerStats,
-        Shutdown,
-    )
-}
-
-
-_KINDS[Batch.kind] = Batch
-_FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {
-    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _KINDS.values()
-}
-
-
-def _body(msg: Message) -> dict[str, Any]:
-    # Shallow: every field is already JSON-shaped (ids, strings, dicts and lists of them), so the deep
-    # copy `dataclasses.asdict` makes would only cost time (it was most of the encoding time per token).
-    if isinstance(msg, Batch):
-        return {"kind": Batch.kind, "messages": [_body(m) for m in msg.messages]}
-    body = {name: getattr(msg, name) for name in _FIELD_NAMES[type(msg)]}
-    body["kind"] = msg.kind
-    return body
-
-
-def _json_types(hint: Any) -> tuple[type, ...] | None:
-    """The JSON-level types a field of annotation `hint` may hold (None: anything)."""
-    members = get_args(hint) if isinstance(hint, types.UnionType) or get_origin(hint) is Union else (hint,)
-    allowed: list[type] = []
-    for h in members:
-        base = get_origin(h) or h
-        if base is Any:
-            return None
-        if base is float:
-            allowed += [float, int]
-        elif base in (int, str, bool, list, dict, type(None)):
-            allowed.append(base)
-        else:
-            return None
-    return tuple(allowed)
-
-
-# kind -> (class, required field names, {field name: allowed JSON types})
-_SCHEMAS: dict[str, tuple[type[Message], frozenset[str], dict[str, tuple[type, ...] | None]]] = {}
-for _cls in _KINDS.values():
-    _hints = get_type_hints(_cls)
-    _fields = dataclasses.fields(_cls)
-    _SCHEMAS[_cls.kind] = (
-        _cls,
-        frozenset(
-            f.name
-            for f in _fields
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-        ),
-        {f.name: _json_types(_hints[f.name]) for f in _fields},
-    )
-
-
-def _message(body: Any) -> Message:
-    if not isinstance(body, dict):
-        raise WireError(f"control message: expected a JSON object, got {type(body).__name__}")
-    kind = body.pop("kind", None)
-    schema = _SCHEMAS.get(kind) if isinstance(kind, str) else None
-    if schema is None:
-        raise WireError(f"unknown control message kind {kind!r}")
-    cls, required, types = schema
-    missing = required - body.keys()
-    if missing:
-        raise WireError(f"{kind}: missing field(s) {sorted(missing)}")
-    for name, value in body.items():
-        if name not in types:
-            raise WireError(f"{kind}: unknown field {name!r}")
-        allowed = types[name]
-        if allowed is not None and (
-            not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
-        ):
-            raise WireError(
-                f"{kind}.{name}: expected {'/'.join(t.__name__ for t in allowed)}, got {type(value).__name__}"
-            )
-    if cls is Batch:
-        return Batch([_message(b) for b in body["messages"]])
-    return cls(**body)
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(AnyMessage)
 
 
 def encode(msg: Message) -> bytes:
-    return json.dumps(_body(msg), separators=(",", ":")).encode()
+    return _ENCODER.encode(msg)
 
 
 def decode(data: bytes) -> Message:
     """The message `data` encodes; anything else raises `WireError` naming what is wrong."""
     try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise WireError(f"control message is not JSON: {e}") from None
-    return _message(body)
+        msg: Message = _DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise WireError(f"control message: {e}") from None
+    return msg
 
 
 class _Unbatcher:

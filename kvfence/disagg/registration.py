@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from kvfence.disagg import messages as P
-from kvfence.disagg.workers import WorkerTable, check_match
+from kvfence.disagg.workers import WorkerEntry, WorkerTable, check_match
 from kvfence.errors import CapacityConfigError
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,17 @@ class Registrar:
             return
         with self._lock:
             old = self.workers.get(wid)
+            live = old is not None and self._clock() - old.last_seen < self.workers.suspect_after_s
+        if old is not None and live and not self.same_instance(old, msg):
+            # Another process holds this id and is alive (a paused worker that woke up after being replaced, or a
+            # second one started by mistake): refuse the newcomer rather than evict a live worker.
+            self.refuse(
+                wid,
+                msg,
+                f"worker id {wid} belongs to another live process (instance {old.reg.instance}, heard "
+                f"{self._clock() - old.last_seen:.1f}s ago); give this one another --worker-id",
+            )
+            return
         if old is not None:
             replaced(wid, f"{msg.role} worker {wid} registered again (it restarted or lost its router)")
         with self._lock:
@@ -92,6 +103,12 @@ class Registrar:
             msg.handoff_address or "-",
             " and takes traffic" if taking_traffic else "",
         )
+
+    @staticmethod
+    def same_instance(entry: WorkerEntry, msg: P.Register | P.WorkerStats) -> bool:
+        """Whether `msg` comes from the process `entry` registered (processes name themselves with a random
+        `instance`; a message without one is taken as the same)."""
+        return not msg.instance or not entry.reg.instance or msg.instance == entry.reg.instance
 
     def refuse(self, wid: str, msg: P.Register, reason: str) -> None:
         logger.warning("router: refused %s worker %s: %s", msg.role, wid, reason)

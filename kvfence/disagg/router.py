@@ -2,35 +2,39 @@
 
 What it knows: the workers that registered (a `WorkerTable`: the deployment's identity,
 each worker's health and reported load, the routing policy; registration and keepalives
-are `disagg.registration`), each request in flight as one `_Flight` record whose
-`FlightState` moves only along `FLIGHT_TRANSITIONS` (prefilling while decode reserves,
-decoding, failing, finished; docs/handoff.md, "Lifecycles") and which pair of workers
-serves it; the expected prompt length and token hash, which it computes itself
-from the ids the API layer admitted, so prefill never vouches for its own prompt. It
-implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
-admits a request only if some up worker of each role can hold it (the largest pool per
-role is the front end's capacity: 400 before any handoff otherwise), then picks the decode
-worker (at admission) and the prefill worker (once decode reserved pages) by load. Log
-probabilities of the prompt come from prefill (in `PrefillSent`) and ride on the request's
-first chunk; those of the output come with decode's tokens. It ends every request with one
-integrity record (JSON log line + the final chunk + the counters in
-`stats()`), and relays aborts and failures to the other worker of the pair.
+are `disagg.registration`), and each request in flight (a `Flight`, `disagg.flight`). One
+request, in the order a reader meets it (docs/handoff.md, "One request"):
+
+    generate:  admit  -> refuse what no worker can hold (400), or a role with no worker up (503)
+               order  -> pick a prefill and a decode worker by load, draw the transfer capability, send both
+                         an `Order` at once (prefill's names decode's data-plane address; decode's carries the
+                         token count and hash the router computed from the ids it admitted: prefill never
+                         vouches for its own prompt)
+               stream -> for each message of the flight: prefill's first token (streamed at once while the KV
+                         travels), decode's tokens (its first chunk repeats that token: checked and dropped),
+                         a worker's failure, or the router's own (deadline, worker lost): one handler each
+
+It implements `EngineClient`, so the HTTP app serves it exactly as it serves one engine. It
+ends every request with one integrity record (JSON log line + the final chunk + the counters in
+`stats()`), and tells the other worker of a pair to drop a request one side failed.
 
 Worker health: every worker sends `WorkerStats` a few times a second and the router
 sends each up worker a keepalive (`RegisterReply(accepted=True, reason=HEARTBEAT)`,
 sent by `disagg.registration.Registrar`). A worker silent for `worker_timeout_s` (on the
-router's clock: monotonic time, or one a test moves) is declared dead: the requests that
-still need it fail at once with an error naming it (the other worker of each pair is told
-to drop them and free their pages), and new requests go to the others; a role with no worker up gets
-HTTP 503 with an OpenAI-style error body until one registers. A worker may register at
-any time (a replacement, a new one, or the same one again after it lost its router); one
-that does not match the deployment is refused naming the difference. A message from a
-worker the router does not know (the router restarted, or declared that worker dead) is
-answered `RegisterReply(accepted=False, reason=REREGISTER ...)`: the worker drops what it
-holds and registers afresh.
+router's clock: monotonic time, or one a test moves) is declared dead: a request that still
+needs it and has not delivered a token to its client yet is retried once on another pair
+(its record says so); the others fail at once with an error naming it (the other worker of
+each pair is told to drop them and free their pages), and new requests go to the others; a
+role with no worker up gets HTTP 503 with an OpenAI-style error body until one registers. A
+worker may register at any time (a replacement, a new one, or the same one again after it lost
+its router); one that does not match the deployment is refused naming the difference, and one
+that claims the id of a live worker of another process (its `instance`) is refused. A message
+from a worker the router does not know (the router restarted, or declared that worker dead) is
+answered `RegisterReply(accepted=False, reason=REREGISTER ...)`: the worker drops what it holds
+and registers afresh.
 
 What it does not know: tokens' text (decode detokenizes), KV bytes (they go straight
-from prefill to decode on the data plane) or the model.
+from prefill to decode on the data plane, which also carries decode's verdict back) or the model.
 """
 
 from __future__ import annotations
@@ -42,18 +46,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from kvfence.auth.events import SecurityEvents, SecurityEventsCollector
 from kvfence.disagg import messages as P
 from kvfence.disagg.config_checks import require_positive
-from kvfence.disagg.lifecycle import Lifecycle
+from kvfence.disagg.flight import Failure, Flight, FlightState, FromWorker
 from kvfence.disagg.registration import Registrar
-from kvfence.disagg.workers import ROLES, WorkerTable
+from kvfence.disagg.workers import ROLES, WorkerEntry, WorkerTable
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError
+from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError, ServiceUnavailableError
 from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason
@@ -66,6 +69,7 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 
 WORKER_LOST = P.WORKER_LOST
 MAX_BACKLOG = 1024  # messages handled per pass before deadlines and worker health are checked
+_F = FlightState
 
 
 @dataclass(frozen=True)
@@ -97,106 +101,6 @@ class RouterConfig:
             )
 
 
-class FlightState(str, Enum):
-    """Where one request stands in the router (docs/handoff.md, "Lifecycles")."""
-
-    PREFILLING = "prefilling"  # ordered to both workers: decode reserves while prefill computes
-    DECODING = "decoding"  # prefill sent the KV (PrefillSent): decode verifies, then streams tokens
-    FAILING = "failing"  # failed by the router (deadline, worker lost, shutdown): the error is on its way to the
-    # client; no more worker news matters
-    FINISHED = "finished"  # its one integrity record is written (the final chunk, an error, or an abort)
-
-
-_F = FlightState
-FLIGHT_TRANSITIONS: dict[FlightState, frozenset[FlightState]] = {
-    # Tokens may finish a flight still PREFILLING: decode can start decoding on the manifest's first token before the
-    # router relays PrefillSent.
-    _F.PREFILLING: frozenset({_F.DECODING, _F.FAILING, _F.FINISHED}),
-    _F.DECODING: frozenset({_F.FAILING, _F.FINISHED}),
-    _F.FAILING: frozenset({_F.FINISHED}),
-    _F.FINISHED: frozenset(),
-}
-
-
-@dataclass
-class _Flight:
-    """One request on its way through the router: its state, the pair serving it and, at the end, its record."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tokens_expected: int
-    token_hash: str
-    transfer_id: str  # the capability this request's handoff must carry; sent to its two workers only
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[P.Message]
-    started: float = field(default_factory=time.monotonic)
-    decode_id: str = ""  # the workers serving this request: decode chosen at admission,
-    prefill_id: str = ""  # prefill once decode reserved its pages
-    num_output_tokens: int = 0
-    prefill_sent: P.PrefillSent | None = None
-    first: P.FirstToken | None = None  # prefill's first token, once it came (set by the receiver thread)
-    streamed_first: P.FirstToken | None = None  # that token, if it went to the client before decode's first chunk
-    first_dropped: bool = False  # decode's first chunk came, minus the token streamed already
-    prompt_logprobs: list[Any] | None = None  # prefill's scores of the prompt (wire form), for the first chunk
-    record: IntegrityRecord | None = None  # the integrity record, once FINISHED
-    decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
-    lifecycle: Lifecycle[FlightState] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.lifecycle = Lifecycle(f"flight {self.request_id}", _F.PREFILLING, FLIGHT_TRANSITIONS)
-
-    @property
-    def state(self) -> FlightState:
-        return self.lifecycle.state
-
-    def advance(self, new: FlightState) -> None:
-        self.lifecycle.advance(new)
-
-    @property
-    def live(self) -> bool:
-        """Still waiting on its workers (neither failed by the router nor finished)."""
-        return self.state in (_F.PREFILLING, _F.DECODING)
-
-    @property
-    def finished(self) -> bool:
-        return self.state is _F.FINISHED
-
-    @property
-    def pair(self) -> str:
-        return f"prefill {self.prefill_id or '-'} -> decode {self.decode_id}"
-
-
-class _Source(NamedTuple):
-    """Prefill's source pages of a request, held until decode's HandoffSettled (may outlive the flight)."""
-
-    prefill_id: str
-    decode_id: str
-    since: float
-
-
-@dataclass(frozen=True)
-class _Failure(P.Message):
-    """Router-internal: a request failed because of `worker` (queued to the request's generator, never sent)."""
-
-    kind = "router_failure"
-    request_id: str
-    role: str
-    reason: str
-    code: str = "generation_failed"
-
-
-def _without_first(msg: P.Tokens, first: P.FirstToken) -> P.Tokens | None:
-    """Decode's first chunk less the first token the router streamed already; None when it does not start with
-    that token and its text (decode's detokenizer continues from the same text: a finishing first token may add
-    what it held back)."""
-    assert first.text is not None
-    if not msg.token_ids or msg.token_ids[0] != first.first_token or not msg.text.startswith(first.text):
-        return None
-    logprobs = msg.logprobs[1:] if msg.logprobs is not None else None
-    return dataclasses.replace(msg, token_ids=msg.token_ids[1:], text=msg.text[len(first.text) :], logprobs=logprobs)
-
-
 class Router:
     """EngineClient over N prefill and M decode workers, reached through a `Hub`."""
 
@@ -221,11 +125,11 @@ class Router:
         self.workers = WorkerTable(
             suspect_after_s=self.config.suspect_after_s, transit_timeout_s=self.config.worker_timeout_s
         )
-        self._flights: dict[str, _Flight] = {}
-        self._sources: dict[str, _Source] = {}  # rid -> prefill's held source pages, until the handoff settles
-        self._lock = threading.RLock()  # flights, sources and the worker table
+        self._flights: dict[str, Flight] = {}  # request id -> its flight
+        self._wire: dict[str, str] = {}  # the id the workers know (this attempt's) -> request id
+        self._lock = threading.RLock()  # flights, wire ids, deliveries and the worker table
         self.integrity_counts: Counter[str] = Counter()
-        self.transfer_counts: Counter[str] = Counter()
+        self.transfer_counts: Counter[str] = Counter()  # handoffs by result ("ok", "failed"), from their records
         self.records: list[IntegrityRecord] = []  # last records (bounded), for tests
         self.integrity_metrics = IntegrityMetrics()  # Prometheus counters, in a registry of this router
         self.integrity_metrics.registry.register(SecurityEventsCollector(self.security_event_counts))
@@ -242,6 +146,7 @@ class Router:
             clock=clock,
         )
         self.worker_deaths: Counter[str] = Counter()  # role -> workers declared dead
+        self.retries: Counter[str] = Counter()  # role of the lost worker -> requests retried on another pair
 
     # -- start-up -------------------------------------------------------------------------------------------
     def wait_for_workers(self, timeout: float | None = None) -> None:
@@ -354,26 +259,51 @@ class Router:
         return "; ".join(f"{e.worker_id}: {e.down_reason}" for e in down[-3:]) or "none registered"
 
     def check_health(self) -> None:
-        """Raise (HTTP 503 on /health and on new requests) when a role has no worker up."""
+        """Raise ServiceUnavailableError (HTTP 503 on /health and on new requests) when a role has no worker up."""
         for role, ok in self.healthy().items():
             if not ok:
-                self._unavailable(f"no healthy {role} worker ({self._down_reason(role)})")
-
-    @staticmethod
-    def _unavailable(message: str) -> None:
-        from kvfence.server.http import ApiError
-
-        raise ApiError(503, message, type="server_error", code="no_healthy_worker")
+                raise ServiceUnavailableError(
+                    f"no healthy {role} worker ({self._down_reason(role)})", code="no_healthy_worker"
+                )
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        self.check_health()  # HTTP 503 while a role has no live worker
-        prompt = [int(t) for t in prompt_token_ids]
-        self.check_token_ids(prompt)  # raises InvalidRequestError (HTTP 400)
-        max_tokens = admit(len(prompt), params.max_tokens, self.capacity())  # ContextLengthExceededError (400)
+        flight = self._admit(request_id, [int(t) for t in prompt_token_ids], params)
         self.start()
-        flight = _Flight(
+        self._send_orders(flight)
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(flight.queue.get(), timeout=self.config.request_timeout_s)
+                except asyncio.TimeoutError:
+                    detail = (
+                        f"no progress from the workers for {self.config.request_timeout_s:.0f}s ({flight.state.value})"
+                    )
+                    self._abort_both(flight, detail)
+                    yield self._error_chunk(flight, detail, self._router_record(flight, Reason.TIMEOUT, detail))
+                    return
+                chunk, done = self._handle(flight, item)
+                if chunk is not None:
+                    yield chunk
+                if done:
+                    return
+        finally:
+            if not flight.finished:  # the client went away (generator closed or cancelled)
+                self._abort_both(flight, "client disconnected")
+                self._finish(flight, self._router_record(flight, Reason.ABORTED, "client disconnected"))
+            with self._lock:
+                self._flights.pop(request_id, None)
+                self._wire.pop(flight.wire_id, None)
+
+    # -- admit, order ------------------------------------------------------------------------------------------
+    def _admit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Flight:
+        """Refuse what cannot be served (503, 400) before any worker sees it; else the request's flight, with its
+        pair picked by load and its transfer capability drawn."""
+        self.check_health()
+        self.check_token_ids(prompt)
+        max_tokens = admit(len(prompt), params.max_tokens, self.capacity())  # ContextLengthExceededError (400)
+        flight = Flight(
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
@@ -384,158 +314,131 @@ class Router:
             queue=asyncio.Queue(),
             started=self._clock(),
         )
-        need = len(prompt) + max_tokens
         with self._lock:
             if request_id in self._flights:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-            now = self._clock()
-            decode = self.workers.pick_decode(need, now)
-            prefill = self.workers.pick_prefill(len(prompt), now)
-            if decode is None or prefill is None:  # the worker that could hold it went down since admission
-                role, n = ("decode", need) if decode is None else ("prefill", len(prompt))
-                self._unavailable(f"no healthy {role} worker can hold {n} tokens")
-            assert decode is not None and prefill is not None
-            self.workers.order(decode, now, pages=self.workers.pages_for(need))
-            self.workers.order(prefill, now, tokens=len(prompt))
-            flight.decode_id, flight.prefill_id = decode.worker_id, prefill.worker_id  # PREFILLING from here
+            pair = self._pick(flight, len(prompt) + max_tokens, exclude=())
+            if pair is None:  # the worker that could hold it went down since admission
+                raise ServiceUnavailableError(f"no healthy worker can hold {len(prompt) + max_tokens} tokens now",
+                                              code="no_healthy_worker")  # fmt: skip
+            flight.prefill_id, flight.decode_id = pair
             self._flights[request_id] = flight
-            self._sources[request_id] = _Source(prefill.worker_id, decode.worker_id, now)
-        # Both at once: decode reserves pages for the router's expectation while prefill computes the prompt.
-        # Prefill sends nothing before decode's DecodeReserved reaches it (relayed in _dispatch), so decode
-        # never sees a transfer it has not reserved for. The order goes out first: the hub delivers each
-        # worker's messages in the order they were sent, so the relay can never overtake it.
+            self._wire[flight.wire_id] = request_id
+        return flight
+
+    def _pick(self, flight: Flight, need: int, exclude: tuple[str, ...]) -> tuple[str, str] | None:
+        """(prefill, decode) for `flight` by load, the order costs accounted (called under the lock)."""
+        now = self._clock()
+        decode = self.workers.pick_decode(need, now, exclude=exclude)
+        prefill = self.workers.pick_prefill(len(flight.prompt_token_ids), now, exclude=exclude)
+        if decode is None or prefill is None:
+            return None
+        self.workers.order(decode, now, pages=self.workers.pages_for(need))
+        self.workers.order(prefill, now, tokens=len(flight.prompt_token_ids))
+        return prefill.worker_id, decode.worker_id
+
+    def _send_orders(self, flight: Flight) -> None:
+        """Both at once: decode reserves pages for the router's expectation while prefill computes the prompt; the
+        manifest prefill sends waits at decode (parked) if it comes before the reservation."""
+        with self._lock:
+            decode: WorkerEntry | None = self.workers.get(flight.decode_id)
+            address = decode.reg.handoff_address if decode is not None else ""
+            wire, xid, prefill_id, decode_id = flight.wire_id, flight.transfer_id, flight.prefill_id, flight.decode_id
+        params = P.params_to_wire(flight.params)
+        prompt = flight.prompt_token_ids
+        self.hub.send(prefill_id, P.Order(wire, prompt, xid, params, decode_address=address))
         self.hub.send(
-            flight.prefill_id,
-            P.PrefillOrder(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                transfer_id=flight.transfer_id,
-                params=P.params_to_wire(params),
-                handoff_address="",  # decode's DecodeReserved follows with it
-                transfer_info={},
-                deadline_s=self.config.handoff_deadline_s,
-            ),
+            decode_id,
+            P.Order(wire, prompt, xid, params, tokens_expected=flight.tokens_expected, token_hash=flight.token_hash),
         )
-        self.hub.send(
-            flight.decode_id,
-            P.DecodePrepare(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                tokens_expected=flight.tokens_expected,
-                token_hash=flight.token_hash,
-                transfer_id=flight.transfer_id,
-                params=P.params_to_wire(params),
-                deadline_s=self.config.handoff_deadline_s,
-            ),
-        )
-        try:
-            while True:
-                try:
-                    msg = await asyncio.wait_for(flight.queue.get(), timeout=self.config.request_timeout_s)
-                except asyncio.TimeoutError:
-                    detail = (
-                        f"no progress from the workers for {self.config.request_timeout_s:.0f}s ({flight.state.value})"
-                    )
-                    self._abort_both(flight, detail)
-                    yield self._error_chunk(flight, detail, self._router_record(flight, Reason.TIMEOUT, detail))
-                    return
-                if isinstance(msg, P.FirstToken):
-                    if flight.num_output_tokens == 0 and flight.live:
-                        if msg.prompt_logprobs is not None:
-                            flight.prompt_logprobs = msg.prompt_logprobs
-                        if self._streams_first(flight, msg):
-                            yield self._first_chunk(flight, msg)
-                    continue
-                if isinstance(msg, P.Tokens):
-                    if flight.streamed_first is not None and not flight.first_dropped and msg.token_ids:
-                        flight.first_dropped = True
-                        rest = _without_first(msg, flight.streamed_first)
-                        if rest is None:
-                            detail = (
-                                f"decode's first token {msg.token_ids[0]} ({msg.text!r}) is not the "
-                                f"{flight.streamed_first.first_token} ({flight.streamed_first.text!r}) streamed from "
-                                "prefill"
-                            )
-                            if msg.integrity is not None:
-                                record = self._wire_record(flight, msg.integrity)
-                            else:
-                                record = self._router_record(flight, Reason.TRANSFER_ERROR, detail)
-                            self._abort_both(flight, detail)
-                            yield self._error_chunk(flight, f"{detail} ({flight.pair})", record)
-                            return
-                        msg = rest
-                        if not (msg.token_ids or msg.text or msg.finished or msg.error):
-                            if msg.integrity is not None:
-                                flight.decode_record = self._wire_record(flight, msg.integrity)
-                            continue  # it only repeated the token streamed already (its record is kept)
-                    if msg.integrity is not None:
-                        flight.decode_record = self._wire_record(flight, msg.integrity)
-                    flight.num_output_tokens += len(msg.token_ids)
-                    chunk = GenerationChunk(
-                        token_ids=list(msg.token_ids),
-                        text=msg.text,
-                        finished=msg.finished,
-                        finish_reason=msg.finish_reason,
-                        num_prompt_tokens=flight.tokens_expected,
-                        num_output_tokens=flight.num_output_tokens,
-                        logprobs=P.logprobs_from_wire(msg.logprobs),  # type: ignore[arg-type]
-                        prompt_logprobs=P.logprobs_from_wire(flight.prompt_logprobs),
-                        error=msg.error,
-                    )
-                    flight.prompt_logprobs = None  # they ride on the first chunk only
-                    if msg.finished:
-                        record = flight.decode_record or self._router_record(
-                            flight, Reason.ABORTED, msg.error or f"finished ({msg.finish_reason}) without a record"
-                        )
-                        chunk.integrity = self._finish(flight, record)
-                        yield chunk
-                        return
-                    yield chunk
-                elif isinstance(msg, P.RequestFailed):
-                    if msg.integrity is not None:
-                        record = self._wire_record(flight, msg.integrity)
-                    else:
-                        reason = Reason.TIMEOUT if msg.reason.startswith("timeout") else Reason.TRANSFER_ERROR
-                        record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
-                    wid = flight.decode_id if msg.role == "decode" else flight.prefill_id
-                    message = f"{msg.role} worker {wid}: {msg.reason} ({flight.pair})"
-                    yield self._error_chunk(flight, message, record, msg.code or "generation_failed")
-                    return
-                elif isinstance(msg, _Failure):
-                    reason = Reason.TIMEOUT if msg.code == "timeout" else Reason.TRANSFER_ERROR
-                    record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
-                    yield self._error_chunk(flight, f"{msg.reason} ({flight.pair})", record, msg.code)
-                    return
-        finally:
-            if not flight.finished:  # the client went away (generator closed or cancelled)
-                self._abort_both(flight, "client disconnected")
-                self._finish(flight, self._router_record(flight, Reason.ABORTED, "client disconnected"))
-            with self._lock:
-                self._flights.pop(request_id, None)
 
-    def _streams_first(self, flight: _Flight, msg: P.FirstToken) -> bool:
-        """Whether prefill's first token goes to the client before decode's verdict.
+    # -- stream: one handler per kind of news ---------------------------------------------------------------
+    def _handle(self, flight: Flight, item: FromWorker | Failure) -> tuple[GenerationChunk | None, bool]:
+        """(the chunk for the client, if any; whether the request is done) for one piece of the flight's news."""
+        if isinstance(item, Failure):
+            if item.wire_id != flight.wire_id:
+                return None, False  # from an attempt given up for a retry
+            return self._on_failure(flight, item), True
+        msg = item.msg
+        if getattr(msg, "request_id", None) != flight.wire_id:
+            return None, False  # from an attempt given up for a retry
+        if isinstance(msg, P.RequestFailed):
+            return self._on_failed(flight, msg), True
+        if isinstance(msg, P.Tokens) and item.role == "prefill":
+            return self._on_first_token(flight, msg), False
+        if isinstance(msg, P.Tokens):
+            return self._on_tokens(flight, msg)
+        return None, False
 
-        Not when prefill could not say its text, nor with stop strings: their text may be held back or cut, which
-        only decode's detokenizer decides. A first token that ends the request (max_tokens=1, eos, a stop token id)
-        still streams; decode's first chunk then only adds the finish reason and the record.
-        """
-        return self.config.first_token_before_verdict and msg.text is not None and not flight.params.stop
-
-    def _first_chunk(self, flight: _Flight, msg: P.FirstToken) -> GenerationChunk:
-        """Prefill's first token, streamed while the KV travels; decode's first chunk repeats it (dropped then)."""
-        assert msg.text is not None  # _streams_first
-        flight.streamed_first = msg
+    def _on_first_token(self, flight: Flight, msg: P.Tokens) -> GenerationChunk | None:
+        """Prefill's first token: streamed at once (it comes from prefill's own KV; docs/handoff.md, "What the client
+        sees before the verdict"), unless its text is not known, the request has stop strings, or the router holds
+        first tokens until the verdict."""
+        if msg.prompt_logprobs is not None:
+            flight.prompt_logprobs = msg.prompt_logprobs
+        streams = self.config.first_token_before_verdict and msg.text is not None and not flight.params.stop
+        with self._lock:
+            if not streams or flight.num_output_tokens or not flight.live or msg.request_id != flight.wire_id:
+                return None
+            flight.first_token.streamed = msg
+            flight.delivered += 1  # from here on the request is never retried on another pair
         flight.num_output_tokens = 1
+        return self._chunk(flight, msg, finished=False)
+
+    def _on_tokens(self, flight: Flight, msg: P.Tokens) -> tuple[GenerationChunk | None, bool]:
+        """Decode's tokens; its first chunk repeats the token streamed from prefill (checked, then dropped); the last
+        one carries the record."""
+        rest, why = flight.first_token.drop_repeat(msg)
+        if msg.integrity is not None:
+            flight.decode_record = self._wire_record(flight, msg.integrity)
+        if rest is None:
+            assert why is not None
+            record = flight.decode_record or self._router_record(flight, Reason.TRANSFER_ERROR, why)
+            self._abort_both(flight, why)
+            return self._error_chunk(flight, f"{why} ({flight.pair})", record), True
+        if not (rest.token_ids or rest.text or rest.finished or rest.error):
+            return None, False  # it only repeated the token streamed already (its record is kept)
+        with self._lock:
+            if rest.request_id != flight.wire_id:
+                return None, False
+            flight.delivered += len(rest.token_ids)
+        flight.num_output_tokens += len(rest.token_ids)
+        chunk = self._chunk(flight, rest, finished=rest.finished)
+        if rest.finished:
+            record = flight.decode_record or self._router_record(
+                flight, Reason.ABORTED, rest.error or f"finished ({rest.finish_reason}) without a record"
+            )
+            chunk.integrity = self._finish(flight, record)
+        return chunk, rest.finished
+
+    def _on_failed(self, flight: Flight, msg: P.RequestFailed) -> GenerationChunk:
+        """A worker cannot go on with the request (the router told the other side already)."""
+        if msg.integrity is not None:
+            record = self._wire_record(flight, msg.integrity)
+        else:
+            reason = Reason.TIMEOUT if msg.reason.startswith("timeout") else Reason.TRANSFER_ERROR
+            record = self._router_record(flight, reason, f"{msg.role}: {msg.reason}")
+        wid = flight.decode_id if msg.role == "decode" else flight.prefill_id
+        message = f"{msg.role} worker {wid}: {msg.reason} ({flight.pair})"
+        return self._error_chunk(flight, message, record, msg.code or "generation_failed")
+
+    def _on_failure(self, flight: Flight, failure: Failure) -> GenerationChunk:
+        """The router failed the request itself (deadline, a worker lost, shutdown)."""
+        reason = Reason.TIMEOUT if failure.code == "timeout" else Reason.TRANSFER_ERROR
+        record = self._router_record(flight, reason, f"{failure.role}: {failure.reason}")
+        return self._error_chunk(flight, f"{failure.reason} ({flight.pair})", record, failure.code)
+
+    def _chunk(self, flight: Flight, msg: P.Tokens, finished: bool) -> GenerationChunk:
         chunk = GenerationChunk(
-            token_ids=[msg.first_token],
-            text=msg.text,
-            finished=False,
-            finish_reason=None,
+            token_ids=list(msg.token_ids),
+            text=msg.text or "",
+            finished=finished,
+            finish_reason=msg.finish_reason if finished else None,
             num_prompt_tokens=flight.tokens_expected,
-            num_output_tokens=1,
-            logprobs=P.logprobs_from_wire([msg.first_logprobs]) if msg.first_logprobs is not None else None,
+            num_output_tokens=flight.num_output_tokens,
+            logprobs=P.logprobs_from_wire(msg.logprobs),  # type: ignore[arg-type]
             prompt_logprobs=P.logprobs_from_wire(flight.prompt_logprobs),
+            error=msg.error,
         )
         flight.prompt_logprobs = None  # they ride on the first chunk only
         return chunk
@@ -547,8 +450,8 @@ class Router:
             return
         self._abort_both(flight, "aborted by client")
         self._finish(flight, self._router_record(flight, Reason.ABORTED, "aborted by client"))
-        chunk = P.Tokens(request_id, [], finished=True, finish_reason="abort")  # the stream ends with that record
-        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, chunk)
+        end = P.Tokens(flight.wire_id, [], finished=True, finish_reason="abort")  # the stream ends with that record
+        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, FromWorker("decode", end))
 
     def server_info(self) -> dict[str, Any]:
         with self._lock:
@@ -640,6 +543,7 @@ class Router:
             "workers": workers,
             "healthy": self.healthy(),
             "worker_deaths": dict(self.worker_deaths),
+            "retries": dict(self.retries),
         }
 
     # -- receiver thread ------------------------------------------------------------------------------------
@@ -673,73 +577,45 @@ class Router:
         now = self._clock()
         with self._lock:
             entry = self.workers.get(wid)
-            if entry is not None:
+            stale = (
+                isinstance(msg, P.WorkerStats) and entry is not None and not self.registrar.same_instance(entry, msg)
+            )
+            if entry is not None and not stale:
                 self.workers.heard(wid, now)
         if entry is None:  # a worker we do not know (we restarted) or declared dead: it must register again
             self.registrar.unknown(wid, now)
+            return
+        if stale:  # another process's report under this worker's id (one that came back after it was replaced)
+            logger.warning("router: ignoring a report for %s from another process (instance %s)", wid, msg.instance)
             return
         if isinstance(msg, P.WorkerStats):
             with self._lock:
                 self.workers.report(wid, msg.stats, now)
             return
-        if isinstance(msg, P.HandoffSettled):  # even after the client got its answer: prefill must free
-            self.transfer_counts["ok" if msg.verified else "failed"] += 1
-            with self._lock:
-                source = self._sources.get(msg.request_id)
-                if source is not None and source.decode_id == wid:
-                    del self._sources[msg.request_id]
-                else:
-                    source = None
-            if source is not None:
-                self.hub.send(source.prefill_id, P.ReleaseSource(msg.request_id, msg.verified))
+        if not isinstance(msg, (P.Tokens, P.RequestFailed)):
+            logger.warning("router: unexpected %s from %s", msg.kind, wid)
             return
-        rid = getattr(msg, "request_id", None)
         with self._lock:
-            flight = self._flights.get(rid) if rid is not None else None
-            source = self._sources.get(rid) if rid is not None else None
-        if flight is not None and wid not in (flight.decode_id, flight.prefill_id):
-            logger.warning("router: ignoring %s for %s from %s (not its worker)", msg.kind, rid, wid)
-            return
-        if isinstance(msg, P.RequestFailed):
-            # tell the other side first, whatever the client is doing
-            if flight is not None:
-                pair = (flight.prefill_id, flight.decode_id)
-            else:
-                pair = (source.prefill_id, source.decode_id) if source is not None else ("", "")
-            other = pair[1] if wid == pair[0] else pair[0]
-            if other:
-                self.hub.send(other, P.Abort(msg.request_id, f"{msg.role} failed: {msg.reason}"))
-            with self._lock:
-                self._sources.pop(msg.request_id, None)
+            request_id = self._wire.get(msg.request_id)
+            flight = self._flights.get(request_id) if request_id is not None else None
         if flight is None or flight.finished:
-            if isinstance(msg, P.DecodeReserved):  # reserved for a request that is gone: give it back
-                self.hub.send(wid, P.Abort(msg.request_id, "request gone before prefill"))
+            return  # a request that ended (or an attempt given up for a retry): nothing to do with its news
+        if wid not in (flight.decode_id, flight.prefill_id):
+            logger.warning("router: ignoring %s for %s from %s (not its worker)", msg.kind, msg.request_id, wid)
             return
-        if isinstance(msg, P.DecodeReserved):
-            if wid == flight.decode_id:  # prefill may send now, to where decode listens
-                self.hub.send(flight.prefill_id, msg)
-            return
-        if isinstance(msg, P.FirstToken):
-            if wid != flight.prefill_id:
+        role = "decode" if wid == flight.decode_id else "prefill"
+        if isinstance(msg, P.RequestFailed):
+            lost = flight.decode_id if role == "prefill" else flight.prefill_id
+            if msg.code == WORKER_LOST and self._retry(flight, lost, f"{role} lost its peer {lost}: {msg.reason}"):
                 return
+            other = flight.prefill_id if role == "decode" else flight.decode_id
+            self.hub.send(other, P.Abort(msg.request_id, f"{role} failed: {msg.reason}"))
+        elif role == "prefill":
             flight.first = msg
-        elif isinstance(msg, P.PrefillSent):
-            if wid != flight.prefill_id:
-                return
-            first = flight.first
-            if first is not None and first.first_token != msg.first_token:  # two messages of prefill's must agree
-                detail = f"prefill's first token differs: {first.first_token} first, {msg.first_token} when sent"
-                self._fail_flight(flight, "prefill", detail)
-                return
-            self._advance(flight, _F.DECODING, when=(_F.PREFILLING,))
-            flight.prefill_sent = msg
-            if msg.prompt_logprobs is not None:  # a prefill that sends them here rather than in FirstToken
-                flight.prompt_logprobs = msg.prompt_logprobs
-            # decode needs prefill's first token (and its scores); the prompt's scores only go to the client
-            self.hub.send(flight.decode_id, dataclasses.replace(msg, prompt_logprobs=None))
-        elif isinstance(msg, P.Tokens) and wid != flight.decode_id:
-            return
-        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, msg)
+            with self._lock:
+                if flight.state is _F.PREFILLING and msg.request_id == flight.wire_id:
+                    flight.advance(_F.DECODING)
+        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, FromWorker(role, msg))
 
     def _check_deadlines(self) -> None:
         """Handoffs that did not verify in time fail here (decode and prefill also time out on their own)."""
@@ -747,13 +623,10 @@ class Router:
         limit = self.config.handoff_deadline_s + 5.0  # workers get the first chance to report
         with self._lock:
             late = [f for f in self._flights.values() if f.state is _F.PREFILLING and now - f.started > limit]
-            for rid, src in list(self._sources.items()):
-                if now - src.since > 3 * limit:  # its settle message was lost; prefill's own deadline freed the pages
-                    del self._sources[rid]
         for flight in late:
             self._fail_flight(flight, "router", self._lateness(flight), code="timeout")
 
-    def _lateness(self, flight: _Flight) -> str:
+    def _lateness(self, flight: Flight) -> str:
         """Why a flight missed its handoff deadline, as far as the router can tell: prefill never computed the
         prompt (with what its last load report said), or the handoff did not finish after it had."""
         limit = f"{self.config.handoff_deadline_s:g}s"
@@ -778,15 +651,13 @@ class Router:
             self._declare_dead(wid, detail)
 
     def _declare_dead(self, wid: str, detail: str) -> None:
-        """Fail every request that still needs worker `wid`; new requests go to the other workers."""
+        """Retry (once, on another pair) or fail every request that still needs worker `wid`; new requests go to the
+        other workers."""
         with self._lock:
             entry = self.workers.mark_down(wid, detail)
             if entry is None:
                 return
             flights = [f for f in self._flights.values() if f.live]
-            orphans = [(rid, src.prefill_id) for rid, src in self._sources.items() if src.decode_id == wid]
-            for rid in [rid for rid, src in self._sources.items() if wid in (src.prefill_id, src.decode_id)]:
-                del self._sources[rid]
         role = entry.role
         self.worker_deaths[role] += 1
         logger.error("router: %s worker %s declared dead: %s", role, wid, detail)
@@ -796,38 +667,51 @@ class Router:
                 if role == "decode"
                 else flight.state is _F.PREFILLING and flight.prefill_id == wid
             )
-            if needs:
+            if needs and not self._retry(flight, wid, detail):
                 self._fail_flight(flight, role, detail, code=WORKER_LOST)
-        for rid, prefill_id in orphans:  # answered already, but prefill still holds the source pages
-            self.hub.send(prefill_id, P.Abort(rid, detail))
 
-    def _fail_flight(self, flight: _Flight, role: str, detail: str, code: str = "generation_failed") -> None:
+    def _retry(self, flight: Flight, lost_id: str, why: str) -> bool:
+        """Start `flight` again on a pair without `lost_id`, when nothing of it reached the client yet and it was
+        not retried before; False (the caller fails it) otherwise. The old attempt's surviving worker drops it; its
+        news, under the old wire id, is ignored from here on."""
+        with self._lock:
+            if not (flight.live and flight.attempt == 0 and flight.delivered == 0):
+                return False
+            need = flight.tokens_expected + min(flight.params.max_tokens, self.capacity().context_length)
+            pair = self._pick(flight, need, exclude=(lost_id,))
+            if pair is None:
+                return False
+            old_wire, old_pair = flight.wire_id, (flight.prefill_id, flight.decode_id)
+            wire = f"{flight.request_id}#retry{flight.attempt + 1}"
+            flight.restart(wire, new_transfer_id(), *pair, why=why, now=self._clock())
+            del self._wire[old_wire]
+            self._wire[wire] = flight.request_id
+        for wid in old_pair:
+            if wid and wid != lost_id:
+                self.hub.send(wid, P.Abort(old_wire, f"retried on another pair: {why}"))
+        self.retries[self.workers.entries[lost_id].role if lost_id in self.workers.entries else "?"] += 1
+        logger.warning("router: %s retried on %s after: %s", flight.request_id, flight.pair, why)
+        self._send_orders(flight)
+        return True
+
+    def _fail_flight(self, flight: Flight, role: str, detail: str, code: str = "generation_failed") -> None:
         """End `flight` with an error chunk (via its queue) and tell both its workers to drop it (unless the event
         loop finished it meanwhile)."""
-        if not self._advance(flight, _F.FAILING, when=(_F.PREFILLING, _F.DECODING)):
-            return
+        with self._lock:
+            if not flight.live:
+                return
+            flight.advance(_F.FAILING)
+            wire = flight.wire_id
         self._abort_both(flight, f"{role}: {detail}")
-        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, _Failure(flight.request_id, role, detail, code))
+        flight.loop.call_soon_threadsafe(flight.queue.put_nowait, Failure(wire, role, detail, code))
 
     # -- helpers --------------------------------------------------------------------------------------------
-    def _advance(self, flight: _Flight, new: FlightState, when: tuple[FlightState, ...]) -> bool:
-        """Move `flight` to `new` if it is in one of `when`, checked under the lock (the receiver thread and the
-        event loop both move flights); False when the other thread moved it on first. Any other step is still
-        checked against FLIGHT_TRANSITIONS."""
-        with self._lock:
-            if flight.state not in when:
-                return False
-            flight.advance(new)
-            return True
-
-    def _abort_both(self, flight: _Flight, reason: str) -> None:
+    def _abort_both(self, flight: Flight, reason: str) -> None:
         for wid in (flight.decode_id, flight.prefill_id):
             if wid:
-                self.hub.send(wid, P.Abort(flight.request_id, reason))
-        with self._lock:
-            self._sources.pop(flight.request_id, None)
+                self.hub.send(wid, P.Abort(flight.wire_id, reason))
 
-    def _router_record(self, flight: _Flight, reason: Reason, detail: str) -> IntegrityRecord:
+    def _router_record(self, flight: Flight, reason: Reason, detail: str) -> IntegrityRecord:
         """The record of a request that ended without one from decode (abort, timeout, a worker lost).
 
         A request aborted after decode verified its handoff keeps decode's record: the
@@ -848,7 +732,7 @@ class Router:
             role="router",
         )
 
-    def _wire_record(self, flight: _Flight, data: dict[str, Any]) -> IntegrityRecord:
+    def _wire_record(self, flight: Flight, data: dict[str, Any]) -> IntegrityRecord:
         """A worker's record of the handoff; one that does not parse becomes a failed record saying so."""
         try:
             return IntegrityRecord.from_dict(data)
@@ -857,7 +741,7 @@ class Router:
             return self._router_record(flight, Reason.TRANSFER_ERROR, f"malformed integrity record from a worker: {e}")
 
     def _error_chunk(
-        self, flight: _Flight, message: str, record: IntegrityRecord, code: str = "generation_failed"
+        self, flight: Flight, message: str, record: IntegrityRecord, code: str = "generation_failed"
     ) -> GenerationChunk:
         return GenerationChunk(
             token_ids=[],
@@ -871,18 +755,24 @@ class Router:
             extra={"code": code},
         )
 
-    def _finish(self, flight: _Flight, record: IntegrityRecord) -> dict[str, Any]:
+    def _finish(self, flight: Flight, record: IntegrityRecord) -> dict[str, Any]:
         """The one place a request's integrity record is logged and counted (invariant 8, docs/handoff.md); returns
-        its API form."""
+        its API form. The record names the request as the client knows it, and says when it was retried."""
         with self._lock:
             if flight.finished:
                 assert flight.record is not None  # FINISHED is entered only here, with the record
                 return flight.record.to_api()
             flight.advance(_F.FINISHED)
-            if flight.streamed_first is not None:  # the client had that token before the verdict
-                record = dataclasses.replace(record, tokens_before_verdict=1)
+            record = dataclasses.replace(
+                record,
+                request_id=flight.request_id,
+                tokens_before_verdict=1 if flight.first_token.streamed is not None else 0,
+                retried_after=flight.retried_after or None,
+            )
             flight.record = record
         self.integrity_counts[record.status] += 1
+        if record.transfer_ref:  # a handoff happened (a router record has none)
+            self.transfer_counts["ok" if record.status in ("verified", "unverified") else "failed"] += 1
         self.integrity_metrics.observe(record)
         with self._lock:
             self.records.append(record)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -140,6 +141,7 @@ def run_worker(
     if set_waker is not None and wake is not None:
         set_waker(wake)  # transport threads end the loop's wait when a transfer moves on
     parent = os.getppid()
+    instance = worker.registration().instance  # this process, in every load report
     last_stats = 0.0
     heard = time.monotonic()
     orders = 0  # orders handled since this worker registered: its load reports say which ones they cover
@@ -156,7 +158,7 @@ def run_worker(
                     lost = msg.reason
                 elif not isinstance(msg, P.RegisterReply):
                     worker.handle(msg)
-                    orders += isinstance(msg, (P.PrefillOrder, P.DecodePrepare))
+                    orders += isinstance(msg, P.Order)
                 msg = channel.recv(timeout=0.0)
             if router_timeout_s is not None and not lost and time.monotonic() - heard > router_timeout_s:
                 lost = f"no message from the router for {router_timeout_s:.0f}s"
@@ -182,7 +184,7 @@ def run_worker(
                 stats = {**worker.stats(), "orders_seen": orders}
                 if cores is not None:
                     stats.update(torch_threads=cores.threads, steps_borrowing_cores=cores.steps_borrowing)
-                channel.send(P.WorkerStats(worker.role, stats))
+                channel.send(P.WorkerStats(worker.role, stats, instance=instance))
                 if orphan_check and os.getppid() != parent:
                     logger.error("%s: parent process %d is gone; exiting", worker.role, parent)
                     return
@@ -208,7 +210,7 @@ class WorkerIdentity:
     `context_length`: the deployment's context length when it exceeds what the engine runs with (the
     engine is capped at its pool under --allow-context-above-pool); None: the engine's own."""
 
-    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings", "context_length")
+    __slots__ = ("worker_id", "model_name", "model_fingerprint", "settings", "context_length", "instance")
 
     def __init__(
         self,
@@ -223,6 +225,7 @@ class WorkerIdentity:
         self.model_fingerprint = model_fingerprint
         self.settings = settings
         self.context_length = context_length
+        self.instance = secrets.token_hex(8)  # this process: tells a worker that comes back from its replacement
 
 
 def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_address: str = "") -> P.Register:
@@ -245,4 +248,5 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
         handoff_address=handoff_address,
         settings={**identity.settings, "num_pages": r.num_pages, "bytes_per_page": r.bytes_per_page},
         vocab_size=int(engine.vocab_size),
+        instance=identity.instance,
     )

@@ -228,17 +228,19 @@ class WorkerTable:
         assert self.identity is not None
         return -(-num_tokens // self.identity.page_size)
 
-    def pick_prefill(self, prompt_tokens: int, now: float) -> WorkerEntry | None:
-        """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it)."""
-        fits = [e for e in self.up("prefill") if e.reg.pool_tokens >= prompt_tokens]
+    def pick_prefill(self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
+        """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it); never one
+        of `exclude`."""
+        fits = [e for e in self.up("prefill") if e.reg.pool_tokens >= prompt_tokens and e.worker_id not in exclude]
         return min(
             fits,
             key=lambda e: (self._suspect(e, now), e.load().queued_prompt_tokens, e.routed, e.worker_id),
             default=None,
         )
 
-    def pick_decode(self, need_tokens: int, now: float) -> WorkerEntry | None:
-        """The decode worker a request of `need_tokens` (prompt + max_tokens) goes to (None: no pool holds it)."""
+    def pick_decode(self, need_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
+        """The decode worker a request of `need_tokens` (prompt + max_tokens) goes to (None: no pool holds it); never
+        one of `exclude`."""
         need = self.pages_for(need_tokens)
 
         def key(e: WorkerEntry) -> tuple[Any, ...]:
@@ -246,10 +248,11 @@ class WorkerTable:
             fits_now = load.free_pages >= need
             return (self._suspect(e, now), not fits_now, load.requests, -load.free_pages, e.routed, e.worker_id)
 
-        return min((e for e in self.up("decode") if e.pool_pages >= need), key=key, default=None)
+        fits = (e for e in self.up("decode") if e.pool_pages >= need and e.worker_id not in exclude)
+        return min(fits, key=key, default=None)
 
     def order(self, e: WorkerEntry, now: float, tokens: int = 0, pages: int = 0) -> None:
-        """The router sent `e` an order (DecodePrepare / PrefillOrder) of this cost."""
+        """The router sent `e` an `Order` of this cost."""
         e.orders_sent += 1
         e.routed += 1
         e.in_transit.append(Order(e.orders_sent, now, tokens, pages))

@@ -60,6 +60,9 @@ class IntegrityRecord:
     # on prefill's own KV, streams while the handoff runs (a non-streamed response still goes out whole, after the
     # verdict; docs/handoff.md, "What the client sees before the verdict")
     tokens_before_verdict: int = 0
+    # why the request's first attempt was given up and it was run again on another pair (a worker lost before any
+    # token reached the client); None when it ran once
+    retried_after: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -146,6 +149,7 @@ class IntegrityRecord:
             "transfer_ref": self.transfer_ref,
             "authenticated": self.authenticated,
             "tokens_before_verdict": self.tokens_before_verdict,
+            "retried_after": self.retried_after,
         }
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvfence.errors import InvalidRequestError, KvfenceError
+from kvfence.errors import InvalidRequestError, KvfenceError, ServiceUnavailableError
 from kvfence.server import openai_schema as p
 from kvfence.server.metrics import Metrics
 
@@ -212,6 +212,8 @@ def to_api_error(e: BaseException) -> ApiError:
         return e
     if isinstance(e, InvalidRequestError):
         return ApiError(400, str(e), param=e.param, code=e.code)
+    if isinstance(e, ServiceUnavailableError):
+        return ApiError(503, str(e), type="server_error", code=e.code)
     if isinstance(e, KvfenceError):
         return ApiError(500, str(e), type="server_error", code="engine_error")
     return ApiError(500, "internal server error; see the server log", type="server_error", code="internal_error")

@@ -12,11 +12,17 @@ move (`PageMover`) and how frames travel (`Link`):
                          aborted   {rid, xid}              last frame after decode asked to abort
                          fenced    {rid, xid}              on any connection: the transfer's writer is gone
                                                            (a one-sided sender whose last frame was lost)
-    receiver -> sender   chunk_ack {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
+    receiver -> sender   ready     {rid, xid}              the manifest is accepted: send the pages
+                         chunk_ack {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
                          verdict   {rid, xid, ok, reason}  decode verified (or rejected) the pages
                          abort     {rid, xid, reason}      decode gave up: stop sending
                          error     {rid, xid, reason}      unknown request, bad manifest, ...
 
+- Prefill sends its manifest as soon as its prompt is computed, to the decode address in its
+  order; decode may not have reserved the request's pages yet (it reserves at its own pace,
+  when pages are free). An authenticated manifest for a request decode does not expect yet is
+  parked (bounded, with a time to live) and taken up when decode opens the slot. Either way the
+  sender moves no page before the receiver's `ready`.
 - Pages carry their *logical* index only. The receiver alone maps logical index ->
   destination page through the page table decode allocated (`expect`); prefill never
   learns or names decode's page numbers.
@@ -56,6 +62,7 @@ import hashlib
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -166,6 +173,25 @@ class ReceiveSlot:
         self.lock = threading.Lock()  # guards the fields above; never held while bytes are read
 
     @property
+    def started(self) -> bool:
+        """The sender's manifest was accepted (or the transfer already ended)."""
+        return self.status is not SlotStatus.WAITING
+
+    @property
+    def complete(self) -> bool:
+        """The sender said it sent everything: the pages can be verified."""
+        return self.status is SlotStatus.COMPLETE
+
+    @property
+    def failure(self) -> tuple[str, str] | None:
+        """("aborted" | "error", why) once the transfer ended without completing; None otherwise."""
+        if self.status is SlotStatus.SENDER_ABORTED:
+            return "aborted", self.error
+        if self.status is SlotStatus.ERROR:
+            return "error", self.error
+        return None
+
+    @property
     def settled(self) -> bool:
         """No write of this transfer can land in `dest_pages` any more."""
         if self.writing:  # a transport thread holds views into a destination page right now
@@ -180,15 +206,30 @@ class ReceiverCore:
     """Protocol logic of a receiver; transports feed it frames and page bytes."""
 
     def __init__(
-        self, pool: KVPool, auth: PlaneAuth, faults: FaultInjector | None = None, one_sided: bool = False
+        self,
+        pool: KVPool,
+        auth: PlaneAuth,
+        faults: FaultInjector | None = None,
+        one_sided: bool = False,
+        pending_ttl_s: float = 120.0,
+        max_pending: int = 4096,
     ) -> None:
         self.pool = pool
         self.auth = auth
         self.page_bytes = PageBytes(pool)
         self.faults = faults
         self.one_sided = one_sided
+        self.pending_ttl_s = pending_ttl_s  # how long an early manifest waits for decode to reserve its request
+        self.max_pending = max_pending
         self._slots: dict[str, ReceiveSlot] = {}
+        self._pending: dict[str, _Parked] = {}  # rid -> a manifest that came before its slot
+        # rids decode ended (forgot or aborted), newest last, at most `max_pending`: a late manifest for one of them is
+        # refused at once rather than parked until its time to live
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        # called (on a transport's thread) with the link and slot of each manifest accepted, before its `ready` goes
+        # out: a transport that needs to tell the sender more (Mooncake: where to write) does it here
+        self.accepted: Callable[[Link, ReceiveSlot], None] | None = None
         # called (on the transport's thread) when a slot's status moves: lets decode's loop wake up at once
         # instead of polling for it; must not block
         self.notify: Callable[[], None] | None = None
@@ -210,10 +251,32 @@ class ReceiverCore:
         with self._lock:
             assert request_id not in self._slots, f"request {request_id} is already expected"
             self._slots[request_id] = slot
+            self._ended.pop(request_id, None)
+            parked = self._pending.pop(request_id, None)
+        if parked is not None:  # its sender came first: take its manifest up now
+            self._on_manifest(parked.link, slot, request_id, parked.xid, parked.payload)
         return slot
 
+    def expire_pending(self, now: float | None = None) -> None:
+        """Refuse parked manifests whose request decode never reserved within `pending_ttl_s` (their senders stop
+        waiting for a `ready` that will not come)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [(rid, p) for rid, p in self._pending.items() if now - p.at > self.pending_ttl_s]
+            for rid, _ in old:
+                del self._pending[rid]
+        for rid, p in old:
+            _reply(p.link, {"t": "error", "rid": rid, "xid": p.xid, "reason": f"decode never reserved request {rid}"})
+
     def abort(self, request_id: str, reason: str) -> None:
-        """Decode gives up on `request_id`: stop writes, tell the sender to stop."""
+        """Decode gives up on `request_id`: stop writes, tell the sender to stop (also one whose manifest is parked
+        because decode never reserved the request)."""
+        with self._lock:
+            parked = self._pending.pop(request_id, None)
+            if request_id not in self._slots:
+                self._end(request_id)
+        if parked is not None:
+            _reply(parked.link, {"t": "abort", "rid": request_id, "xid": parked.xid, "reason": reason})
         self._close(request_id, {"t": "abort", "reason": reason})
 
     def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
@@ -223,7 +286,14 @@ class ReceiverCore:
     def forget(self, request_id: str) -> None:
         """Drop the slot; later frames for it are discarded as unknown."""
         with self._lock:
-            self._slots.pop(request_id, None)
+            if self._slots.pop(request_id, None) is not None:
+                self._end(request_id)
+
+    def _end(self, request_id: str) -> None:
+        """Remember that decode is done with `request_id` (called with `_lock` held)."""
+        self._ended[request_id] = None
+        while len(self._ended) > self.max_pending:
+            self._ended.popitem(last=False)
 
     def slot(self, request_id: str) -> ReceiveSlot | None:
         return self._slots.get(request_id)
@@ -299,8 +369,8 @@ class ReceiverCore:
             events.record(SecurityEvent.MANIFEST_UNAUTHENTICATED, f"manifest for request {rid!r}: {e}")
             link.send({"t": "error", "rid": rid, "xid": xid, "reason": "manifest does not authenticate"})
             return
-        if slot is None:
-            link.send({"t": "error", "rid": rid, "xid": xid, "reason": f"decode does not expect request {rid}"})
+        if slot is None:  # decode has not reserved the request yet: park it until `expect`
+            self._park(link, rid, xid, payload)
             return
         if xid != slot.transfer_id:
             events.record(
@@ -336,9 +406,38 @@ class ReceiverCore:
                 else:
                     slot.manifest = manifest
                     slot.status = SlotStatus.RECEIVING
+                    reply = {"t": "ready", "rid": rid, "xid": xid}
         self.changed()
+        if reply is not None and reply["t"] == "ready" and self.accepted is not None:
+            self.accepted(link, slot)
         if reply is not None:
-            link.send(reply)
+            _reply(link, reply)
+
+    def _park(self, link: Link, rid: str, xid: str, payload: bytes | bytearray | memoryview) -> None:
+        """Keep an authenticated manifest for a request decode has not reserved yet (the first one per request; at
+        most `max_pending`, oldest refused first)."""
+        self.expire_pending()
+        refused: list[tuple[str, _Parked, str]] = []
+        with self._lock:
+            if rid in self._slots:  # reserved meanwhile
+                slot = self._slots[rid]
+            else:
+                slot = None
+                if rid in self._ended:
+                    refused.append((rid, _Parked(link, xid, b"", 0.0), f"decode no longer expects request {rid}"))
+                elif rid in self._pending:
+                    refused.append((rid, _Parked(link, xid, b"", 0.0), f"second manifest for request {rid}"))
+                else:
+                    self._pending[rid] = _Parked(link, xid, bytes(payload), time.monotonic())
+                    while len(self._pending) > self.max_pending:
+                        old = next(iter(self._pending))
+                        why = f"decode cannot hold request {old}'s manifest (too many wait for their reservation)"
+                        refused.append((old, self._pending.pop(old), why))
+        if slot is not None:
+            self._on_manifest(link, slot, rid, xid, payload)
+            return
+        for r, p, why in refused:
+            _reply(p.link, {"t": "error", "rid": r, "xid": p.xid, "reason": why})
 
     def receive_page(
         self,
@@ -395,6 +494,23 @@ class ReceiverCore:
         self.changed()
 
 
+class _Parked(NamedTuple):
+    """A manifest that came before decode reserved its request."""
+
+    link: Link
+    xid: str
+    payload: bytes
+    at: float
+
+
+def _reply(link: Link, header: Header) -> None:
+    """Send a frame back to a sender, whose connection may already be gone."""
+    try:
+        link.send(header)
+    except OSError:
+        pass
+
+
 def fill_from_bytes(data: bytes | bytearray | memoryview) -> Callable[[list[memoryview] | None, int], None]:
     """A `fill` for `receive_page` that copies from an in-memory payload (local transport)."""
     src = memoryview(data).cast("B")
@@ -443,6 +559,7 @@ class SendHandle:
         self.max_chunk_pages = 0
         self.sender_done = False  # the send thread exited: no more reads of the source pages
         self.final_sent = False  # the transfer's last frame (done/abort/aborted) reached the connection
+        self.ready = False  # decode accepted the manifest (its `ready`): pages may move
         self.peer_lost = False  # the connection to decode failed (nobody answered, or it broke): the peer is gone
         self.link: Link | None = None  # the connection carrying the transfer, once connected
         self.address = ""  # the receiver's address
@@ -456,6 +573,22 @@ class SendHandle:
     def finished(self) -> bool:
         """A final status is known (the verdict, an abort or an error)."""
         return self.status in (SendStatus.VERIFIED, SendStatus.REJECTED, SendStatus.ABORTED, SendStatus.ERROR)
+
+    @property
+    def done_sent(self) -> bool:
+        """The transfer's `done` went out (or a verdict already came): decode's verdict is what it waits for."""
+        return self.status in (SendStatus.AWAITING_VERDICT, SendStatus.VERIFIED, SendStatus.REJECTED)
+
+    @property
+    def verified(self) -> bool:
+        return self.status is SendStatus.VERIFIED
+
+    @property
+    def decode_refused(self) -> bool:
+        """Decode rejected the pages or asked to stop (it reports that itself); not prefill's own failure."""
+        return self.status is SendStatus.REJECTED or (
+            self.status is SendStatus.ABORTED and self.remote_abort is not None
+        )
 
     def abort(self, reason: str) -> None:
         """Prefill gives up: the send loop stops at the next chunk and sends `abort`."""
@@ -488,7 +621,9 @@ class SendHandle:
     def on_frame(self, header: Header) -> None:
         kind = header.get("t")
         with self._cond:
-            if kind == "chunk_ack":
+            if kind == "ready":
+                self.ready = True
+            elif kind == "chunk_ack":
                 self.inflight_bytes -= int(header.get("n", 0))
             elif kind == "verdict":
                 ok = bool(header.get("ok"))
@@ -652,7 +787,16 @@ def run_send(
 
     try:
         link.send({"t": "manifest", "rid": rid, "xid": xid}, [seal(m.to_bytes(), manifest_key)])
-        mover.prepare(deadline)
+        with handle._cond:  # decode may reserve later than we computed: no page moves before its `ready`
+            if not handle._cond.wait_for(
+                lambda: handle.ready or stopping() or handle.finished, timeout=max(0.0, deadline - time.monotonic())
+            ):
+                handle.status, handle.reason = (
+                    SendStatus.ERROR,
+                    f"decode did not accept the manifest within {config.send_timeout_s}s",
+                )
+        if not stopping():
+            mover.prepare(deadline)
         if late is not None:  # the fault: hold the page writes until decode has aborted, then send anyway
             with handle._cond:
                 handle._cond.wait_for(lambda: handle.remote_abort is not None, timeout=config.send_timeout_s / 2)

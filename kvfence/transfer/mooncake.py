@@ -69,7 +69,9 @@ from kvfence.kv.pool import KVPool
 from kvfence.transfer import tcp
 from kvfence.transfer.base import (
     Header,
+    Link,
     Payload,
+    ReceiveSlot,
     SenderLink,
     SendHandle,
     SendStatus,
@@ -224,6 +226,7 @@ class MooncakeReceiver(TcpReceiver):
         except BaseException:
             self.endpoint.close()
             raise
+        self.core.accepted = self._accepted
 
     @property
     def landing_bytes(self) -> int:
@@ -278,8 +281,6 @@ class MooncakeReceiver(TcpReceiver):
             kind = header.get("t")
             if kind == "pages":
                 self._on_pages(conn, header, plen)
-            elif kind == "manifest":
-                self._on_manifest(conn, header, payload)
             elif kind == "done":
                 self._land(conn, str(header.get("rid")), str(header.get("xid")))
                 self.core.on_frame(conn, header, payload)
@@ -288,20 +289,12 @@ class MooncakeReceiver(TcpReceiver):
                 if kind in ("abort", "aborted", "fenced"):  # the sender's last word: its writer has stopped
                     self._release(str(header.get("rid")), str(header.get("xid")))
 
-    def _on_manifest(self, conn: _Conn, header: Header, payload: bytes | bytearray) -> None:
-        rid, xid = str(header.get("rid")), str(header.get("xid"))
-        slot = self.core.slot(rid)
-        fresh = slot is not None and slot.manifest is None
-        self.core.on_frame(conn, header, payload)  # authenticates it, checks the capability; replies when it refuses
-        if slot is None or not fresh:
-            return
-        with slot.lock:
-            if slot.link is not conn or slot.transfer_id != xid:
-                return
-            accepted = slot.manifest is not None and slot.status == SlotStatus.RECEIVING and not slot.closed
-            n = len(slot.dest_pages)
-        if not accepted:
-            return
+    def _accepted(self, link: Link, slot: ReceiveSlot) -> None:
+        """The core accepted a manifest (when it came, or when decode reserved its request after a parked one): give
+        the transfer a landing area of its own and tell the sender where it is."""
+        conn = link
+        assert isinstance(conn, _Conn), conn
+        rid, xid, n = slot.request_id, slot.transfer_id, len(slot.dest_pages)
         area = _PageArea(self.core.pool.layout, n, self.endpoint)
         with self._lock:
             self._landings[rid] = _Landing(xid, area, conn)

@@ -92,11 +92,11 @@ def check_fault_case(rig: Any, make_pair: Any, fault: str, faults: FaultInjector
     drive(bad_pre, bad_dec, good_pre, good_dec)
 
     assert faults.fired[fault] >= 1
-    assert bad_dec.state == DecodeState.FAILED
+    assert bad_dec.state == DecodeState.FINISHED and bad_dec.ok is False
     assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
-    assert bad_pre.state == PrefillState.FAILED and "rejected" in bad_pre.reason
-    assert good_dec.state == DecodeState.READY and good_dec.record.status == "verified"
-    assert good_pre.state == PrefillState.RELEASED
+    assert bad_pre.state == PrefillState.FINISHED and bad_pre.outcome == "failed" and "rejected" in bad_pre.reason
+    assert good_dec.state == DecodeState.VERIFIED and good_dec.record.status == "verified"
+    assert good_pre.state == PrefillState.FINISHED and good_pre.outcome == "verified"
     assert same_bytes(good_src, rig.d_pool, good_dec.pages)
     assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
     assert rig.metrics.value("kvfence_handoff_verified_total") == 1

@@ -28,6 +28,12 @@ def seeded_pool(layout: KVLayout, num_pages: int, seed: int) -> KVPool:
     return seed_pool(KVPool(layout, num_pages), seed)
 
 
+def verdict(dec: Any) -> bool | None:
+    """Poll a DecodeHandoff once: True once verified, False once failed or aborted, None before either."""
+    dec.poll()
+    return dec.ok
+
+
 def wait_for(pred: Callable[[], object], timeout: float = 10.0) -> None:
     """Poll `pred` until it holds; fail the test after `timeout` seconds."""
     end = time.monotonic() + timeout
