@@ -145,10 +145,15 @@ class DecodeWorker:
         if receiver is None:
             if self.config.transport == "local":
                 raise KvfenceError("decode: the local (in-process) transfer backend needs its receiver passed in")
+            receiver_cls: Callable[..., Receiver]
             if self.config.transport == "mooncake":
-                from kvfence.transfer.mooncake import MooncakeReceiver as receiver_cls
+                from kvfence.transfer.mooncake import MooncakeReceiver
+
+                receiver_cls = MooncakeReceiver
             else:
-                from kvfence.transfer.tcp import TcpReceiver as receiver_cls
+                from kvfence.transfer.tcp import TcpReceiver
+
+                receiver_cls = TcpReceiver
             c = self.config
             receiver = receiver_cls(
                 engine.pool, c.listen_host, c.listen_port, faults, io_timeout_s=c.io_timeout_s, auth=auth

@@ -245,7 +245,7 @@ class Launcher:
 
     def watch(self) -> int:
         """Block until we are told to stop or the deployment cannot go on; then stop all. Returns an exit code."""
-        stop = {"signal": None}
+        stop: dict[str, int | None] = {"signal": None}
 
         def on_signal(signum: int, _frame: object) -> None:
             stop["signal"] = signum

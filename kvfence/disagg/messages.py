@@ -38,6 +38,7 @@ import queue
 import socket
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -68,7 +69,7 @@ class Message(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fiel
         return str(type(self).__struct_config__.tag)
 
 
-class Register(Message, tag="register"):
+class Register(Message, frozen=True, tag="register"):
     """Worker -> router, once at start: who it is and what it can hold."""
 
     role: str  # "prefill" | "decode"
@@ -87,12 +88,12 @@ class Register(Message, tag="register"):
     instance: str = ""  # random per process start: tells a worker that comes back from one that replaced it
 
 
-class RegisterReply(Message, tag="register_reply"):
+class RegisterReply(Message, frozen=True, tag="register_reply"):
     accepted: bool
     reason: str = ""
 
 
-class Order(Message, tag="order"):
+class Order(Message, frozen=True, tag="order"):
     """Router -> prefill and decode: one request, the same capability to both (and nobody else)."""
 
     request_id: str
@@ -104,7 +105,7 @@ class Order(Message, tag="order"):
     token_hash: str = ""  # decode: likewise, the hash of the admitted ids
 
 
-class Tokens(Message, tag="tokens"):
+class Tokens(Message, frozen=True, tag="tokens"):
     """Worker -> router: new output tokens. From prefill: the first token (and the prompt's logprobs), the moment
     the prompt is computed. From decode: the rest; the last one is finished and carries the integrity record."""
 
@@ -123,7 +124,7 @@ class Tokens(Message, tag="tokens"):
 WORKER_LOST = "worker_lost"  # the client's error code when a worker of the request's pair is gone
 
 
-class RequestFailed(Message, tag="request_failed"):
+class RequestFailed(Message, frozen=True, tag="request_failed"):
     """Worker -> router: this request cannot go on on this side (the router aborts the other side)."""
 
     request_id: str
@@ -133,14 +134,14 @@ class RequestFailed(Message, tag="request_failed"):
     code: str = ""  # the client's error code when it is not the generic one (e.g. "worker_lost")
 
 
-class Abort(Message, tag="abort"):
+class Abort(Message, frozen=True, tag="abort"):
     """Router -> worker: drop `request_id` and free (or quarantine) everything it holds."""
 
     request_id: str
     reason: str
 
 
-class WorkerStats(Message, tag="worker_stats"):
+class WorkerStats(Message, frozen=True, tag="worker_stats"):
     """Worker -> router, every few hundred ms: its load (the router routes by it) and live numbers for /metrics.
 
     Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting,
@@ -154,14 +155,14 @@ class WorkerStats(Message, tag="worker_stats"):
     instance: str = ""  # the sender's process (Register.instance)
 
 
-class Shutdown(Message, tag="shutdown"):
+class Shutdown(Message, frozen=True, tag="shutdown"):
     pass
 
 
 Single = Register | RegisterReply | Order | Tokens | RequestFailed | Abort | WorkerStats | Shutdown
 
 
-class Batch(Message, tag="batch"):
+class Batch(Message, frozen=True, tag="batch"):
     """Several messages in one frame (decode's tokens of one step: one send, one router wakeup).
 
     Hubs unpack it: `recv` hands out the messages inside one by one, in order, so the
@@ -186,7 +187,7 @@ def replace(msg: Any, **changes: Any) -> Any:
     return msgspec.structs.replace(msg, **changes)
 
 
-def logprobs_to_wire(entries: list[TokenLogprobs | None] | None) -> list[Any] | None:
+def logprobs_to_wire(entries: Sequence[TokenLogprobs | None] | None) -> list[Any] | None:
     """Log probability entries as lists (None entries, e.g. the first prompt token, stay null)."""
     if entries is None:
         return None

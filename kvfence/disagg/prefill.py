@@ -68,19 +68,6 @@ class _EnginePages:
         return self.engine.release(request_id)
 
 
-class _EnginePages:
-    """The allocator verbs `PrefillHandoff` uses, routed through the engine so its held-request table stays right."""
-
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-
-    def pages_of(self, request_id: str) -> list[int]:
-        return self.engine.allocator.pages_of(request_id)
-
-    def free(self, request_id: str) -> list[int]:
-        return self.engine.release(request_id)
-
-
 @dataclass
 class _PrefillRequest:
     """One request on the prefill worker, from its order until its source pages are freed; its state is its

@@ -586,7 +586,8 @@ class Router:
             self.registrar.unknown(wid, now)
             return
         if stale:  # another process's report under this worker's id (one that came back after it was replaced)
-            logger.warning("router: ignoring a report for %s from another process (instance %s)", wid, msg.instance)
+            instance = msg.instance if isinstance(msg, P.WorkerStats) else "?"
+            logger.warning("router: ignoring a report for %s from another process (instance %s)", wid, instance)
             return
         if isinstance(msg, P.WorkerStats):
             with self._lock:

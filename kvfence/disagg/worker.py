@@ -39,6 +39,8 @@ RECONNECT_TIMEOUT_S = 60.0  # how long a worker that lost its router tries to re
 
 class Worker(Protocol):
     role: str
+    identity: WorkerIdentity
+    engine: Any  # the role's engine (`disagg.worker_engine`), for the start-up line
 
     def registration(self) -> P.Register: ...
     def handle(self, msg: P.Message) -> None: ...

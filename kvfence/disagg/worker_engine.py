@@ -48,6 +48,7 @@ class PrefillEngine(WorkerEngine, Protocol):
         prompt_token_ids: Sequence[int] | None = None,
         prefill_only: bool = False,
     ) -> None: ...
+    def first_token_text(self, token_id: int, params: SamplingParams) -> str | None: ...
 
 
 class DecodeEngine(WorkerEngine, Protocol):

@@ -163,7 +163,7 @@ def throttled_sender(pool: Any, args: argparse.Namespace, auth: PlaneAuth) -> An
                         time.sleep(delay_s)
                     plain(header, payload)
 
-                conn.send, conn.throttled = send, True  # type: ignore[method-assign]
+                conn.send, conn.throttled = send, True  # type: ignore[method-assign,attr-defined]
             return conn
 
     config = TransferConfig(max_transfer_pages=1, io_timeout_s=args.kv_io_timeout_s)
@@ -299,7 +299,8 @@ def run_worker_role(args: argparse.Namespace) -> int:
     ports = {"router": args.router_address}
     if args.role == DECODE:
         ports["kv data"] = f"{args.handoff_host}:{args.handoff_port}"
-    info = engine_info(worker.engine, identity.model_name, identity.context_length)
+    context = identity.context_length or worker.engine.resolved.context_length  # None: the engine's own
+    info = engine_info(worker.engine, identity.model_name, context)
     print(startup_line(args.role, info, ports, None, cluster_auth(key)), file=sys.stderr, flush=True)
     cores = None
     if args.core_board is not None:

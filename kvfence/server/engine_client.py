@@ -68,7 +68,8 @@ class GenerationChunk:
 
 
 class EngineClient(Protocol):
-    model_name: str
+    @property
+    def model_name(self) -> str: ...
 
     def capacity(self) -> Capacity: ...
 
