@@ -32,7 +32,8 @@ from kvfence.disagg.launcher import free_port
 from kvfence.disagg.router import FlightState, Router, RouterConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.server.http import ApiError
+from kvfence.errors import ServiceUnavailableError
+from kvfence.server.http import to_api_error
 from tests.helpers.auth import secure_hub, worker_env
 
 CTX = 256
@@ -236,8 +237,8 @@ def test_decode_killed_mid_transfer(dep: Deployment, healthy_ref: tuple[list[int
     # the router notices, and answers new requests 503 until a decode worker registers
     wait_for(lambda: not dep.router.healthy()["decode"], WORKER_TIMEOUT_S + 5, "decode to be declared dead")
     refused = Client(dep.router, "after-decode-kill", [5] * 20).result(5)
-    assert isinstance(refused.error, ApiError) and refused.error.status == 503, refused.error
-    assert "no healthy decode worker" in refused.error.message
+    assert isinstance(refused.error, ServiceUnavailableError), refused.error  # the HTTP layer's 503
+    assert to_api_error(refused.error).status == 503 and "no healthy decode worker" in str(refused.error)
     assert_pools_at_baseline(dep.router, ("prefill",))  # prefill freed the source pages it was sending from
     dep.spawn("decode")
     dep.wait_healthy()
@@ -261,7 +262,7 @@ def test_prefill_killed_mid_prefill(dep: Deployment, healthy_ref: tuple[list[int
     assert_fault_failed_cleanly(c)
     assert "prefill" in c.last.error and "lost" in c.last.error, c.last.error
     refused = Client(dep.router, "after-prefill-kill", [5] * 20).result(5)
-    assert isinstance(refused.error, ApiError) and refused.error.status == 503
+    assert isinstance(refused.error, ServiceUnavailableError) and to_api_error(refused.error).status == 503
     assert_pools_at_baseline(dep.router, ("decode",))  # decode gave back the pages it reserved
     dep.spawn("prefill")
     dep.wait_healthy()
