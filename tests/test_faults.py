@@ -39,7 +39,9 @@ class Rig:
         self.metrics = IntegrityMetrics()
         self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
         transport, staged = transport.removesuffix("-staged"), transport.endswith("-staged")
-        self.p_pool, self.d_pool = [device_pool(LAYOUT, NUM_PAGES) if staged else KVPool(LAYOUT, NUM_PAGES) for _ in "pd"]
+        self.p_pool, self.d_pool = [
+            device_pool(LAYOUT, NUM_PAGES) if staged else KVPool(LAYOUT, NUM_PAGES) for _ in "pd"
+        ]
         g = torch.Generator().manual_seed(99)  # decode's pool holds a previous request's KV
         for layer in self.d_pool.tensors:
             for t in layer.values():
