@@ -36,7 +36,7 @@ def test_the_next_chunk_is_copied_into_the_other_buffer_while_this_one_is_sent()
     pool = seed_pool(device_pool(LAYOUT, 8), 1)
     page = {p: pool.read_page(p) for p in range(8)}
     staging = HostStaging(pool, rows=2)
-    assert not staging.pinned  # pinned host memory only for a pool on CUDA
+    assert staging.pinned == (pool.device.type == "cuda")  # pinned host memory only for a pool on CUDA
     mover = StagedPages(staging)
     first = mover.move([0, 1], [3, 5], {})
     mover.lookahead([2, 3], [6, 7])  # started before `first` goes out
@@ -90,7 +90,8 @@ def test_a_landed_page_reaches_the_pool_and_ends_its_write_only_when_its_copy_fi
         slot.writing += 1
         landing.hold(row, slot, dest)
     assert landing.commits == 2 and slot.writing > 0  # the last page (at least) is still on its way
-    assert pool.read_page(dests[-1]) != src.read_page(4)
+    if pool.device.type == "cpu":  # a deferred copy: nothing of the last buffer is in the pool before drain
+        assert pool.read_page(dests[-1]) != src.read_page(4)
     landing.drain()
     assert slot.writing == 0
     assert all(pool.read_page(d) == src.read_page(i) for i, d in enumerate(dests))

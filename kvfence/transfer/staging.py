@@ -106,7 +106,11 @@ class HostStaging:
         n = len(pages)
         if self._stream is None:
             idx = torch.as_tensor(list(pages), dtype=torch.long)
-            return CopyTicket(run=lambda: self.pool.gather_pages(idx, buffers.host))
+
+            def run() -> None:
+                self.pool.gather_pages(idx, buffers.host)
+
+            return CopyTicket(run=run)
         assert buffers.scratch is not None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' KV is written first
         with torch.cuda.stream(self._stream):
@@ -244,7 +248,7 @@ class PageLanding:
             self.commit()
         row = self._next_row
         self._next_row += 1
-        return row, [memoryview(self._sets[self._cur].host[row].numpy())]
+        return row, [self._sets[self._cur].host[row].numpy().data]
 
     def hold(self, row: int, slot: PageWriter, page: int) -> None:
         """Row `row` holds a whole page for pool page `page` of `slot`; its copy goes with the next commit. The
