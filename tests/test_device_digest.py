@@ -118,12 +118,12 @@ def test_the_pages_a_faulty_handoff_produces_all_have_digests_of_their_own() -> 
 
 
 def test_a_device_whose_float64_products_are_not_exact_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = device_digest._slice_lanes
+    real = device_digest._group_lanes
 
     def off_by_one(*args: object) -> torch.Tensor:
         return real(*args) + 1  # type: ignore[arg-type]
 
-    monkeypatch.setattr(device_digest, "_slice_lanes", off_by_one)
+    monkeypatch.setattr(device_digest, "_group_lanes", off_by_one)
     device_digest.check_exact.cache_clear()
     try:
         with pytest.raises(KvfenceError, match="not exact on this device"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ PRIME = (1 << 31) - 1
 INNER_LANES = 4
 OUTER_LANES = 2
 _KEY_BITS = 24
-_TEMP_BYTES = 64 << 20  # float64 working set per slice and page group on the device
+_TEMP_BYTES = 64 << 20  # float64 working set on the device (slices of one size x a group of pages)
 _SEED = int.from_bytes(hashlib.sha256(b"kvfence mlh62 v1").digest()[:8], "little")
 
 _M1, _M2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
@@ -131,13 +132,27 @@ def bytes_digest_mlh(data: bytes | bytearray | memoryview, layout: KVLayout) -> 
 # -- torch, on the pool's device -----------------------------------------------------------------------------
 
 
+class _SliceGroup(NamedTuple):
+    """The slices of a layout that have one size: hashed together, a few kernels for all of them."""
+
+    units: int
+    members: tuple[tuple[int, str], ...]  # (layer, buffer) of each, in layout order
+    outer: torch.Tensor  # [S, blocks, 4, 2] int64: their outer keys, on the device
+
+
 class _DeviceKeys:
-    """The keys of one layout on one device: inner keys as float64 [BLOCK, 4], outer keys per slice int64."""
+    """The keys of one layout on one device: inner keys as float64 [BLOCK, 4], outer keys by slice size."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
-        self.units = slice_units(layout)
+        units = slice_units(layout)
+        outer = outer_keys(units)
         self.inner = torch.as_tensor(inner_keys(), dtype=torch.float64, device=device)  # [BLOCK, 4]
-        self.outer = [torch.as_tensor(o, device=device) for o in outer_keys(self.units)]  # [blocks, 4, 2] each
+        names = [(layer, spec.name) for layer in range(layout.num_layers) for spec in layout.buffers]
+        self.groups = []
+        for n in sorted(set(units)):
+            ss = [s for s, u in enumerate(units) if u == n]
+            stacked = torch.as_tensor(np.stack([outer[s] for s in ss]), device=device)  # [S, blocks, 4, 2]
+            self.groups.append(_SliceGroup(n, tuple(names[s] for s in ss), stacked))
 
 
 @functools.lru_cache(maxsize=16)
@@ -162,31 +177,34 @@ def _digests(pool: KVPool, pages: Sequence[int]) -> list[int]:
     keys = _device_keys(pool.layout, device)
     idx = torch.as_tensor(list(pages), dtype=torch.long, device=device)  # [P]
     lanes = torch.zeros(len(pages), OUTER_LANES, dtype=torch.int64, device=device)  # [P, 2]
-    s = 0
-    for layer in range(pool.layout.num_layers):
-        for spec in pool.layout.buffers:
-            units = keys.units[s]
-            rows = pool.tensors[layer][spec.name].view(torch.int16).reshape(pool.num_pages, units)  # [N, U]
-            group = max(1, _TEMP_BYTES // (_blocks(units) * BLOCK * 8))  # pages per float64 working set
-            for start in range(0, len(pages), group):
-                lanes[start : start + group] += _slice_lanes(rows, idx[start : start + group], units, keys, s)
+    for grp in keys.groups:
+        rows = [pool.tensors[layer][name].view(torch.int16).reshape(pool.num_pages, grp.units) for layer, name in
+                grp.members]  # fmt: skip
+        per_page = len(rows) * _blocks(grp.units) * BLOCK * 8  # float64 bytes of one page's slices of this size
+        group = max(1, _TEMP_BYTES // per_page)  # pages per working set
+        for start in range(0, len(pages), group):
+            lanes[start : start + group] += _group_lanes(rows, idx[start : start + group], grp, keys.inner)
             lanes.remainder_(PRIME)
-            s += 1
     return [_combine(row) for row in lanes.tolist()]  # the one device -> host copy: P x 2 integers
 
 
-def _slice_lanes(rows: torch.Tensor, sel: torch.Tensor, units: int, keys: _DeviceKeys, s: int) -> torch.Tensor:
-    """Outer lanes [G, 2] of slice `s` for the pages `sel` ([G]); rows: [N, U] int16 view of the slice."""
-    g, nblk = sel.numel(), _blocks(units)
-    u = rows.index_select(0, sel)  # [G, U] int16
+def _group_lanes(
+    rows: list[torch.Tensor], sel: torch.Tensor, grp: _SliceGroup, inner_keys_f64: torch.Tensor
+) -> torch.Tensor:
+    """Outer lanes [G, 2] of the slices of `grp` for the pages `sel` ([G]); rows: [N, U] int16 view of each slice."""
+    n_s, g, nblk, units = len(rows), sel.numel(), _blocks(grp.units), grp.units
+    u = torch.empty(n_s, g, units, dtype=torch.int16, device=sel.device)  # [S, G, U]
+    for s, r in enumerate(rows):
+        torch.index_select(r, 0, sel, out=u[s])
     if units % BLOCK:
-        x = torch.zeros(g, nblk * BLOCK, dtype=torch.float64, device=rows.device)  # [G, nblk * BLOCK]
-        x[:, :units] = u
+        x = torch.zeros(n_s, g, nblk * BLOCK, dtype=torch.float64, device=sel.device)  # [S, G, nblk * BLOCK]
+        x[:, :, :units] = u
     else:
-        x = u.to(torch.float64)  # [G, U]
-    inner = x.view(g * nblk, BLOCK) @ keys.inner  # [G * nblk, 4]: integers below 2^51, so exact
-    inner_i = inner.to(torch.int64).remainder_(PRIME).view(g, nblk, INNER_LANES, 1)  # [G, nblk, 4, 1]
-    return (inner_i * keys.outer[s]).remainder_(PRIME).sum(dim=(1, 2))  # [G, 2], each < 2^31 * nblk * 4
+        x = u.to(torch.float64)  # [S, G, U]
+    inner = x.view(n_s * g * nblk, BLOCK) @ inner_keys_f64  # [S * G * nblk, 4]: integers below 2^51, so exact
+    inner_i = inner.to(torch.int64).remainder_(PRIME).view(n_s, g, nblk, INNER_LANES, 1)  # [S, G, nblk, 4, 1]
+    outer = grp.outer.view(n_s, 1, nblk, INNER_LANES, OUTER_LANES)  # [S, 1, nblk, 4, 2]
+    return (inner_i * outer).remainder_(PRIME).sum(dim=(0, 2, 3))  # [G, 2], each < 2^31 * S * nblk * 4
 
 
 @functools.lru_cache(maxsize=8)
