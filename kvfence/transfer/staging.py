@@ -44,6 +44,7 @@ class PageWriter(Protocol):
     lock: threading.Lock
     writing: int
 
+
 LANDING_BYTES = 16 << 20  # a receiver's host buffer (and device scratch) per connection: at most this many bytes
 _IDLE_SETS = 4  # buffer sets an idle `HostStaging` keeps for the next transfer
 
