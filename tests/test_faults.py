@@ -1,5 +1,7 @@
-"""Every named fault, over both transports: detected with the right reason, the request fails cleanly,
-allocators balance, and an innocent transfer running at the same time verifies with exact bytes."""
+"""Every named fault, over both transports, with pools in host memory and with device pools (through host staging
+and device digests; on CPU tensors unless KVFENCE_TEST_DEVICE names a GPU): detected with the right reason, the
+request fails cleanly, allocators balance, and an innocent transfer running at the same time verifies with exact
+bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from kvfence.transfer.base import TransferConfig
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 from tests.helpers.auth import plane_auth
+from tests.helpers.device import device_pool
 from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
@@ -24,6 +27,7 @@ LAYOUT = KVLayout(
     "DeepseekV3ForCausalLM", 2, (KVBufferSpec("latent", (1, 16)), KVBufferSpec("rope", (1, 8))), 8, torch.bfloat16
 )
 NUM_PAGES = 32
+TRANSPORTS = ["local", "tcp", "local-staged", "tcp-staged"]  # -staged: both pools are device pools
 
 
 class Rig:
@@ -34,7 +38,10 @@ class Rig:
         self.config = config or HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5)
         self.metrics = IntegrityMetrics()
         self.p_alloc, self.d_alloc = PageAllocator(NUM_PAGES), PageAllocator(NUM_PAGES)
-        self.p_pool, self.d_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
+        transport, staged = transport.removesuffix("-staged"), transport.endswith("-staged")
+        self.p_pool, self.d_pool = [
+            device_pool(LAYOUT, NUM_PAGES) if staged else KVPool(LAYOUT, NUM_PAGES) for _ in "pd"
+        ]
         g = torch.Generator().manual_seed(99)  # decode's pool holds a previous request's KV
         for layer in self.d_pool.tensors:
             for t in layer.values():
@@ -89,7 +96,7 @@ def test_a_pattern_matches_the_id_the_client_gave_as_well_as_the_engine_id() -> 
     assert FaultPoint.parse("drop_page@cmpl-victim-1-*").matches("cmpl-victim-1-0")  # engine ids still work
 
 
-@pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
 def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault: str) -> None:
     faults = FaultInjector().enable(fault, request_id="bad", page=1)
@@ -100,7 +107,7 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(transport: str, fault:
         rig.close()
 
 
-@pytest.mark.parametrize("transport", ["local", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_delayed_write_after_abort_lands_only_in_quarantined_pages(transport: str) -> None:
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="bad", delay_s=0.02)
     rig = Rig(

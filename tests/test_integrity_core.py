@@ -159,7 +159,7 @@ def _handoff(layout: KVLayout = GQA, tokens: int = 10):
 def test_verify_accepts_an_exact_handoff() -> None:
     m, exp, dst, pages, cov = _handoff(DSA)
     r = verify_handoff(m, exp, DSA, pages, cov, dst)
-    assert r == VerifyResult(True, None, "verified", 3, 10)
+    assert r == VerifyResult(True, None, "verified", 3, 10, "xxh3_64")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 
+import pytest
 import torch
 
 from kvfence.auth import handshake
@@ -28,6 +29,7 @@ from kvfence.transfer.base import SendStatus, SlotStatus, TransferConfig
 from kvfence.transfer.tcp import TcpReceiver, TcpSender
 from tests.helpers import kv as helpers
 from tests.helpers.auth import cap, plane_auth
+from tests.helpers.device import device_pool
 from tests.helpers.kv import WireClient, verdict, wait_for
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
@@ -75,8 +77,11 @@ def send_and_verify(rid: str, ids: list[int], src: KVPool, receiver: TcpReceiver
     sender.close()
 
 
-def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_owners_pages() -> None:
-    d_pool, d_alloc = KVPool(LAYOUT, 2), PageAllocator(2)  # two pages: the next request must reuse them
+@pytest.mark.parametrize("decode_pool", ["host", "device"])
+def test_a_write_stalled_mid_page_past_every_deadline_never_lands_in_the_next_owners_pages(decode_pool: str) -> None:
+    """Also with a device pool on decode, whose pages land in the connection's host buffers first."""
+    d_pool = device_pool(LAYOUT, 2) if decode_pool == "device" else KVPool(LAYOUT, 2)
+    d_alloc = PageAllocator(2)  # two pages: the next request must reuse them
     receiver = TcpReceiver(
         d_pool, io_timeout_s=600, auth=AUTH
     )  # the socket timeout stays out of it: only deadlines act

@@ -1,7 +1,7 @@
-"""The Mooncake transport (`transfer.mooncake`): every named fault detected as over local/TCP, an innocent
-transfer byte-exact beside it, allocators balanced; a transfer from another process; a chunk above the
-engine's lane batch; aborts mid-transfer; a lost control link keeps pages quarantined. Tests that need the
-engine skip with `mooncake_available()`'s reason when it cannot run here.
+"""The Mooncake transport (`transfer.mooncake`): every named fault detected as over local/TCP (with host pools
+and with device pools), an innocent transfer byte-exact beside it, allocators balanced; a transfer from another
+process; a chunk above the engine's lane batch; aborts mid-transfer; a lost control link keeps pages quarantined.
+Tests that need the engine skip with `mooncake_available()`'s reason when it cannot run here.
 
 One receiver and one sender (an engine each) serve the whole module: an engine takes about a second to drop.
 """
@@ -33,8 +33,11 @@ from kvfence.transfer.mooncake import MooncakeReceiver, MooncakeSender, parse_ad
 from kvfence.transfer.mooncake_engine import (
     MooncakeTransferError,
     mooncake_available,
+    mooncake_gpu_memory,
+    mooncake_version,
 )
 from tests.helpers.auth import cap, plane_auth
+from tests.helpers.device import device_pool
 from tests.helpers.faults import EXPECTED, check_fault_case, drive, handoff_pair, same_bytes  # shared fault matrix
 from tests.helpers.kv import WireClient, seed_pool, wait_for
 
@@ -76,6 +79,16 @@ def test_unacknowledged_tcp_framing_is_refused(monkeypatch: pytest.MonkeyPatch) 
         MooncakeSender(KVPool(LAYOUT, 2), auth=AUTH)
 
 
+def test_the_installed_mooncake_build_says_whether_it_handles_gpu_memory() -> None:
+    version = mooncake_version()
+    if version is None:
+        assert mooncake_gpu_memory() is None
+    elif version.startswith("mooncake-transfer-engine-non-cuda"):
+        assert mooncake_gpu_memory() is False  # every address is host memory to it: a GPU pointer must not reach it
+    else:  # the CUDA wheel, mooncake-transfer-engine
+        assert mooncake_gpu_memory() is True
+
+
 def test_parse_address() -> None:
     assert parse_address("mooncake://10.0.0.7:5123") == ("10.0.0.7", 5123)
     with pytest.raises(ValueError, match="mooncake://host:port"):
@@ -86,10 +99,13 @@ def test_parse_address() -> None:
 
 
 class Pair:
-    """Decode pool + receiver and prefill pool + sender, joined over Mooncake (one control connection)."""
+    """Decode pool + receiver and prefill pool + sender, joined over Mooncake (one control connection); `device`:
+    both pools are device pools (KVFENCE_TEST_DEVICE), whose pages reach the host areas by torch copies."""
 
-    def __init__(self) -> None:
-        self.d_pool, self.p_pool = KVPool(LAYOUT, NUM_PAGES), KVPool(LAYOUT, NUM_PAGES)
+    def __init__(self, device: bool = False) -> None:
+        self.d_pool, self.p_pool = [
+            device_pool(LAYOUT, NUM_PAGES) if device else KVPool(LAYOUT, NUM_PAGES) for _ in "dp"
+        ]
         self.receiver = MooncakeReceiver(self.d_pool, auth=AUTH)
         try:
             self.sender = MooncakeSender(self.p_pool, FAULT_CONFIG, auth=AUTH)
@@ -112,6 +128,19 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
+@pytest.fixture(scope="module")
+def device_pair() -> Iterator[Pair]:
+    ok, reason = mooncake_available()
+    if not ok:
+        pytest.skip(f"Mooncake unavailable: {reason}")
+    p = Pair(device=True)
+    yield p
+    p.close()
+
+
+POOLS = pytest.mark.parametrize("pools", ["pair", "device_pair"])  # host-visible pools, device pools
+
+
 class Rig:
     """One test's view of the pair: fresh allocators, metrics and faults; decode's pool holds old KV."""
 
@@ -129,8 +158,12 @@ class Rig:
         return handoff_pair(self, rid, num_tokens, seed)
 
 
+@POOLS
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
-def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str) -> None:
+def test_fault_is_detected_and_innocent_transfer_is_exact(
+    request: pytest.FixtureRequest, pools: str, fault: str
+) -> None:
+    pair = request.getfixturevalue(pools)
     bad, good = f"{fault}-bad", f"{fault}-good"
     faults = FaultInjector().enable(fault, request_id=bad, page=1)
     rig = Rig(pair, faults)
@@ -139,16 +172,21 @@ def test_fault_is_detected_and_innocent_transfer_is_exact(pair: Pair, fault: str
     assert good_pre.handle.entries > 0 and good_pre.handle.chunks_sent == 2  # 4 pages in chunks of 2, via Mooncake
 
 
-def test_a_delayed_write_after_abort_lands_only_in_its_landing_area_never_in_the_pool(pair: Pair) -> None:
+@POOLS
+def test_a_delayed_write_after_abort_lands_only_in_its_landing_area_never_in_the_pool(
+    request: pytest.FixtureRequest, pools: str
+) -> None:
     """The sender keeps writing after decode aborted. Its writes land in the transfer's own landing area, which is
     never copied into the pool once the slot is closed: decode's pool pages were never writable by the sender."""
+    pair = request.getfixturevalue(pools)
     faults = FaultInjector().enable("delayed_write_after_abort", request_id="late-bad", delay_s=0.02)
     rig = Rig(
         pair, faults, HandoffConfig(transfer_timeout_s=5, verdict_timeout_s=5, quarantine_timeout_s=5, strict=True)
     )
     bad_pre, bad_dec, _ = rig.pair_of("late-bad", 40, seed=3)
     bad_pre.send()
-    drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None)
+    # the sender knows its landing area before decode aborts (else it has nowhere to write late: nothing to test)
+    drive(bad_pre, bad_dec, until=lambda: bad_dec.slot.manifest is not None and bad_pre.handle.dest is not None)
     bad_dec.abort("client disconnected")
     quarantined = set(bad_dec.quarantined)
     assert bad_dec.state == DecodeState.QUARANTINED and len(quarantined) == 5

@@ -10,10 +10,16 @@ threads of this process with --threads):
   - kvfence:  `TcpSender` -> `TcpReceiver`: manifest frame, chunked page frames straight
               from the pool's views into the destination pages' views, chunk acks,
               coverage bitmap; timed from the send command to the slot being complete;
-  - manifest: per-page xxh3_64 digests + canaries on the prefill side (digests alone too);
-  - verify:   `verify_handoff` on the decode side (digests recomputed + canaries);
+  - manifest: per-page digests + canaries on the prefill side, with the pool's algorithm (xxh3_64 for a
+              CPU pool, mlh62 for a device pool); the digests alone too, with each algorithm;
+  - verify:   `verify_handoff` on the decode side (digests recomputed + canaries), with each algorithm;
 and print a table with GB/s and ratios; each figure is the median of `repeats` runs. At
 the end the destination pages must hold exactly the bytes the raw copy delivered.
+
+With `--device cuda` both pools live on the GPU: the transfer goes through pinned host staging
+(`transfer.staging`), digests and canaries are computed on the device, and the raw copy's
+bytes are read from the GPU once before timing (it stays a host-to-host socket copy).
+`--device-paths` runs those device paths on CPU pools.
 
 What it does not know: the network between real hosts; these are loopback numbers on
 the machine it runs on, and the ratio to the raw copy is the figure that carries over.
@@ -24,6 +30,7 @@ Run: python -m kvfence.bench.handoff   (the CLI registers it as `kvfence bench h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import socket
 import statistics
@@ -35,7 +42,9 @@ import torch
 
 from kvfence.auth.keys import ClusterKey
 from kvfence.auth.plane import PlaneAuth
-from kvfence.integrity.digest import PageBytes, page_digests, token_hash
+from kvfence.errors import KvfenceError
+from kvfence.integrity.device_digest import MLH_ALGORITHM
+from kvfence.integrity.digest import DIGEST_ALGORITHM, page_digests, token_hash
 from kvfence.integrity.manifest import HandoffManifest, build_manifest
 from kvfence.integrity.verify import Expectation, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout, dtype_from_name
@@ -54,8 +63,13 @@ def _make_layout(num_layers: int, num_kv_heads: int, head_dim: int, page_size: i
     )
 
 
-def _source_pool(layout: KVLayout, num_pages: int) -> KVPool:
-    src = KVPool(layout, num_pages)
+def _pool(layout: KVLayout, num_pages: int, device: str, device_paths: bool) -> KVPool:
+    """A pool on `device`; `device_paths`: a CPU pool that integrity and transfer code treat as device memory."""
+    return KVPool(layout, num_pages, device=device, host_visible=False if device_paths else None)
+
+
+def _source_pool(layout: KVLayout, num_pages: int, device: str = "cpu", device_paths: bool = False) -> KVPool:
+    src = _pool(layout, num_pages, device, device_paths)
     g = torch.Generator().manual_seed(0)
     for layer in src.tensors:
         for t in layer.values():
@@ -63,14 +77,25 @@ def _source_pool(layout: KVLayout, num_pages: int) -> KVPool:
     return src
 
 
+ALGORITHMS = (DIGEST_ALGORITHM, MLH_ALGORITHM)
+
+
 class _Prefill:
     """The sending side, in this process: raw copy, manifest, kvfence send."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig, key_hex: str) -> None:
-        self.src = _source_pool(layout, num_pages)
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        cfg: TransferConfig,
+        key_hex: str,
+        device: str = "cpu",
+        device_paths: bool = False,
+    ) -> None:
+        self.src = _source_pool(layout, num_pages, device, device_paths)
         self.pages = list(range(num_pages))
         self.ids = list(range(num_pages * layout.page_size))
-        self.contiguous = bytearray(b"".join(b for p in self.pages for b in PageBytes(self.src).views(p)))
+        self.contiguous = bytearray(b"".join(self.src.read_page(p) for p in self.pages))  # host bytes, once
         self.sender = TcpSender(self.src, cfg, auth=PlaneAuth(ClusterKey.from_hex(key_hex, "bench")))
         self.manifest: HandoffManifest | None = None
         self.handle: SendHandle | None = None
@@ -80,14 +105,16 @@ class _Prefill:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.sendall(self.contiguous)
 
-    def manifest_for(self, rid: str, xid: str) -> tuple[bytes, float, float]:
-        """Build the manifest; returns (its bytes, digest-only seconds, manifest seconds)."""
+    def manifest_for(self, rid: str, xid: str) -> tuple[bytes, dict[str, float], float]:
+        """Build the manifest; returns (its bytes, digest-only seconds per algorithm, manifest seconds)."""
+        digest_s = {}
+        for algorithm in ALGORITHMS:  # the same pages, one algorithm after the other
+            t0 = time.perf_counter()
+            page_digests(self.src, self.pages, algorithm)
+            digest_s[algorithm] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        page_digests(self.src, self.pages)
-        t1 = time.perf_counter()
         self.manifest = build_manifest(rid, xid, self.ids, self.src, self.pages)
-        t2 = time.perf_counter()
-        return self.manifest.to_bytes(), t1 - t0, t2 - t1
+        return self.manifest.to_bytes(), digest_s, time.perf_counter() - t0
 
     def send(self, address: str) -> None:
         assert self.manifest is not None
@@ -104,8 +131,8 @@ class _Prefill:
 
 def _prefill_process(conn: Any, args: tuple) -> None:
     """Child process: a `_Prefill` driven by (verb, *args) commands on a pipe."""
-    layout_desc, num_pages, cfg, key_hex = args
-    prefill = _Prefill(KVLayout.from_description(layout_desc), num_pages, cfg, key_hex)
+    layout_desc, num_pages, cfg, key_hex, device, device_paths = args
+    prefill = _Prefill(KVLayout.from_description(layout_desc), num_pages, cfg, key_hex, device, device_paths)
     conn.send("ready")
     while True:
         verb, *rest = conn.recv()
@@ -119,10 +146,19 @@ def _prefill_process(conn: Any, args: tuple) -> None:
 class _ChildPrefill:
     """The same verbs as `_Prefill`, run in a child process (no GIL shared with the receiver)."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, cfg: TransferConfig, key_hex: str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        cfg: TransferConfig,
+        key_hex: str,
+        device: str = "cpu",
+        device_paths: bool = False,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_process, args=(child, (layout.describe(), num_pages, cfg, key_hex)))
+        desc = (layout.describe(), num_pages, cfg, key_hex, device, device_paths)
+        self.proc = ctx.Process(target=_prefill_process, args=(child, desc))
         self.proc.start()
         assert self.conn.recv() == "ready"
 
@@ -154,15 +190,18 @@ def run_handoff_bench(
     repeats: int = 5,
     processes: bool = True,
     verbose: bool = True,
+    device: str = "cpu",
+    device_paths: bool = False,
 ) -> dict[str, Any]:
     """Time raw copy, kvfence TCP transfer, manifest and verification; returns the medians and ratios.
 
     processes=True: the sender (prefill) runs in a child process, the receiver (decode) here;
     processes=False: both in this process, on threads (they then share the GIL).
+    device: where both pools live; device_paths: CPU pools that take the device paths (staging, mlh62).
     """
     layout = _make_layout(num_layers, num_kv_heads, head_dim, page_size, dtype)
     cfg = TransferConfig(max_transfer_pages=max_transfer_pages, max_inflight_bytes=max_inflight_mb << 20)
-    dst = KVPool(layout, num_pages)
+    dst = _pool(layout, num_pages, device, device_paths)
     for layer in dst.tensors:
         for t in layer.values():
             t.fill_(1.0)  # touch every page so first-write page faults are not timed
@@ -171,11 +210,18 @@ def run_handoff_bench(
     expect_hash = token_hash(list(range(num_pages * page_size)))
     sink = bytearray(total)
     key = ClusterKey.generate()  # the pair authenticates as a deployment does (handshake, frame MACs, sealed manifest)
-    prefill: Any = (_ChildPrefill if processes else _Prefill)(layout, num_pages, cfg, key.to_hex())
+    prefill: Any = (_ChildPrefill if processes else _Prefill)(
+        layout, num_pages, cfg, key.to_hex(), device, device_paths
+    )
     receiver = TcpReceiver(dst, auth=PlaneAuth(key))
     listener = socket.create_server(("127.0.0.1", 0))
 
-    raw_s, tcp_s, digest_s, manifest_s, verify_s = [], [], [], [], []
+    raw_s: list[float] = []
+    tcp_s: list[float] = []
+    manifest_s: list[float] = []
+    digest_s: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
+    verify_s: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
+    algorithm = ""
     try:
         for r in range(repeats):
             t0 = time.perf_counter()
@@ -197,9 +243,11 @@ def run_handoff_bench(
             rid = f"bench-{r}"
             xid = new_transfer_id()
             mbytes, d_s, m_s = prefill.manifest_for(rid, xid)
-            digest_s.append(d_s)
+            for a in ALGORITHMS:
+                digest_s[a].append(d_s[a])
             manifest_s.append(m_s)
             m = HandoffManifest.from_bytes(mbytes)
+            algorithm = m.digest_algorithm
             slot = receiver.expect(rid, dest, xid)
             t0 = time.perf_counter()
             prefill.send(receiver.address)
@@ -210,11 +258,15 @@ def run_handoff_bench(
             if processes:
                 prefill.done()
 
-            t0 = time.perf_counter()
             expect = Expectation(rid, m.num_tokens, expect_hash, xid)
-            res = verify_handoff(m, expect, layout, dest, slot.coverage, dst)
-            verify_s.append(time.perf_counter() - t0)
-            assert res.ok, res
+            for a in sorted(ALGORITHMS, key=lambda a: a != algorithm):  # the manifest's algorithm first
+                ma = m
+                if a != algorithm:  # the same manifest with the other algorithm's digests (of the landed pages)
+                    ma = dataclasses.replace(m, digest_algorithm=a, page_digests=tuple(page_digests(dst, dest, a)))
+                t0 = time.perf_counter()
+                res = verify_handoff(ma, expect, layout, dest, slot.coverage, dst)
+                verify_s[a].append(time.perf_counter() - t0)
+                assert res.ok, res
             receiver.verdict(rid, True)
             assert prefill.wait() == "verified"
             receiver.forget(rid)
@@ -225,11 +277,20 @@ def run_handoff_bench(
         receiver.close()
         listener.close()
 
-    med = {k: statistics.median(v) for k, v in
-           dict(raw=raw_s, tcp=tcp_s, digest=digest_s, manifest=manifest_s, verify=verify_s).items()}  # fmt: skip
+    med = {
+        "raw": statistics.median(raw_s),
+        "tcp": statistics.median(tcp_s),
+        "manifest": statistics.median(manifest_s),
+        "digest": statistics.median(digest_s[algorithm]),
+        "verify": statistics.median(verify_s[algorithm]),
+        **{f"digest_{a}": statistics.median(v) for a, v in digest_s.items()},
+        **{f"verify_{a}": statistics.median(v) for a, v in verify_s.items()},
+    }
     gbps = {k: total / v / 1e9 for k, v in med.items()}
     result = {
         "mode": "two processes" if processes else "two threads",
+        "device": device + (" (device paths)" if device_paths else ""),
+        "digest_algorithm": algorithm,
         "layout": layout.describe(),
         "num_pages": num_pages,
         "bytes_per_page": layout.bytes_per_page,
@@ -240,6 +301,7 @@ def run_handoff_bench(
         "tcp_vs_raw": gbps["tcp"] / gbps["raw"],
         "verify_vs_transfer": med["verify"] / med["tcp"],
         "manifest_vs_transfer": med["manifest"] / med["tcp"],
+        "mlh_vs_xxh3_digest": med[f"digest_{MLH_ALGORITHM}"] / med[f"digest_{DIGEST_ALGORITHM}"],
         "handoff_total_vs_raw": (med["manifest"] + med["tcp"] + med["verify"]) / med["raw"],
     }
     if verbose:
@@ -253,19 +315,33 @@ def format_table(r: dict[str, Any]) -> str:
         f"KV handoff bench: {lay['architecture']} layout, {lay['num_layers']} layers x "
         f"{[b['name'] for b in lay['buffers']]} {lay['buffers'][0]['token_shape']} {lay['dtype']}, "
         f"page {lay['page_size']} tokens = {r['bytes_per_page'] / 1024:.0f} KiB, {r['num_pages']} pages = "
-        f"{r['total_bytes'] / 2**20:.0f} MiB; sender and receiver in {r['mode']}; median of {r['repeats']}"
+        f"{r['total_bytes'] / 2**20:.0f} MiB; pools on {r.get('device', 'cpu')}; sender and receiver in "
+        f"{r['mode']}; median of {r['repeats']}"
     )
+    algo = r.get("digest_algorithm", DIGEST_ALGORITHM)
     rows = [
         ("raw socket copy (baseline)", "raw", "1.00"),
         ("kvfence TCP transfer", "tcp", f"{r['tcp_vs_raw']:.2f} x raw throughput"),
-        ("digests only (prefill)", "digest", ""),
-        ("manifest: digests+canaries", "manifest", f"{r['manifest_vs_transfer']:.2f} x transfer time"),
-        ("verify on decode", "verify", f"{r['verify_vs_transfer']:.2f} x transfer time"),
+        *[(f"digests only, {a} (prefill)", f"digest_{a}", "") for a in ALGORITHMS if f"digest_{a}" in r["seconds"]],
+        (f"manifest ({algo}): digests+canaries", "manifest", f"{r['manifest_vs_transfer']:.2f} x transfer time"),
+        *[
+            (
+                f"verify on decode, {a}",
+                f"verify_{a}",
+                f"{r['seconds'][f'verify_{a}'] / r['seconds']['tcp']:.2f} x transfer time",
+            )
+            for a in ALGORITHMS
+            if f"verify_{a}" in r["seconds"]
+        ],
     ]
-    lines = [head, f"{'step':<30}{'ms':>10}{'GB/s':>10}  ratio", "-" * 78]
+    lines = [head, f"{'step':<36}{'ms':>10}{'GB/s':>10}  ratio", "-" * 84]
     for name, key, ratio in rows:
-        lines.append(f"{name:<30}{r['seconds'][key] * 1e3:>10.1f}{r['gb_per_s'][key]:>10.2f}  {ratio}")
-    lines.append(f"whole handoff (manifest + transfer + verify) = {r['handoff_total_vs_raw']:.2f} x raw copy time")
+        lines.append(f"{name:<36}{r['seconds'][key] * 1e3:>10.1f}{r['gb_per_s'][key]:>10.2f}  {ratio}")
+    if "mlh_vs_xxh3_digest" in r:
+        lines.append(f"digest time, mlh62 / xxh3_64 = {r['mlh_vs_xxh3_digest']:.2f}")
+    lines.append(
+        f"whole handoff (manifest + transfer + verify, {algo}) = {r['handoff_total_vs_raw']:.2f} x raw copy time"
+    )
     return "\n".join(lines)
 
 
@@ -280,6 +356,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", action="store_true", help="run sender and receiver as threads of one process")
+    p.add_argument("--device", default="cpu", help="torch device of both KV pools (e.g. cuda; default cpu)")
+    p.add_argument(
+        "--device-paths",
+        action="store_true",
+        help="treat CPU pools as device memory: host staging for the transfer, mlh62 digests in the manifest",
+    )
     p.add_argument(
         "--e2e-rounds",
         type=int,
@@ -291,7 +373,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-model", default=None, metavar="DIR", help="model for --e2e-rounds (default: built-in)")
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have, in one line (KvfenceError: exit 2)."""
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise KvfenceError(f"--device {device!r} is not a torch device: {e}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise KvfenceError(f"--device {device}: no CUDA device is available here (torch {torch.__version__})")
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_device(args.device)
     run_handoff_bench(
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
@@ -303,6 +396,8 @@ def _run(args: argparse.Namespace) -> int:
         max_inflight_mb=args.max_inflight_mb,
         repeats=args.repeats,
         processes=not args.threads,
+        device=args.device,
+        device_paths=args.device_paths,
     )
     if args.e2e_rounds > 0:
         from kvfence.bench import handoff_e2e

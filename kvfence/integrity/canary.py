@@ -12,6 +12,10 @@ Because the seed is the request id, a canary copied from another request's manif
 does not match even when the page bytes happen to; and because the check gathers
 only L*B*samples bytes per page, it is much cheaper than a full digest.
 
+Where the pool lives does not change a canary: on a host-visible pool the bytes are gathered through
+numpy views, on a device pool by one torch gather per slice on the device, and only the sampled bytes
+(pages x slices x samples) come to the host to be hashed; both give the same canaries.
+
 What it does not know: whether a mismatch should fail the request (`integrity.verify`).
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 import xxhash
 
 from kvfence.integrity.digest import PageBytes
@@ -59,12 +64,27 @@ def canary_offsets(
 
 def _gather(pool: KVPool, pages: Sequence[int], request_id: str, samples: int) -> np.ndarray:
     """Sampled bytes [P, num_slices * samples] of `pages` (logical order) in `pool`."""
+    if not pool.host_visible:
+        return _gather_on_device(pool, pages, request_id, samples)
     rows = np.asarray(pages, dtype=np.int64)[:, None]  # [P, 1]
     cols: list[np.ndarray] = []
     for slice_index, flat in enumerate(PageBytes(pool).slices):  # flat: [num_pages, slice_bytes], layout order
         offs = canary_offsets(request_id, slice_index, flat.shape[1], len(rows), samples)  # [P, K]
         cols.append(flat[rows, offs])  # [P, K]
     return np.concatenate(cols, axis=1)  # [P, S * K]
+
+
+def _gather_on_device(pool: KVPool, pages: Sequence[int], request_id: str, samples: int) -> np.ndarray:
+    """`_gather` by torch ops where the pool lives; only the sampled bytes come back."""
+    slices = pool.slice_offsets()  # (layer, buffer, offset, bytes), layout order
+    offs = np.stack(
+        [canary_offsets(request_id, s, nb, len(pages), samples) for s, (_, _, _, nb) in enumerate(slices)]
+    )  # [S, P, K]
+    device = pool.tensors[0][pool.layout.buffers[0].name].device
+    cols_all = torch.as_tensor(offs, device=device)  # [S, P, K]: one upload for every slice
+    rows = torch.as_tensor(list(pages), dtype=torch.long, device=device)[:, None]  # [P, 1]
+    picked = [pool.page_rows(layer, name)[rows, cols_all[s]] for s, (layer, name, _, _) in enumerate(slices)]
+    return torch.cat(picked, dim=1).cpu().numpy()  # [P, S * K]
 
 
 def compute_canaries(pool: KVPool, pages: Sequence[int], request_id: str, samples: int = CANARY_SAMPLES) -> list[int]:

@@ -33,7 +33,7 @@ import numpy as np
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.canary import CANARY_SAMPLES, compute_canaries
-from kvfence.integrity.digest import DIGEST_ALGORITHM, page_digests, token_hash
+from kvfence.integrity.digest import DIGEST_ALGORITHM, digest_algorithm_for, page_digests, token_hash
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
 
@@ -192,6 +192,7 @@ def build_manifest(
         raise ValueError(f"request {request_id} has {len(pages)} pages, {num_tokens} tokens need {num_pages}")
     send_pages = list(pages[:num_pages])
     described = layout
+    algorithm = digest_algorithm_for(pool)  # computed where the pages live: nothing is read to the host for it
     if faults is not None and faults.hit("wrong_layout", request_id):
         described = KVLayout(layout.architecture, layout.num_layers, layout.buffers, layout.page_size * 2, layout.dtype)
     return HandoffManifest(
@@ -203,8 +204,9 @@ def build_manifest(
         layout=described.describe(),
         page_size=described.page_size,
         num_pages=num_pages,
-        page_digests=tuple(page_digests(pool, send_pages)),
+        page_digests=tuple(page_digests(pool, send_pages, algorithm)),
         canaries=tuple(compute_canaries(pool, send_pages, request_id)),
+        digest_algorithm=algorithm,
         first_token=first_token,
         first_logprobs=first_logprobs,
     )

@@ -121,6 +121,7 @@ class IntegrityRecord:
             tokens_expected=tokens_expected,
             tokens_covered=result.tokens_covered,
             pages=pages,
+            digest_algorithm=result.digest_algorithm or DIGEST_ALGORITHM,
             layout_fingerprint=layout_fingerprint,
             transfer_ref=transfer_ref,
             authenticated=authenticated,

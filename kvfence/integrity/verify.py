@@ -12,7 +12,8 @@ decode's pool are the prompt the router asked for:
                             pages decode allocated == digests/canaries in the manifest
   6. coverage_gap           every allocated page written in full exactly once by this
                             transfer (the receiver's `CoverageBitmap`), nothing outside
-  7. digest_mismatch        xxh3_64 of each destination page, recomputed now, == manifest
+  7. digest_mismatch        the digest of each destination page, recomputed now with the manifest's
+                            algorithm (xxh3_64 or mlh62, `integrity.digest`) where the pool lives, == manifest
   8. canary_mismatch        sampled canaries of each destination page == manifest
 
 The router's expectation is independent of prefill: a manifest that covers fewer
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvfence.integrity.canary import check_canaries
-from kvfence.integrity.digest import DIGEST_ALGORITHM, PageBytes, page_digest
+from kvfence.integrity.digest import DIGEST_ALGORITHMS, page_digests
 from kvfence.integrity.manifest import HandoffManifest, pages_for_tokens
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
@@ -85,6 +86,7 @@ class VerifyResult(NamedTuple):
     detail: str
     pages_checked: int
     tokens_covered: int
+    digest_algorithm: str | None = None  # the manifest's, once verification got as far as reading it
 
 
 class CoverageBitmap:
@@ -134,8 +136,10 @@ class CoverageBitmap:
         return "; ".join(parts) or "complete"
 
 
-def _fail(reason: Reason, detail: str, pages_checked: int = 0, tokens_covered: int = 0) -> VerifyResult:
-    return VerifyResult(False, reason, detail, pages_checked, tokens_covered)
+def _fail(
+    reason: Reason, detail: str, pages_checked: int = 0, tokens_covered: int = 0, algorithm: str | None = None
+) -> VerifyResult:
+    return VerifyResult(False, reason, detail, pages_checked, tokens_covered, algorithm)
 
 
 def verify_handoff(
@@ -163,37 +167,49 @@ def verify_handoff(
             f"manifest layout {m.layout_fingerprint} (described {described}) differs from decode layout "
             f"{layout.fingerprint} {layout.describe()}",
         )
-    if m.digest_algorithm != DIGEST_ALGORITHM:
-        return _fail(Reason.LAYOUT_MISMATCH, f"digest algorithm {m.digest_algorithm!r}, decode uses {DIGEST_ALGORITHM}")
+    if m.digest_algorithm not in DIGEST_ALGORITHMS:
+        return _fail(
+            Reason.LAYOUT_MISMATCH,
+            f"digest algorithm {m.digest_algorithm!r} is unknown; decode verifies {', '.join(DIGEST_ALGORITHMS)}",
+        )
+    algo = m.digest_algorithm
     if m.num_tokens != expect.tokens_expected:
         return _fail(
             Reason.TOKEN_COUNT_MISMATCH,
             f"manifest covers {m.num_tokens} tokens, router expects {expect.tokens_expected}",
+            algorithm=algo,
         )
     if m.token_hash != expect.token_hash:
-        return _fail(Reason.TOKEN_HASH_MISMATCH, f"manifest token hash {m.token_hash}, router's is {expect.token_hash}")
+        return _fail(
+            Reason.TOKEN_HASH_MISMATCH,
+            f"manifest token hash {m.token_hash}, router's is {expect.token_hash}",
+            algorithm=algo,
+        )
     need = pages_for_tokens(expect.tokens_expected, ps)
     if not (m.num_pages == need == len(dest_pages) == coverage.num_pages):
         return _fail(
             Reason.PAGE_COUNT_MISMATCH,
             f"{expect.tokens_expected} tokens need {need} pages of {ps}; manifest has {m.num_pages}, "
             f"decode allocated {len(dest_pages)}, coverage tracks {coverage.num_pages}",
+            algorithm=algo,
         )
     if not coverage.complete:
         return _fail(
             Reason.COVERAGE_GAP,
             coverage.describe_gaps(),
             tokens_covered=min(expect.tokens_expected, coverage.num_covered * ps),
+            algorithm=algo,
         )
-    pb = PageBytes(pool)
+    # computed where the pool lives (mlh62 on a device pool: only the digests come to the host)
+    got = page_digests(pool, dest_pages, algo)
     for i, page in enumerate(dest_pages):
-        got = page_digest(pb, page)
-        if got != m.page_digests[i]:
+        if got[i] != m.page_digests[i]:
             return _fail(
                 Reason.DIGEST_MISMATCH,
-                f"logical page {i} (decode page {page}): digest {got:016x}, manifest {m.page_digests[i]:016x}",
+                f"logical page {i} (decode page {page}): {algo} {got[i]:016x}, manifest {m.page_digests[i]:016x}",
                 pages_checked=i + 1,
                 tokens_covered=min(expect.tokens_expected, i * ps),
+                algorithm=algo,
             )
     if check_canary:
         bad = check_canaries(pool, dest_pages, expect.request_id, m.canaries, m.canary_samples)
@@ -203,5 +219,6 @@ def verify_handoff(
                 f"{len(bad)} page(s) with broken canaries (logical {bad[:8]})",
                 pages_checked=len(dest_pages),
                 tokens_covered=min(expect.tokens_expected, bad[0] * ps),
+                algorithm=algo,
             )
-    return VerifyResult(True, None, "verified", len(dest_pages), expect.tokens_expected)
+    return VerifyResult(True, None, "verified", len(dest_pages), expect.tokens_expected, algo)

@@ -43,6 +43,11 @@ move (`PageMover`) and how frames travel (`Link`):
   blocked read fails and the write ends) and the slot settles when its write has ended.
 - Page frames count only on the connection the transfer's manifest came in on; a page for
   the same transfer arriving on another connection is discarded.
+- A device pool (`KVPool.host_visible` False) is never touched through host views: prefill sends from
+  host buffers its pages were copied into (`transfer.staging.StagedPages`), decode reads pages into a
+  connection's host buffers and copies them to the pool (`transfer.staging.PageLanding`); a page write
+  then lasts until that copy has finished, and a transport drains its landing before it applies any
+  other frame of the connection, so `done` is seen only when every page is in the pool.
 - A transfer id is a capability: the router draws it (`new_transfer_id`, 128 random bits) and
   sends it to exactly the prefill and the decode worker it picked; decode's slot accepts only a
   manifest carrying that id, sealed with the cluster key (`integrity.manifest.seal`). A manifest
@@ -76,6 +81,7 @@ from kvfence.integrity.digest import PageBytes
 from kvfence.integrity.manifest import HandoffManifest, ManifestAuthError, ManifestError, seal, unseal
 from kvfence.integrity.verify import CoverageBitmap
 from kvfence.kv.pool import KVPool
+from kvfence.transfer.staging import HostStaging, PageLanding, StagedPages, landing_rows
 
 Header = dict[str, Any]
 Payload = Sequence[bytes | bytearray | memoryview]
@@ -216,7 +222,9 @@ class ReceiverCore:
     ) -> None:
         self.pool = pool
         self.auth = auth
-        self.page_bytes = PageBytes(pool)
+        # a host-visible pool is written in place through its views; a device pool through a connection's landing
+        self.page_bytes = PageBytes(pool) if pool.host_visible else None
+        self.staging = None if pool.host_visible else HostStaging(pool, landing_rows(pool.layout.bytes_per_page))
         self.faults = faults
         self.one_sided = one_sided
         self.pending_ttl_s = pending_ttl_s  # how long an early manifest waits for decode to reserve its request
@@ -439,6 +447,11 @@ class ReceiverCore:
         for r, p, why in refused:
             _reply(p.link, {"t": "error", "rid": r, "xid": p.xid, "reason": why})
 
+    def landing(self) -> PageLanding | None:
+        """A connection's landing for a device pool (None: pages are written in place); the transport calls its
+        `commit` after each `pages` frame, `drain` before any other frame and `close` when the connection ends."""
+        return None if self.staging is None else PageLanding(self.staging)
+
     def receive_page(
         self,
         rid: str,
@@ -447,14 +460,22 @@ class ReceiverCore:
         nbytes: int,
         fill: Callable[[list[memoryview] | None, int], None],
         link: Link | None = None,
+        landing: PageLanding | None = None,
+        notice: bool = False,
     ) -> None:
         """Land one page: `fill(views, nbytes)` must consume exactly `nbytes` of input, writing into
         `views` (the destination page, logical order) or discarding when `views` is None. Transports pass
-        the `link` the page came on: a page from any other connection than the manifest's is discarded."""
+        the `link` the page came on: a page from any other connection than the manifest's is discarded.
+        On a device pool `views` are a row of the connection's `landing`, copied to the page later; a
+        `notice` (Mooncake) carries no bytes (they were written elsewhere) and only counts the page."""
         slot = self._slots.get(rid)
         if slot is None or slot.transfer_id != xid or (link is not None and link is not slot.link):
             fill(None, nbytes)
             return
+        staged = self.page_bytes is None and not notice
+        if staged:
+            assert landing is not None, "a device pool's pages land through the connection's PageLanding"
+            row, row_views = landing.reserve()  # before the slot lock: it may wait for an older copy to finish
         with slot.lock:
             inside = 0 <= index < len(slot.dest_pages)
             accepting = (
@@ -464,14 +485,31 @@ class ReceiverCore:
             if accepting and inside and not slot.closed and self.faults is not None:
                 p = self.faults.point("stale_page", rid)
                 stale = p is not None and p.page == index and self.faults.hit("stale_page", rid) is not None
-            views = self.page_bytes.views(slot.dest_pages[index]) if accepting and inside and not stale else None
-            if views is not None:
+            views: list[memoryview] | None = None
+            if accepting and inside and not stale:
+                if notice:
+                    views = []
+                elif staged:
+                    views = row_views
+                else:
+                    assert self.page_bytes is not None
+                    views = self.page_bytes.views(slot.dest_pages[index])
                 slot.writing += 1  # closing now cannot settle the slot until this write ends
+            dest = slot.dest_pages[index] if inside else -1
+        held = False
         try:
             fill(views, nbytes)  # outside the lock: a stalled sender never blocks decode's abort()
+            if staged and views is not None:
+                if nbytes == self.pool.layout.bytes_per_page:
+                    assert landing is not None
+                    landing.hold(row, slot, dest)  # its copy to the pool ends the write
+                    held = True
+                elif nbytes:
+                    assert landing is not None
+                    landing.write_prefix(row, dest, nbytes)
         finally:
             with slot.lock:
-                if views is not None:
+                if views is not None and not held:
                     slot.writing -= 1
         with slot.lock:
             slot.bytes_received += nbytes
@@ -723,6 +761,11 @@ class PageMover(Protocol):
         `damage` says); returns the payload of the chunk's `pages` frame."""
         ...
 
+    def lookahead(self, chunk: list[int], srcs: list[int]) -> None:
+        """Called after `move` returned a chunk's payload and before that payload is sent: the chunk that will be
+        moved next (a mover may start copying it now, so the copy overlaps the send)."""
+        ...
+
 
 class InlinePages:
     """The two-sided step (local, TCP): a chunk's page bytes travel in its `pages` frame, back to back."""
@@ -736,6 +779,9 @@ class InlinePages:
 
     def can_move(self) -> bool:
         return True
+
+    def lookahead(self, chunk: list[int], srcs: list[int]) -> None:
+        pass  # nothing to copy ahead: the pool's views are sent as they are
 
     def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
         pieces: list[bytes | bytearray | memoryview] = []
@@ -762,17 +808,20 @@ def run_send(
     manifest_key: bytes,
     faults: FaultInjector | None = None,
     mover: PageMover | None = None,
+    staging: HostStaging | None = None,
 ) -> None:
     """Send one transfer over `link` (blocking; transports run it on a thread).
 
     Sends the manifest (sealed with `manifest_key`), then the first `manifest.num_pages` of `src_pages` (logical order)
-    in chunks moved by `mover` (default: `InlinePages`), honouring the in-flight bound, then
-    `done` (or `abort`/`aborted`). Fault hooks: short_write, drop_page, corrupt_byte,
-    reorder_pages (`plan_faults`), delayed_write_after_abort.
+    in chunks moved by `mover` (default: `InlinePages` for a host-visible pool, else `StagedPages` through `staging`,
+    the sender's buffers), honouring the in-flight bound, then `done` (or `abort`/`aborted`). Fault hooks:
+    short_write, drop_page, corrupt_byte, reorder_pages (`plan_faults`), delayed_write_after_abort.
     """
     m = handle.manifest
     rid, xid = m.request_id, m.transfer_id
-    mover = mover or InlinePages(pool)
+    own = mover is None  # a mover made here is closed here
+    if mover is None:
+        mover = default_mover(pool, config, staging)
     bpp = pool.layout.bytes_per_page
     deadline = handle.started_at + config.send_timeout_s
     assert len(src_pages) >= m.num_pages, (len(src_pages), m.num_pages)
@@ -825,6 +874,9 @@ def run_send(
                 faults.hit("delayed_write_after_abort", rid)  # type: ignore[union-attr]
                 time.sleep(late.delay_s)  # keep writing after the abort, slowly
             payload = mover.move(chunk, [src_pages[source[i]] for i in chunk], damage)
+            upcoming = order[start + config.max_transfer_pages : start + 2 * config.max_transfer_pages]
+            if upcoming:
+                mover.lookahead(upcoming, [src_pages[source[i]] for i in upcoming])
             link.send({"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": sizes}, payload)
             handle.chunks_sent += 1
             handle.max_chunk_pages = max(handle.max_chunk_pages, len(chunk))
@@ -843,10 +895,25 @@ def run_send(
         handle.peer_lost = not handle.finished
         handle._set(SendStatus.ERROR, f"connection to decode failed: {e}")
     finally:
+        if own and isinstance(mover, StagedPages):
+            mover.close()  # before sender_done: the copies read the source pages
         with handle._cond:
             handle.sender_done = True
             handle.done_at = time.monotonic()
             handle._cond.notify_all()
+
+
+def default_mover(pool: KVPool, config: TransferConfig, staging: HostStaging | None = None) -> PageMover:
+    """How a two-sided transport moves `pool`'s pages: in place from a host-visible pool, else through host staging
+    (`staging`: the sender's buffers, kept across transfers; one is made for this transfer when None)."""
+    if pool.host_visible:
+        return InlinePages(pool)
+    return StagedPages(staging or HostStaging(pool, config.max_transfer_pages))
+
+
+def sender_staging(pool: KVPool, config: TransferConfig) -> HostStaging | None:
+    """A sender's staging buffers for `pool` (None for a host-visible pool): two chunks of `max_transfer_pages`."""
+    return None if pool.host_visible else HostStaging(pool, config.max_transfer_pages)
 
 
 def _last_frame(handle: SendHandle) -> Header:

@@ -35,7 +35,9 @@ from kvfence.transfer.base import (
     TransferConfig,
     fill_from_bytes,
     run_send,
+    sender_staging,
 )
+from kvfence.transfer.staging import PageLanding
 
 _CLOSED = "__link_closed__"
 
@@ -114,25 +116,38 @@ class LocalReceiver(ReceiverBase):
         self._thread.start()
 
     def _loop(self) -> None:
+        landing = self.core.landing()  # a device pool's pages land in host buffers first (one thread: one landing)
+        try:
+            self._apply(landing)
+        finally:
+            if landing is not None:
+                landing.close()
+
+    def _apply(self, landing: PageLanding | None) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
             reply, header, data = item
             kind = header.get("t")
-            if kind == _CLOSED:
-                reply.closed = True
-                self.core.link_closed(reply)
-            elif kind == "pages":
+            if kind == "pages":
                 rid, xid = str(header["rid"]), str(header["xid"])
                 off = 0
                 for idx, nb in zip(header["idx"], header["nb"], strict=True):
                     self.core.receive_page(
-                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb]), reply
+                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb]), reply, landing
                     )
                     off += nb
+                if landing is not None:
+                    landing.commit()
                 if not reply.closed:
                     reply.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": len(data)})
+                continue
+            if landing is not None:
+                landing.drain()  # any other frame counts only once every page read is in the pool
+            if kind == _CLOSED:
+                reply.closed = True
+                self.core.link_closed(reply)
             else:
                 self.core.on_frame(reply, header, data)
 
@@ -162,6 +177,7 @@ class LocalSender(SenderBase):
         self.faults = faults
         self.auth = auth
         self.core = SenderCore()
+        self.staging = sender_staging(pool, self.config)  # host buffers for a device pool, reused across transfers
         self._connections: dict[str, _Connection] = {}
         self._lock = threading.Lock()
 
@@ -177,7 +193,9 @@ class LocalSender(SenderBase):
         return str(error)
 
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
-        run_send(link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults)
+        run_send(
+            link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults, staging=self.staging
+        )
 
     def close(self) -> None:
         """Close every connection: receivers see the link go, live handles fail."""

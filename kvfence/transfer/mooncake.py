@@ -33,6 +33,13 @@ the peer did not register, or unregistered, is refused). So neither side ever re
   provably stopped (a `fenced` frame it sends over a new connection once its send thread has ended), because a
   write the engine accepted before may still be copying into it; a sender that never comes back keeps that
   memory, not pool pages (`landing_bytes_retained`).
+- A device pool (CUDA, `KVPool.host_visible` False) changes nothing above: the areas are host memory either way
+  (prefill gathers a chunk's pages on the device and copies them into its staging area; decode copies the landing
+  area to the device after unregistering it). Which Mooncake build registers GPU memory: the non-CUDA wheel
+  (`mooncake-transfer-engine-non-cuda`, `mooncake.engine.SUPPORT_CUDA` False) treats every address as host memory,
+  so a GPU pointer must never reach it; the CUDA wheel (`mooncake-transfer-engine`) detects device memory and, over
+  TCP, copies it through a host buffer per chunk, over RDMA registers it for GPUDirect. kvfence registers host
+  areas only, with either wheel (docs/mooncake.md, "GPU memory").
 - A write finished by the engine has landed: Mooncake's TCP protocol v2 acknowledges a WRITE only once the
   destination memory holds it (so `MC_TCP_PROTO=1`, the unacknowledged v1 framing, is refused), and a notice
   is sent only after its writes finished. The receiver marks coverage from notices through
@@ -157,21 +164,23 @@ class _PageArea:
                 pass
 
     def fill_from(self, pool: KVPool, area_pages: Sequence[int], pool_pages: Sequence[int]) -> None:
-        """Copy pool pages into this block: pool_pages[j] -> area page area_pages[j]."""
+        """Copy pool pages into this block: pool_pages[j] -> area page area_pages[j] (from a device pool: gathered
+        on the device, one copy to the host per slice)."""
         dst = torch.as_tensor(list(area_pages), dtype=torch.long)
-        src = torch.as_tensor(list(pool_pages), dtype=torch.long)
+        src = torch.as_tensor(list(pool_pages), dtype=torch.long).to(pool.device)
         for layer, name, view in self.views:
-            view[dst] = pool.tensors[layer][name][src]
+            view[dst] = pool.tensors[layer][name].index_select(0, src).cpu()
 
     def copy_to(self, pool: KVPool, pool_pages: Sequence[int], skip: set[int]) -> None:
-        """Copy area page i into pool page pool_pages[i], for every i not in `skip`."""
+        """Copy area page i into pool page pool_pages[i], for every i not in `skip` (into a device pool: one copy
+        to the device per slice; the block is host memory, unregistered before this runs)."""
         keep = [i for i in range(min(len(pool_pages), self.num_pages)) if i not in skip]
         if not keep:
             return
         src = torch.as_tensor(keep, dtype=torch.long)
-        dst = torch.as_tensor([pool_pages[i] for i in keep], dtype=torch.long)
+        dst = torch.as_tensor([pool_pages[i] for i in keep], dtype=torch.long).to(pool.device)
         for layer, name, view in self.views:
-            pool.tensors[layer][name][dst] = view[src]
+            pool.tensors[layer][name].index_copy_(0, dst, view[src].to(pool.device))
 
     def flip_byte(self, page: int, offset: int) -> None:
         """Flip one byte of page `page` at `offset` in the page's logical byte order (the corrupt_byte fault)."""
@@ -322,7 +331,7 @@ class MooncakeReceiver(TcpReceiver):
         if plen or len(idx) != len(sizes) or any(not 0 <= nb <= bpp for nb in sizes):
             raise ValueError(f"malformed pages notice: {len(idx)} pages, sizes {sizes[:4]}..., payload {plen}")
         for i, nb in zip(idx, sizes, strict=True):
-            self.core.receive_page(rid, xid, i, nb, _landed, conn)  # the bytes are in the landing area already
+            self.core.receive_page(rid, xid, i, nb, _landed, conn, notice=True)  # the bytes are in the landing area
         conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": sum(sizes)})
 
     def _land(self, conn: _Conn, rid: str, xid: str) -> None:
@@ -463,6 +472,9 @@ class _OneSidedWrites:
 
     def can_move(self) -> bool:
         return self.handle.dest is not None and self.staging is not None  # nothing is written before decode said where
+
+    def lookahead(self, chunk: list[int], srcs: list[int]) -> None:
+        pass  # each chunk is staged and written in `move` (one synchronous write per chunk)
 
     def move(self, chunk: list[int], srcs: list[int], damage: dict[int, str]) -> Payload:
         dest, staging = self.handle.dest, self.staging

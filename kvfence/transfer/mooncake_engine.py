@@ -154,6 +154,18 @@ def mooncake_version() -> str | None:
     return None
 
 
+def mooncake_gpu_memory() -> bool | None:
+    """Whether the installed Mooncake build handles GPU memory (`mooncake.engine.SUPPORT_CUDA`: the CUDA wheel
+    `mooncake-transfer-engine`; the non-CUDA wheel says False and takes every address for host memory); None when
+    Mooncake does not import. kvfence registers host memory only either way (`transfer.mooncake`)."""
+    if package_missing_reason() is not None:
+        return None
+    try:
+        return bool(getattr(_import_engine(), "SUPPORT_CUDA", False))
+    except KvfenceError:
+        return None
+
+
 def package_missing_reason() -> str | None:
     """Why Mooncake cannot run when its package is not installed at all (found without importing it), else None."""
     try:

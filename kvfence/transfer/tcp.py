@@ -16,7 +16,10 @@ A `pages` frame's payload is its pages back to back, page k being
 `nb[k]` bytes in the layout's logical order. The sender hands the pool's page
 memoryviews straight to `sendmsg` (no copy on the way out); the receiver reads each
 page with `recv_into` straight into the destination page's memoryviews (no copy on
-the way in), under the slot lock of `ReceiverCore.receive_page`. A decode worker runs
+the way in), under the slot lock of `ReceiverCore.receive_page`. A device pool goes through
+host staging instead (`transfer.staging`): the sender sends each chunk from a host buffer
+while the next chunk is copied off the device, the receiver reads a chunk into a host buffer
+of its connection and copies it to the pool while it reads the next. A decode worker runs
 one `TcpReceiver` (a listening socket, one thread per connection); a prefill worker
 runs one `TcpSender` (one connection per decode address, one reader thread for
 acks/verdicts, one thread per transfer). Addresses look like "tcp://host:port".
@@ -51,7 +54,9 @@ from kvfence.transfer.base import (
     SendHandle,
     TransferConfig,
     run_send,
+    sender_staging,
 )
+from kvfence.transfer.staging import PageLanding
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +334,14 @@ class TcpReceiver(ReceiverBase):
 
     def _serve(self, conn: _Conn) -> None:
         """Apply the frames of one connection until it closes (raises on a malformed frame)."""
+        landing = self.core.landing()  # a device pool's pages land in host buffers first
+        try:
+            self._serve_frames(conn, landing)
+        finally:
+            if landing is not None:
+                landing.close()  # every page read is in the pool before the connection counts as closed
+
+    def _serve_frames(self, conn: _Conn, landing: PageLanding | None) -> None:
         scratch = memoryview(bytearray(_SCRATCH))  # per connection: discarded bytes land here
         bpp = self.core.pool.layout.bytes_per_page
 
@@ -358,10 +371,15 @@ class TcpReceiver(ReceiverBase):
                 if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
                     raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
                 for idx, nb in zip(header["idx"], sizes, strict=True):
-                    self.core.receive_page(rid, xid, int(idx), int(nb), fill, conn)
+                    self.core.receive_page(rid, xid, int(idx), int(nb), fill, conn, landing)
+                if landing is not None:
+                    landing.commit()  # copied to the pool while the next chunk is read
                 conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
             else:
-                self.core.on_frame(conn, header, _read_control_payload(conn, header, plen))
+                payload = _read_control_payload(conn, header, plen)
+                if landing is not None:
+                    landing.drain()  # `done` (or any other word) counts only once the pages are in the pool
+                self.core.on_frame(conn, header, payload)
 
     def close(self) -> None:
         """Stop listening, drop every connection (their slots settle) and wait for the threads to end."""
@@ -413,6 +431,7 @@ class TcpSender(SenderBase):
         self.faults = faults
         self.auth = auth
         self.core = SenderCore()
+        self.staging = sender_staging(pool, self.config)  # host buffers for a device pool, reused across transfers
         self._conns: dict[str, _Conn] = {}
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -468,7 +487,9 @@ class TcpSender(SenderBase):
         self.core.on_frame(header)
 
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
-        run_send(link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults)
+        run_send(
+            link, handle, self.pool, src_pages, self.config, self.auth.manifest_key, self.faults, staging=self.staging
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ import torch
 
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, PrefillHandoff, PrefillState
 from kvfence.faults import FaultInjector
-from kvfence.integrity.digest import token_hash
+from kvfence.integrity.digest import digest_algorithm_for, token_hash
 from kvfence.integrity.verify import Expectation
 from kvfence.kv.pool import KVPool
 from tests.helpers.auth import cap
@@ -26,7 +26,7 @@ def handoff_pair(rig: Any, rid: str, num_tokens: int, seed: int) -> tuple[Prefil
     g = torch.Generator().manual_seed(seed)
     for layer in rig.p_pool.tensors:
         for t in layer.values():
-            t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
+            t[pages] = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype).to(t.device)
     ids = [seed * 1000 + i for i in range(num_tokens)]
     dec = DecodeHandoff(
         Expectation(rid, num_tokens, token_hash(ids), cap(rid)),
@@ -96,6 +96,7 @@ def check_fault_case(rig: Any, make_pair: Any, fault: str, faults: FaultInjector
     assert bad_dec.record.status == "rejected" and bad_dec.record.reason == EXPECTED[fault], bad_dec.record
     assert bad_pre.state == PrefillState.FINISHED and bad_pre.outcome == "failed" and "rejected" in bad_pre.reason
     assert good_dec.state == DecodeState.VERIFIED and good_dec.record.status == "verified"
+    assert good_dec.record.digest_algorithm == digest_algorithm_for(rig.p_pool)  # mlh62 from a device pool
     assert good_pre.state == PrefillState.FINISHED and good_pre.outcome == "verified"
     assert same_bytes(good_src, rig.d_pool, good_dec.pages)
     assert rig.metrics.value("kvfence_handoff_failed_total", {"reason": EXPECTED[fault]}) == 1
