@@ -70,6 +70,10 @@ def test_disaggregated_through_device_paths_equals_aggregated(
     )
     try:
         assert not dep.prefill_engine.pool.host_visible and not dep.decode_engine.pool.host_visible
+        info = dep.router.server_info()  # what the manifests will name, per worker and for the deployment
+        assert info["digest_algorithm"] == "mlh62" and {w["digest_algorithm"] for w in info["workers"].values()} == {
+            "mlh62"
+        }
         got = run(dep, reqs)
         assert dep.wait_idle(15)
         for engine in (dep.prefill_engine, dep.decode_engine):

@@ -484,6 +484,7 @@ class Router:
                 "handoff_address": e.reg.handoff_address,
                 "pid": e.reg.settings.get("pid"),
                 "host": e.reg.settings.get("host"),
+                "digest_algorithm": e.reg.settings.get("digest_algorithm", DIGEST_ALGORITHM),
             }
             for e in entries
         }
@@ -494,7 +495,11 @@ class Router:
             "context_length": cap.context_length if cap else None,
             "page_size": cap.page_size if cap else None,
             "max_total_tokens": dict(cap.max_total_tokens) if cap else {},
-            "digest_algorithm": DIGEST_ALGORITHM,
+            # what prefill's manifests name (by where its pool lives: xxh3_64 on the host, mlh62 on a device)
+            "digest_algorithm": ",".join(
+                sorted({w["digest_algorithm"] for w in workers.values() if w["role"] == "prefill"})
+            )
+            or DIGEST_ALGORITHM,
             "router": dataclasses.asdict(self.config),
             "auth": {
                 **self.auth,

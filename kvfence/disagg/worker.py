@@ -232,6 +232,7 @@ class WorkerIdentity:
 
 def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_address: str = "") -> P.Register:
     """The Register message of a worker built around `engine` (an LLMEngine)."""
+    from kvfence.integrity.digest import digest_algorithm_for
     from kvfence.kv.layout import dtype_name
 
     r = engine.resolved
@@ -248,7 +249,12 @@ def registration_for(role: str, engine: Any, identity: WorkerIdentity, handoff_a
         layout_fingerprint=layout.fingerprint,
         layout=layout.describe(),
         handoff_address=handoff_address,
-        settings={**identity.settings, "num_pages": r.num_pages, "bytes_per_page": r.bytes_per_page},
+        settings={
+            **identity.settings,
+            "num_pages": r.num_pages,
+            "bytes_per_page": r.bytes_per_page,
+            "digest_algorithm": digest_algorithm_for(engine.pool),
+        },
         vocab_size=int(engine.vocab_size),
         instance=identity.instance,
     )
