@@ -18,6 +18,8 @@ What it does not know: messages (`disagg.messages`) or what a worker may do once
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +108,32 @@ class CurveServer:
             self.monitor.close(0)
         finally:
             self._auth.stop()
+
+
+def stop_monitor(sock: Any, monitor: Any, drain: Callable[[], None] | None = None) -> None:
+    """Stop `sock`'s event monitor without deadlocking. libzmq's I/O thread, when the monitor's queue is full (a
+    peer failing handshakes fast), blocks sending the next event while holding the lock `disable_monitor` needs,
+    so a helper thread empties the queue (through `drain`, which may count the events, else discarding them) until
+    the monitor has stopped. The monitor socket itself stays open: its owner closes it."""
+    import zmq
+
+    stopped = threading.Event()
+
+    def empty() -> None:
+        while not stopped.is_set():
+            if monitor.poll(20, zmq.POLLIN):
+                if drain is not None:
+                    drain()
+                else:
+                    monitor.recv_multipart()
+
+    t = threading.Thread(target=empty, name="kvfence-zmq-monitor-stop", daemon=True)
+    t.start()
+    try:
+        sock.disable_monitor()
+    finally:
+        stopped.set()
+        t.join()
 
 
 def make_client(sock: Any, keys: CurveKeys) -> None:

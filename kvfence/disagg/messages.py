@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvfence.auth.curve import CurveKeys, CurveServer
+from kvfence.auth.curve import CurveKeys, CurveServer, stop_monitor
 from kvfence.auth.curve import make_client as make_curve_client
 from kvfence.auth.events import SecurityEvent, SecurityEvents
 from kvfence.engine.sampler import TokenLogprobs
@@ -415,7 +415,7 @@ class ZmqChannel:
         if not self.closed:
             self.closed = True
             if self._monitor is not None:
-                self._sock.disable_monitor()
+                stop_monitor(self._sock, self._monitor)
                 self._monitor.close(0)
             self._sock.close(0)
             self._ctx.term()
@@ -523,7 +523,7 @@ class ZmqHub:
         with self._lock:
             self._flush()
             if self._curve is not None:
-                self._sock.disable_monitor()
+                stop_monitor(self._sock, self._curve.monitor, self._curve.drain_monitor)
                 self._curve.close()
             self._sock.close(linger=1000)  # let queued messages (Shutdown) reach the workers
             self._ctx.term()
