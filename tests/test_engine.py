@@ -20,8 +20,6 @@ from kvfence.errors import ContextLengthExceededError, InvalidRequestError
 MAX_NEW = 16
 
 
-
-
 def _native_unavailable() -> str | None:
     from kvfence.models.native_kernels import NativeKernelsUnavailable, load
 

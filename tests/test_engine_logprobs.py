@@ -22,8 +22,6 @@ from tests.helpers.reference_sampler import reference_processed
 K = 5
 
 
-
-
 def make_engine(loaded: Any, max_total_tokens: int | None = None, page_size: int = 16, **sched: Any) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(str(loaded.model_dir)),

@@ -102,7 +102,9 @@ class Sampler:
         lp_rows = [i for i in range(N) if wants[i]]
         if not lp_rows:
             return SamplerOutput(tokens, out)
-        lp = torch.stack([raw[raw_rows.index(i)] if i in raw_rows else processed[i] for i in lp_rows])  # [L, V]
+        lp = torch.stack(
+            [raw[raw_rows.index(i)] if raw is not None and i in raw_rows else processed[i] for i in lp_rows]
+        )  # [L, V]
         chosen = torch.tensor([tokens[i] for i in lp_rows], dtype=torch.long)
         for i, entry in zip(lp_rows, top_logprobs(lp, chosen, [params[i].logprobs or 0 for i in lp_rows]), strict=True):
             out[i] = entry

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvfence.errors import InvalidRequestError
 
@@ -44,7 +45,7 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """(token id, bias) pairs sorted by id, from a mapping or pairs; the values are checked later."""
     items = bias.items() if isinstance(bias, Mapping) else (bias or ())
     try:
-        pairs = [(k, v) for k, v in items]  # type: ignore[union-attr]
+        pairs = [(k, v) for k, v in items]  # type: ignore[union-attr,attr-defined]
         return tuple(sorted(pairs, key=lambda kv: kv[0] if _is_int(kv[0]) else -1))
     except (TypeError, ValueError):
         raise _bad("logit_bias", f"must map token ids to numbers, got {bias!r}") from None
@@ -60,6 +61,11 @@ class StructuredOutputs:
 
     json: str | None = None  # a JSON schema, as JSON text
     json_object: bool = False
+
+    @classmethod
+    def of_schema(cls, schema: Mapping[str, Any]) -> StructuredOutputs:
+        """The grammar of a JSON schema given as an object (kept as its canonical text)."""
+        return cls(json=json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
     def __post_init__(self) -> None:
         if isinstance(self.json, Mapping):

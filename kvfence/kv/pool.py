@@ -78,7 +78,7 @@ class KVPool:
     def page_memoryviews(self, page: int) -> list[memoryview]:
         """Raw bytes of one page (host-visible pools only), logical order, zero-copy."""
         assert self.host_visible, "raw byte views need a host-visible pool; device pools go through host staging"
-        return [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in self.page_views(page)]
+        return [v.view(torch.uint8).numpy().data.cast("B") for v in self.page_views(page)]
 
     def read_page(self, page: int) -> bytes:
         """A copy of one page's bytes in logical order."""

@@ -93,6 +93,7 @@ def paged_attention(
     # (equal-length decode, equal-length fresh prompts) and otherwise gives an additive one.
     mask, causal = None, False
     if fb.mask_mode == "bias":
+        assert fb.attn_bias is not None, "mask_mode bias comes with attn_bias"
         mask = fb.attn_bias.to(k.dtype)  # [B, 1, Q, K]
     elif fb.mask_mode == "causal":
         causal = True
@@ -128,6 +129,7 @@ def _decode_attention(
     qg = (q * scale).reshape(B, Hkv, H // Hkv, D).to(kt.dtype)  # [B, Hkv, G, D]: query heads grouped by KV head
     scores = torch.matmul(qg, kt)  # [B, Hkv, G, K], already scaled
     if fb.mask_mode == "bias":
+        assert fb.attn_bias is not None, "mask_mode bias comes with attn_bias"
         scores.add_(fb.attn_bias.to(scores.dtype))  # [B, 1, 1, K]: -inf past each sequence's length
     out = torch.matmul(scores.softmax(-1), v)  # [B, Hkv, G, Dv]
     return out.reshape(B, H, out.shape[-1]).to(q.dtype)  # [B, H, Dv]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,6 +55,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(c, dtype) if sparse_mlp else GatedMLP(c.hidden_size, c.intermediate_size, dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+
+class _Body(nn.Module):
+    """`model.*`: the embedding, the decoder layers and the final norm (named as the checkpoint names them)."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
 
 
 class _MLAForCausalLM(nn.Module):
@@ -96,7 +104,7 @@ class _MLAForCausalLM(nn.Module):
             assert len(self.indexer_types) == self.num_layers, self.indexer_types
             assert self.indexer_types[0] == "full", "the first layer must run its own indexer"
         with torch.device("meta"):  # weights come from load_weights; skip random init
-            self.model = nn.Module()
+            self.model = _Body()
             self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
             self.model.layers = nn.ModuleList(
                 DecoderLayer(
@@ -224,14 +232,15 @@ class _MLAForCausalLM(nn.Module):
         x = self.model.embed_tokens(fb.input_ids)  # [T, hidden]
         rope = self.rotary.table(fb.positions)  # cos/sin [T, Dr/2]
         key_mask: torch.Tensor | None = None  # [B, Q, K] DSA selection, carried to "shared" layers
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast(Iterable[DecoderLayer], self.model.layers)):
             cache = pool.layer_buffers(i)
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             query = attn.project_query(h)
             if self.has_indexer:
-                if hasattr(attn, "indexer"):
-                    key_mask = attn.indexer(h, query.q_resid, rope, fb, cache["index_k"])
+                indexer = cast("Indexer | None", getattr(attn, "indexer", None))
+                if indexer is not None:
+                    key_mask = indexer(h, query.q_resid, rope, fb, cache["index_k"])
                 else:  # "shared" layer: no index key of its own; define its bytes as zeros
                     store_kv(cache["index_k"], h.new_zeros(h.shape[0], cache["index_k"].shape[-1]), fb)
             x = x + attn(h, rope, fb, cache, key_mask, query)

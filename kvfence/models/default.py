@@ -206,7 +206,11 @@ def write_tokenizer(path: Path, model_max_length: int = 2048, vocab_size: int = 
     text = _tokenizer_json(vocab_size)
     tok = Tokenizer.from_str(text)
     (path / "tokenizer.json").write_text(text, encoding="utf-8")
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        assert token_id is not None, f"special token {t!r} missing from the trained vocabulary"
+        ids[t] = token_id
     added = {
         str(ids[t]): {
             "content": t,

@@ -49,6 +49,8 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """`mlp.gate`: weight [E, H] and e_score_correction_bias [E], both float32."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         c = hf_config

@@ -88,7 +88,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)  # e.g. {"bos_token": "<|bos|>", "eos_token": ...}
         self.eos_token_ids = frozenset(eos_token_ids)
         self.source = source
-        self._template = None  # compiled lazily
+        self._template: Any = None  # a jinja2 Template, compiled lazily
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, eos_token_ids: frozenset[int] | None = None) -> Tokenizer:
@@ -171,6 +171,7 @@ class Tokenizer:
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            assert self.chat_template is not None, "render_chat refuses models without one"
             self._template = env.from_string(self.chat_template)
         return self._template
 

@@ -61,7 +61,7 @@ def _structured_outputs(fmt: p.ResponseFormat | None) -> StructuredOutputs | Non
             code="missing_required_parameter",
             param="response_format.json_schema.schema",
         )
-    return StructuredOutputs(json=fmt.json_schema.schema_)
+    return StructuredOutputs.of_schema(fmt.json_schema.schema_)
 
 
 def _check_ids(param: str, ids: list[int], vocab_size: int | None) -> None:
@@ -121,7 +121,7 @@ def params_for(
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
-        logit_bias=logit_bias(req.logit_bias, vocab_size),
+        logit_bias=tuple(sorted(logit_bias(req.logit_bias, vocab_size).items())),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logprobs_mode=logprobs_mode,

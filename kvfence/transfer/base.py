@@ -856,14 +856,15 @@ def run_send(
             sizes = [bpp // 2 if damage.get(i) == "short_write" else bpp for i in chunk]
             nbytes = sum(sizes)
             with handle._cond:
-                ok = handle._cond.wait_for(
-                    lambda nbytes=nbytes: (
+
+                def room(nbytes: int = nbytes) -> bool:
+                    return (
                         stopping()
                         or handle.inflight_bytes == 0
                         or handle.inflight_bytes + nbytes <= config.max_inflight_bytes
-                    ),
-                    timeout=max(0.0, deadline - time.monotonic()),
-                )
+                    )
+
+                ok = handle._cond.wait_for(room, timeout=max(0.0, deadline - time.monotonic()))
                 if not ok:
                     handle.status, handle.reason = SendStatus.ERROR, f"send timed out after {config.send_timeout_s}s"
                 if stopping():

@@ -144,6 +144,7 @@ class VllmBlockPool(KVPool):
         self.layout = layout
         self.num_pages = num_blocks
         self.device = torch.device("cpu")
+        self.host_visible = True  # vLLM's CPU blocks: read and written through host views
         self.tensors = [{"kv": t} for t in layers]  # each [num_blocks, *block_shape]
 
 
