@@ -24,7 +24,6 @@ _DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "native")
 # How long the first use of the native kernels takes to build them; the README, --help and the build's log line say
 # this same text
-NATIVE_BUILD_ESTIMATE = "30-60 s on two idle cores, a few minutes on a busy machine"
 DEFAULT_MIN_POOL_TOKENS = 16384  # pool size when --max-total-tokens is not given (at least one context)
 
 
@@ -153,6 +152,8 @@ def add_engine_arguments(parser: Any) -> None:
     """Add --model, --dtype, --page-size, --max-total-tokens, ... to an argparse parser.
 
     Each default is the config dataclass's own (stated once, there)."""
+    from kvfence.models.native_kernels import NATIVE_BUILD_ESTIMATE
+
     g = parser.add_argument_group("model and engine")
     g.add_argument(
         "--model",

@@ -27,12 +27,12 @@ import httpx
 from kvfence.auth.keys import ENV_KEY, ClusterKey
 from kvfence.config import resolve_model_dir
 from kvfence.disagg.launcher import free_port
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.integrations.vllm.launch import VllmSpec, kvfence_transfer_config, start_all
 from kvfence.integrations.vllm.proxy import VllmPDClient, build_client, completion_logprobs, vllm_sampling
 from kvfence.models.tokenizer import Tokenizer
 from kvfence.server.api import ApiSettings, build_app
-from kvfence.server.engine_client import GenerationChunk
 from kvfence.server.launch import ServerThread
 
 NAME = "kvfence-tiny-llama"  # every target serves the model under this name (bench serve sends one name to all)

@@ -7,9 +7,9 @@ import logging
 import httpx
 import pytest
 
+from kvfence.engine.admission import admit, build_capacity, role_capacity
+from kvfence.engine.engine_client import Capacity
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
-from kvfence.server.admission import admit, build_capacity, role_capacity
-from kvfence.server.engine_client import Capacity
 from tests.helpers.api_fakes import MODEL, FakeEngine, serve
 
 PD = Capacity(context_length=1000, max_total_tokens={"prefill": 600, "decode": 800}, page_size=16)
@@ -63,7 +63,7 @@ def test_role_capacity_refuses_to_start_with_both_numbers_and_flags() -> None:
 
 
 def test_allow_context_above_pool_warns_and_caps(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvfence.server.admission"):
+    with caplog.at_level(logging.WARNING, logger="kvfence.engine.admission"):
         cap = build_capacity(4096, {"prefill": (100, 16), "decode": (200, 16)}, allow_context_above_pool=True)
     assert cap.max_total_tokens == {"prefill": 1600, "decode": 3200} and cap.context_length == 4096
     assert cap.max_request_tokens == 1600

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from kvfence.auth.keys import API_KEY_ENV, api_key_from
 from kvfence.server.api import ApiSettings, build_app, redacted_argv
-from kvfence.server.auth import API_KEY_ENV, api_key_from
 from kvfence.server.launch import ServerThread
 from tests.helpers.api_fakes import MODEL, ByteTokenizer, FakeEngine
 from tests.helpers.serve import kvfence_serve, kvfence_serve_process

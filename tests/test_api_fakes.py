@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import InvalidRequestError
-from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.api_fakes import FakeEngine, expected_text
 
 

@@ -162,7 +162,7 @@ def test_a_4gib_frame_header_costs_decode_nothing_and_it_stays_healthy(server: L
 def _start_worker(
     server: LaunchedServer, model_dir: Path, worker_id: str, key_args: list[str], log: Path
 ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kvfence.disagg.worker_main", "--role", "prefill", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "kvfence.commands.worker_main", "--role", "prefill", "--model", str(model_dir),
            "--router-address", f"tcp://127.0.0.1:{control_port(server)}", "--worker-id", worker_id,
            "--torch-threads", "1", *key_args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_KEY")}
@@ -262,7 +262,7 @@ def test_replayed_control_traffic_registers_nothing(
     """A real worker registers through a recording relay and goes away; its recorded bytes, replayed to the
     router's control port by the attacker, register nothing (CURVE's short-term keys make a recording useless)."""
     relay = _Recorder(("127.0.0.1", control_port(server)))
-    cmd = [sys.executable, "-m", "kvfence.disagg.worker_main", "--role", "prefill", "--model", str(tiny_llama_dir),
+    cmd = [sys.executable, "-m", "kvfence.commands.worker_main", "--role", "prefill", "--model", str(tiny_llama_dir),
            "--router-address", f"tcp://127.0.0.1:{relay.port}", "--worker-id", "prefill-recorded",
            "--torch-threads", "1", "--cluster-key-file", str(key_file)]  # fmt: skip
     with open(tmp_path / "w.log", "wb") as f:

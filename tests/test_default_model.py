@@ -162,8 +162,8 @@ def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
 
 def test_default_model_serves_like_transformers(kvfence_cache_dir: Path) -> None:
     """The built-in model through our loader and paged forward: greedy tokens equal transformers' generate."""
-    from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
     from kvfence.kv.pool import KVPool
+    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
     from kvfence.models.loader import load_model
 
     d = ensure_default_model()

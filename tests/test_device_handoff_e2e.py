@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.faults import FaultInjector
 from kvfence.kv.pool import KVPool
-from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.faults import EXPECTED
 from tests.helpers.inprocess import InProcessDeployment
 

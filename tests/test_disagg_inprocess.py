@@ -23,11 +23,11 @@ from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvfence.disagg import messages as P
 from kvfence.disagg.handoff import DecodeState, PrefillState
 from kvfence.disagg.router import RouterConfig
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError
 from kvfence.faults import FAULT_NAMES, FaultInjector
-from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.faults import EXPECTED
 from tests.helpers.inprocess import InProcessDeployment
 

@@ -1,6 +1,6 @@
 """Disaggregated serving across real processes: KV over TCP, control over zmq, HTTP through the API app.
 
-Two set-ups: (1) prefill and decode as child processes (`python -m kvfence.disagg.worker_main`)
+Two set-ups: (1) prefill and decode as child processes (`python -m kvfence.commands.worker_main`)
 registered with a `Router` in this process, so tests see token ids and choose request ids
 (fault targeting); (2) the launcher's three processes behind HTTP, used as a user would.
 """
@@ -56,7 +56,7 @@ class WorkerProcesses:
     def __init__(self, model_dir: Path, log_dir: Path, faults: str | None = None, transport: str = "tcp") -> None:
         self.hub = secure_hub()
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=20, request_timeout_s=60))
-        common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
+        common = [sys.executable, "-m", "kvfence.commands.worker_main", "--model", str(model_dir)]
         common += ["--context-length", CTX, "--router-address", self.hub.address, "--log-level", "WARNING"]
         common += ["--exit-with-parent", "--transfer-backend", transport, "--torch-threads", "1"]
         fault_args = ["--inject-fault", faults] if faults else []
@@ -297,7 +297,7 @@ def test_a_restarted_worker_keeps_its_id_and_ports() -> None:
 
 def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify_flag() -> None:
     from kvfence.cli import build_parser
-    from kvfence.disagg.worker_main import launch_command_args
+    from kvfence.commands.worker_main import launch_command_args
 
     argv = ["serve", "--disagg", "--model", "m", "--prefill-max-total-tokens", "512"]
     args = build_parser().parse_args([*argv, "--decode-max-total-tokens", "1024", "--no-verify", "--page-size", "32"])
@@ -317,8 +317,8 @@ def test_kvfence_serve_forwards_every_engine_flag_to_every_worker() -> None:
     """Each flag of the model-and-engine group, set to a value other than its default, reaches the workers'
     command lines (`--kernels native` once stopped at the launcher: the workers ran the torch kernels)."""
     from kvfence.cli import build_parser
+    from kvfence.commands.worker_main import launch_command_args
     from kvfence.config import add_engine_arguments
-    from kvfence.disagg.worker_main import launch_command_args
 
     values = {
         "--model": "m", "--dtype": "bfloat16", "--device": "cpu", "--kernels": "native", "--page-size": "32",

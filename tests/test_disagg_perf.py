@@ -8,9 +8,9 @@ import pytest
 
 from kvfence.auth.curve import CurveKeys
 from kvfence.auth.keys import ClusterKey
+from kvfence.commands.worker_main import torch_threads_for
 from kvfence.disagg import messages as P
 from kvfence.disagg.handoff import DecodeState
-from kvfence.disagg.worker_main import torch_threads_for
 from tests.helpers.auth import plane_auth
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module

@@ -13,10 +13,10 @@ import pytest
 
 from kvfence.auth.curve import CurveKeys
 from kvfence.auth.keys import ClusterKey
+from kvfence.commands.worker_main import parse_faults
 from kvfence.disagg import messages as P
 from kvfence.disagg.registration import check_pair
 from kvfence.disagg.router import Router, RouterConfig
-from kvfence.disagg.worker_main import parse_faults
 from kvfence.disagg.workers import check_registration
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, KvfenceError
@@ -419,6 +419,7 @@ def test_a_request_whose_worker_dies_before_any_token_is_retried_once_on_another
         w.load = idle(32)
     fleet.submit("a")
     first, prefill = fleet.decode_of("a"), fleet.prefill_of("a")
+    eventually(lambda: first in fleet.orders("a"))  # the router picked it; its order may still be on the wire
     xid = fleet.orders("a")[first].transfer_id
     fleet.silence_until_dead(first)
     eventually(lambda: len(fleet.orders("a#retry1")) == 2)  # a new wire id: nothing of the first attempt counts

@@ -16,9 +16,9 @@ from typing import Any
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.disagg.handoff import DecodeState
 from kvfence.disagg.router import WORKER_LOST, RouterConfig
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.server.engine_client import GenerationChunk
 from tests.helpers.clock import ManualClock, advance_until_dead
 from tests.helpers.inprocess import InProcessDeployment
 

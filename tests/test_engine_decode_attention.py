@@ -7,11 +7,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.engine.request import Request
 from kvfence.engine.runner import DecodeContextCache
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.models.attention import gather_context, paged_attention, store_kv
+from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 
 
 def test_transposed_key_copy_and_decode_attention_match_a_fresh_gather() -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvfence.engine.forward_batch import SeqChunk, _build_decode, _build_general, build_forward_batch
+from kvfence.models.forward_batch import SeqChunk, _build_decode, _build_general, build_forward_batch
 
 FIELDS = (
     "input_ids positions slot_mapping q_index q_valid kv_slots kv_lens attn_mask logits_index kv_pages attn_bias"

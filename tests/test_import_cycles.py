@@ -6,6 +6,9 @@ and under `if TYPE_CHECKING:` too, since a lazy import is still a dependency a r
 follow. `from kvfence.x import y` is an edge to `kvfence.x.y` when `y` is a submodule, else to
 `kvfence.x`. Imports built from strings (`importlib.import_module(f"kvfence.commands.{name}")`)
 are not seen.
+
+The same holds one floor up: no two folders of `kvfence/` (packages, and top-level modules
+each on their own) import each other through any chain, so the layers can be read bottom up.
 """
 
 from __future__ import annotations
@@ -141,6 +144,32 @@ def tangle_of(graph: Graph, module: str) -> set[str]:
     return reach(module, graph) & reach(module, reverse)
 
 
+def folder_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(graph: Graph) -> Graph:
+    """The module graph collapsed to `kvfence.<folder>` nodes (a top-level module is its own folder); an edge's
+    line is that of the first import that makes it."""
+    out: Graph = {folder_of(m): {} for m in graph}
+    for a, edges in graph.items():
+        for b, line in edges.items():
+            if folder_of(a) != folder_of(b):
+                out[folder_of(a)].setdefault(folder_of(b), line)
+    return out
+
+
+def upward_imports(graph: Graph, cycle: list[str]) -> list[str]:
+    """The module imports that make each folder edge of `cycle` (what to move to break it)."""
+    return [
+        f"{a} (line {line}) -> {b}"
+        for fa, fb in itertools.pairwise(cycle)
+        for a, edges in graph.items()
+        for b, line in edges.items()
+        if folder_of(a) == fa and folder_of(b) == fb
+    ]
+
+
 def test_graph_sees_imports_inside_functions_and_submodules(tmp_path: Path) -> None:
     pkg = tmp_path / "kvfence"
     (pkg / "sub").mkdir(parents=True)
@@ -160,3 +189,28 @@ def test_no_import_cycles() -> None:
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, describe(graph, cycles)
+
+
+def test_folder_graph_finds_a_cycle_through_two_folders(tmp_path: Path) -> None:
+    pkg = tmp_path / "kvfence"
+    for sub in ("low", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from kvfence.high import b\n")  # the upward arrow
+    (pkg / "high" / "b.py").write_text("from kvfence.low import c\n")
+    (pkg / "low" / "c.py").write_text("")
+    graph = import_graph(pkg)
+    assert not find_cycles(graph)  # no module cycle...
+    assert find_cycles(folder_graph(graph)) == [["kvfence.high", "kvfence.low", "kvfence.high"]]  # ...but a folder one
+
+
+def test_no_import_cycles_between_folders() -> None:
+    graph = import_graph()
+    folders = folder_graph(graph)
+    cycles = find_cycles(folders)
+    assert not cycles, (
+        describe(folders, cycles)
+        + "\nmade by:\n"
+        + "\n".join(line for cycle in cycles for line in upward_imports(graph, cycle))
+    )

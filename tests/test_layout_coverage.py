@@ -23,11 +23,11 @@ import pytest
 import torch
 import transformers
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.errors import UnsupportedArchitectureError
 from kvfence.integrity.digest import bytes_digest, page_digest
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 from kvfence.models.registry import resolve_architecture, supported_architectures
 
 PAGE_SIZE = 4

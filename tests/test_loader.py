@@ -12,9 +12,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
 from kvfence.kv.pool import KVPool
+from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 from kvfence.models.loader import LoadedModel, load_model
 from kvfence.models.tokenizer import StreamDecoder, Tokenizer
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 import transformers
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.errors import ModelLoadError
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.models.deepseek import DeepseekV3ForCausalLM, GlmMoeDsaForCausalLM
 from kvfence.models.default import write_tokenizer
+from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 from kvfence.models.loader import load_model
 
 PAGE_SIZE = 4

@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 from kvfence.models.llama import rope_inv_freq
 from kvfence.models.loader import LoadedModel, load_model
 

@@ -156,7 +156,7 @@ class Hosts:
                 wait_decode_workers=2,
             ),
         )
-        common = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(model_dir)]
+        common = [sys.executable, "-m", "kvfence.commands.worker_main", "--model", str(model_dir)]
         common += ["--context-length", str(CTX), "--router-address", self.hub.address, "--log-level", "WARNING"]
         common += ["--exit-with-parent", "--handoff-deadline-s", str(DEADLINE_S), "--router-timeout-s", "2"]
         common += ["--torch-threads", "1"]

@@ -173,8 +173,8 @@ def test_small_linear_matches_a_float64_product_and_rows_do_not_depend_on_the_ba
 def _decode_batch(lm: Any, lens: list[int], seed: int) -> tuple[Any, Any]:
     """A pool whose pages hold random K/V for contexts of `lens` tokens (NaN elsewhere), and the decode batch
     that appends one token to each, on shuffled pages."""
-    from kvfence.engine.forward_batch import SeqChunk, build_forward_batch
     from kvfence.kv.pool import KVPool
+    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-(n + 1) // PAGE) for n in lens) + 2

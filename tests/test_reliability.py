@@ -65,7 +65,7 @@ class Deployment:
         self.router.start()
 
     def spawn(self, role: str) -> None:
-        cmd = [sys.executable, "-m", "kvfence.disagg.worker_main", "--role", role, "--model", str(self.model_dir)]
+        cmd = [sys.executable, "-m", "kvfence.commands.worker_main", "--role", role, "--model", str(self.model_dir)]
         cmd += ["--context-length", str(CTX), "--router-address", f"tcp://127.0.0.1:{self.port}"]
         cmd += ["--log-level", "WARNING", "--exit-with-parent", "--handoff-deadline-s", str(DEADLINE_S)]
         cmd += ["--router-timeout-s", "2", "--reconnect-timeout-s", "60"]
@@ -328,7 +328,7 @@ def test_worker_gives_up_and_exits_when_no_router_comes_back(tiny_llama_dir: Pat
     """With nobody answering, a worker that lost its router exits non-zero with a clear message."""
     hub = secure_hub()
     router = Router(hub, router_config())
-    cmd = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", str(tiny_llama_dir)]
+    cmd = [sys.executable, "-m", "kvfence.commands.worker_main", "--model", str(tiny_llama_dir)]
     cmd += ["--context-length", str(CTX), "--router-address", hub.address, "--log-level", "WARNING"]
     cmd += ["--router-timeout-s", "1", "--reconnect-timeout-s", "1"]
     procs = {

@@ -144,7 +144,7 @@ def router_pid(server: LaunchedServer) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"kvfence.disagg.worker_main" in cmd and cmd[cmd.index(b"--role") + 1] == b"router":
+        if b"kvfence.commands.worker_main" in cmd and cmd[cmd.index(b"--role") + 1] == b"router":
             return pid
     raise AssertionError("no router process under the launcher")
 

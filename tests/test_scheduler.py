@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import Request, RequestStatus
 from kvfence.engine.runner import DecodeContextCache
@@ -30,6 +29,7 @@ from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import gather_context, paged_attention, store_kv
+from kvfence.models.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 
 PAGE = 4
 

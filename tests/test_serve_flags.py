@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvfence.cli import build_parser, main
-from kvfence.config import NATIVE_BUILD_ESTIMATE
+from kvfence.models.native_kernels import NATIVE_BUILD_ESTIMATE
 from kvfence.server.role_engine import chat_template_from, load_tokenizer
 from kvfence.server.startup import startup_line
 
@@ -153,7 +153,7 @@ def test_aggregated_says_what_it_loads_then_one_line_of_what_it_chose(tiny_llama
 
 
 def test_disaggregated_serve_forwards_the_server_flags_but_never_the_key() -> None:
-    from kvfence.disagg.worker_main import launch_command_args
+    from kvfence.commands.worker_main import launch_command_args
 
     values = {
         "--tokenizer": "/tok",

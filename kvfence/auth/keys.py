@@ -12,6 +12,9 @@ every process holds the same key without revealing it.
 
 What it does not know: how a plane uses its key (`auth.handshake`, `auth.curve`,
 `integrity.manifest`). The secret never appears in `repr`, logs, /server_info or metrics.
+
+It also knows where the front door's API key comes from (`api_key_from`: `--api-key`, else $KVFENCE_API_KEY), a
+separate secret that clients hold; how a request proves it is `server.auth`'s.
 """
 
 from __future__ import annotations
@@ -137,3 +140,15 @@ INSECURE_WARNING = (
     "AUTHENTICATION IS OFF (--insecure-no-auth): any process that can reach this deployment's ports can register "
     "workers, read prompts and forge KV handoffs that verify. Never use this outside a test."
 )
+
+
+# -- the front door's key (clients -> router; the cluster key above is between kvfence's own processes) ---------
+
+API_KEY_ENV = "KVFENCE_API_KEY"
+
+
+def api_key_from(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key the server requires: `--api-key`, else $KVFENCE_API_KEY; None when neither is set."""
+    env = os.environ if environ is None else environ
+    key = flag if flag is not None else env.get(API_KEY_ENV)
+    return key or None

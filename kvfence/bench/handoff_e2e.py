@@ -50,7 +50,7 @@ class Deployment:
         key = ClusterKey.generate()  # the workers get it in their environment, as `kvfence serve` gives it
         self.hub = P.ZmqHub("127.0.0.1", 0, curve=curve_keys(key))
         self.router = Router(self.hub, RouterConfig(handoff_deadline_s=120, request_timeout_s=600), auth=key.describe())
-        base = [sys.executable, "-m", "kvfence.disagg.worker_main", "--model", model_dir, *worker_args]
+        base = [sys.executable, "-m", "kvfence.commands.worker_main", "--model", model_dir, *worker_args]
         base += ["--router-address", self.hub.address, "--log-level", "warning", "--exit-with-parent"]
         decode = ["--role", "decode", "--handoff-port", str(free_port())] + ([] if verify else ["--no-verify"])
         name = "on" if verify else "off"

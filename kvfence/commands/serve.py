@@ -1,7 +1,7 @@
 """`kvfence serve`: the OpenAI-compatible HTTP server.
 
 What it knows: which flags `kvfence serve` takes (server and disaggregated ones from
-`kvfence.server.args`, engine ones from `kvfence.config`; the model may also be given as
+`kvfence.commands.args`, engine ones from `kvfence.config`; the model may also be given as
 the first positional argument, as with vLLM), and how to build and run the aggregated
 role (one process: engine thread + API; its engine from `kvfence.server.role_engine`,
 which refuses a context length the pool cannot hold), saying what it is loading before it
@@ -10,7 +10,7 @@ loads and, once its port is bound, one line with everything it chose. The API ke
 the environment, never their command lines.
 
 Roles are looked up in `ROLE_RUNNERS` (role -> function(args) -> exit code); the
-disaggregated roles (prefill, decode, router) come from `kvfence.disagg.worker_main`,
+disaggregated roles (prefill, decode, router) come from `kvfence.commands.worker_main`,
 and `--disagg` (or no --role) starts a router with `--prefill-workers` N and
 `--decode-workers` M workers on loopback, restarting any that dies. What it does not
 know: how those roles work.
@@ -26,11 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvfence.auth.keys import API_KEY_ENV, api_key_from
+from kvfence.commands.args import add_disagg_arguments, add_server_arguments, flag_values, grammar_budget
 from kvfence.config import add_engine_arguments, resolve_model_dir
 from kvfence.errors import KvfenceError
 from kvfence.roles import AGGREGATED
-from kvfence.server.args import add_disagg_arguments, add_server_arguments, flag_values, grammar_budget
-from kvfence.server.auth import API_KEY_ENV, api_key_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,8 +76,8 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 def build_aggregated(args: argparse.Namespace) -> tuple[Any, Any]:
     """(FastAPI app, AsyncLLMEngine not yet started) for --role aggregated, after the start-up checks."""
     from kvfence.engine.async_engine import AsyncLLMEngine
+    from kvfence.engine.engine_client import Capacity
     from kvfence.server.api import ApiSettings, build_app
-    from kvfence.server.engine_client import Capacity
     from kvfence.server.role_engine import build_role_engine
     from kvfence.server.startup import loading_line
     from kvfence.server.tool_parsers import resolve_parser
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     if args.max_body_bytes <= 0:
         raise KvfenceError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
-    from kvfence.disagg.worker_main import ROLE_RUNNERS as DISAGG_RUNNERS
-    from kvfence.disagg.worker_main import run_launch
+    from kvfence.commands.worker_main import ROLE_RUNNERS as DISAGG_RUNNERS
+    from kvfence.commands.worker_main import run_launch
 
     resolve_model_arg(args)
     grammar_budget(args)  # a bad budget is refused here, before any process starts
@@ -151,6 +151,6 @@ def run(args: argparse.Namespace) -> int:
     if runner is None:
         raise KvfenceError(
             f"--role {args.role} is not available from `kvfence serve` yet; "
-            "start the disaggregated deployment with `python -m kvfence.disagg.worker_main` (see its --help)"
+            "start the disaggregated deployment with `python -m kvfence.commands.worker_main` (see its --help)"
         )
     return runner(args)

@@ -3,7 +3,7 @@
 What it knows: how to pick free loopback ports at run time (the OS chooses; each is
 passed to its process explicitly on the command line: the router's HTTP and control
 ports, one data-plane port per decode worker), the command lines (`python -m
-kvfence.disagg.worker_main --role ...`, each worker with a stable `--worker-id` such as
+kvfence.commands.worker_main --role ...`, each worker with a stable `--worker-id` such as
 `decode-1`), the order (router first, since workers register with it), the core board
 the workers pool their threads on when given a core budget (a small file made at start,
 removed at stop, each worker told its slot: `kvfence.disagg.core_board`), and what to do
@@ -44,10 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, ClusterKey
+from kvfence.auth.keys import API_KEY_ENV, ENV_KEY, ENV_KEY_FILE, ClusterKey
 from kvfence.disagg.core_board import CoreBoard
 from kvfence.errors import KvfenceError
-from kvfence.server.auth import API_KEY_ENV
 
 CONFIG_ERROR_EXIT = 2  # what a kvfence process exits with on a refusal or a configuration error
 # How long an idle OpenMP thread of a worker on a core board spins before it sleeps (GNU OpenMP, torch's runtime
@@ -137,7 +136,7 @@ class Launcher:
     def command(self, slot: str) -> list[str]:
         c, p = self.config, self.ports
         role = slot_role(slot)
-        base = [c.python, "-m", "kvfence.disagg.worker_main", "--role", role, "--exit-with-parent", *c.common_args]
+        base = [c.python, "-m", "kvfence.commands.worker_main", "--role", role, "--exit-with-parent", *c.common_args]
         if not self.key.secure and "--insecure-no-auth" not in base:
             base.append("--insecure-no-auth")
         router_addr = f"tcp://{c.host}:{p.control}"

@@ -55,13 +55,13 @@ from kvfence.disagg.config_checks import require_positive
 from kvfence.disagg.flight import Failure, Flight, FlightState, FromWorker
 from kvfence.disagg.registration import Registrar
 from kvfence.disagg.workers import ROLES, WorkerEntry, WorkerTable
+from kvfence.engine.admission import admit
+from kvfence.engine.engine_client import Capacity, GenerationChunk
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError, ServiceUnavailableError
 from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason
-from kvfence.server.admission import admit
-from kvfence.server.engine_client import Capacity, GenerationChunk
 from kvfence.transfer.base import new_transfer_id
 
 logger = logging.getLogger(__name__)

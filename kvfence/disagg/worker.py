@@ -11,7 +11,7 @@ says how many orders it covers, and the threads the worker ran with), until told
 down, stopped, or orphaned; a worker that loses its router drops what it holds and
 registers again.
 
-What it does not know: command-line flags or processes (`kvfence.disagg.worker_main`),
+What it does not know: command-line flags or processes (`kvfence.commands.worker_main`),
 what prefill or decode do with a message (their own modules), or HTTP.
 """
 

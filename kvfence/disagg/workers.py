@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvfence.disagg import messages as P
+from kvfence.engine.admission import role_capacity
+from kvfence.engine.engine_client import Capacity
 from kvfence.errors import CapacityConfigError, KvfenceError
 from kvfence.roles import WORKER_ROLES
-from kvfence.server.admission import role_capacity
-from kvfence.server.engine_client import Capacity
 
 ROLES = WORKER_ROLES  # prefill, decode
 MAX_DOWN_ENTRIES = 32  # workers declared down that stay listed (metrics, server_info) until replaced

@@ -30,12 +30,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kvfence.engine.engine_client import Capacity, GenerationChunk, RequestTimings
 from kvfence.engine.llm_engine import LLMEngine, RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
 from kvfence.integrity.record import IntegrityRecord
 from kvfence.roles import AGGREGATED as ROLE  # the one role this engine serves
-from kvfence.server.engine_client import Capacity, GenerationChunk, RequestTimings
 
 logger = logging.getLogger(__name__)
 

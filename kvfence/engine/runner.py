@@ -20,12 +20,12 @@ from typing import NamedTuple
 
 import torch
 
-from kvfence.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from kvfence.engine.request import Request
 from kvfence.engine.sampler import History, Sampler, SamplerOutput, TokenLogprobs, top_logprobs
 from kvfence.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import gather_context
+from kvfence.models.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 
 DEFAULT_CONTEXT_CACHE_BYTES = 256 << 20
 

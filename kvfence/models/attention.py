@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvfence.engine.forward_batch import ForwardBatch
+from kvfence.models.forward_batch import ForwardBatch
 
 
 def store_kv(cache: torch.Tensor, new: torch.Tensor, fb: ForwardBatch) -> None:

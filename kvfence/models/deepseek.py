@@ -27,12 +27,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.errors import ModelLoadError
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import store_kv
 from kvfence.models.dsa import Indexer
+from kvfence.models.forward_batch import ForwardBatch
 from kvfence.models.linear import Linear
 from kvfence.models.mla import MLAttention, RMSNorm, Rotary
 from kvfence.models.moe import GatedMLP, MoE

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.models.attention import gather_context, store_kv
+from kvfence.models.forward_batch import ForwardBatch
 from kvfence.models.linear import Linear
 from kvfence.models.mla import RopeTable, apply_rope
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.errors import UnsupportedArchitectureError
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.models.attention import paged_attention, store_kv
+from kvfence.models.forward_batch import ForwardBatch
 from kvfence.models.linear import linear, linear_add, pack_weight
 
 # --- config helpers ------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from kvfence.engine.forward_batch import ForwardBatch
 from kvfence.errors import UnsupportedArchitectureError
 from kvfence.models.attention import gather_context, store_kv
+from kvfence.models.forward_batch import ForwardBatch
 from kvfence.models.linear import Linear
 
 

@@ -45,6 +45,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _SOURCE_FILE = Path(__file__).with_name("native_kernels.cpp")  # the C++ (its header says what it knows)
+NATIVE_BUILD_ESTIMATE = "30-60 s on two idle cores, a few minutes on a busy machine"  # how long the first build takes
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -65,8 +66,6 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
         key = hashlib.sha256("\0".join([source, *extra_cflags]).encode()).hexdigest()[:12]  # a new build per edit
         name = f"kvfence_native_kernels_{key}"
         if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
-            from kvfence.config import NATIVE_BUILD_ESTIMATE
-
             logger.warning("building kvfence's native CPU kernels (first use here: %s)", NATIVE_BUILD_ESTIMATE)
         module = load_inline(
             name=name,

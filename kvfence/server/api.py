@@ -38,6 +38,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
+from kvfence.engine.engine_client import EngineClient
 from kvfence.engine.sampling_params import MAX_LOGPROBS
 from kvfence.engine.structured_output import GrammarCompiler
 from kvfence.errors import KvfenceError
@@ -47,7 +48,6 @@ from kvfence.server.chat import ChatEndpoint
 from kvfence.server.completions import CompletionsEndpoint
 from kvfence.server.context import DEFAULT_MAX_BODY_BYTES, ApiSettings, ServerContext
 from kvfence.server.endpoint import serve_generation
-from kvfence.server.engine_client import EngineClient
 from kvfence.server.generation import Generation
 from kvfence.server.grammar_gate import GrammarGate
 from kvfence.server.http import ApiError, BodyLimitMiddleware, parse_json_object, to_api_error

@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfence.server.http import ApiError, endpoint_label
 from kvfence.server.metrics import Metrics
 
-API_KEY_ENV = "KVFENCE_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-
-def api_key_from(flag: str | None, environ: Any = None) -> str | None:
-    """The API key the server requires: `--api-key`, else $KVFENCE_API_KEY; None when neither is set."""
-    env = os.environ if environ is None else environ
-    key = flag if flag is not None else env.get(API_KEY_ENV)
-    return key or None
 
 
 def _digest(value: bytes) -> bytes:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfence.engine.admission import admit
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.server import openai_schema as p
 from kvfence.server import sampling
-from kvfence.server.admission import admit
 from kvfence.server.choice import Choice, choice_integrity, failed_chunk, integrity_records, top_level_integrity, usage
 from kvfence.server.context import ServerContext
 from kvfence.server.endpoint import Prepared
-from kvfence.server.engine_client import GenerationChunk
 from kvfence.server.http import ApiError, dump_model
 from kvfence.server.logprobs import chat_logprobs
 from kvfence.server.streaming import SseEvent

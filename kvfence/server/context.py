@@ -17,11 +17,11 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvfence.engine.engine_client import EngineClient
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.structured_output import GrammarBudget
 from kvfence.server import openai_schema as p
 from kvfence.server import sampling
-from kvfence.server.engine_client import EngineClient
 from kvfence.server.generation import Generation
 from kvfence.server.grammar_gate import GrammarGate
 from kvfence.server.http import ApiError

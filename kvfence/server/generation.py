@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 import anyio
 from starlette.requests import Request
 
+from kvfence.engine.engine_client import EngineClient, GenerationChunk
 from kvfence.server.choice import Choice
-from kvfence.server.engine_client import EngineClient, GenerationChunk
 from kvfence.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfence.server.engine_client import RequestTimings
+from kvfence.engine.engine_client import RequestTimings
 
 logger = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import time
 import uuid
 from typing import Any
 
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.server import openai_schema as p
 from kvfence.server.chat import chat_choices
 from kvfence.server.choice import Choice, failed_chunk, integrity_records, top_level_integrity
 from kvfence.server.context import ServerContext
 from kvfence.server.endpoint import Prepared
-from kvfence.server.engine_client import GenerationChunk
 from kvfence.server.http import ApiError, parse_body
 from kvfence.server.responses_schema import (
     FunctionCallItem,

@@ -76,9 +76,9 @@ def build_role_engine(args: argparse.Namespace, model_dir: str, role: str) -> Ro
     """
     import torch
 
+    from kvfence.engine.admission import role_capacity
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.models.loader import load_model
-    from kvfence.server.admission import role_capacity
 
     config = engine_config_from_args(args, model_dir, seed=args.seed)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.model.dtype]

@@ -18,9 +18,9 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
+from kvfence.engine.engine_client import GenerationChunk
 from kvfence.errors import KvfenceError
 from kvfence.server.choice import Choice, failure
-from kvfence.server.engine_client import GenerationChunk
 from kvfence.server.http import ApiError, sse_event, to_api_error
 
 logger = logging.getLogger(__name__)

@@ -1,1 +1,6 @@
-"""Transports that move KV pages between prefill and decode."""
+"""The data plane: transports that move KV pages between prefill and decode.
+
+What lives where: `base` (what every transport does: authenticated frames, bounded batches, coverage, the sender's
+and receiver's cores), `tcp`, `local` (in-process, for tests), `mooncake`/`mooncake_engine` (one-sided writes),
+`staging` (pinned host buffers for pools that are not host-visible). What it does not know: why a request exists or
+whether its KV is right (`kvfence.integrity` decides)."""

@@ -15,10 +15,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvfence.engine.engine_client import Capacity, GenerationChunk
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.server.api import ApiSettings, build_app
-from kvfence.server.engine_client import Capacity, GenerationChunk
 from kvfence.server.launch import ServerThread
 
 MODEL = "fake-model"

@@ -1,6 +1,6 @@
 """`kvfence proxy`: kvfence's OpenAI front end over a vLLM prefill instance and a vLLM decode instance.
 
-What it knows: `VllmPDClient`, an `EngineClient` (server/engine_client.py), so the HTTP surface, admission, metrics,
+What it knows: `VllmPDClient`, an `EngineClient` (engine/engine_client.py), so the HTTP surface, admission, metrics,
 logs and error shapes are exactly `kvfence serve`'s (server/api.py). It plays kvfence's router for vLLM:
 
 1. The API tokenized the prompt with the model's own tokenizer (kvfence's). For each choice the client draws a
@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from kvfence.auth.keys import ClusterKey
+from kvfence.engine.engine_client import Capacity, GenerationChunk
 from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import KvfenceError
@@ -43,7 +44,6 @@ from kvfence.integrations.vllm.params import ConsumeParams, ParamsError, Produce
 from kvfence.integrity.digest import token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.verify import Reason, VerifyResult
-from kvfence.server.engine_client import Capacity, GenerationChunk
 from kvfence.transfer.base import transfer_ref
 
 logger = logging.getLogger(__name__)

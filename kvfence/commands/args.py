@@ -1,4 +1,4 @@
-"""The command-line flags of `kvfence serve` and of `python -m kvfence.disagg.worker_main`, defined once.
+"""The command-line flags of `kvfence serve` and of `python -m kvfence.commands.worker_main`, defined once.
 
 What it knows: the flags of the HTTP front end and its start-up checks, shared by every
 role (--role, --host, --port, --served-model-name, --api-key, --tokenizer, --chat-template,

@@ -1,6 +1,6 @@
-"""Process entry points of disaggregated serving: `python -m kvfence.disagg.worker_main --role ...`.
+"""Process entry points of disaggregated serving: `python -m kvfence.commands.worker_main --role ...`.
 
-What it knows: how to turn the parsed flags (defined in `kvfence.server.args` and
+What it knows: how to turn the parsed flags (defined in `kvfence.commands.args` and
 `kvfence.config`) into a running role: a prefill or decode worker (its engine with its
 own KV pool, sized by its own `--max-total-tokens`; its transport and faults; then the
 worker loop of `kvfence.disagg.worker`), the router (a `Router` behind the API's
@@ -38,10 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvfence.commands.args import add_disagg_arguments, add_server_arguments
     from kvfence.config import add_engine_arguments
-    from kvfence.server.args import add_disagg_arguments, add_server_arguments
 
-    p = argparse.ArgumentParser(prog="python -m kvfence.disagg.worker_main", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvfence.commands.worker_main", description=__doc__.split("\n")[0])
     add_server_arguments(p)
     add_engine_arguments(p)
     add_disagg_arguments(p)
@@ -80,9 +80,9 @@ def parse_faults(value: str | None) -> Any:
 
 def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> Worker:
     """The prefill or decode worker the flags describe (engine with its own pool, transport, faults, keys)."""
+    from kvfence.commands.args import grammar_budget
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
-    from kvfence.server.args import grammar_budget
     from kvfence.server.role_engine import build_role_engine
     from kvfence.transfer.base import TransferConfig
 
@@ -211,11 +211,11 @@ def _exit_with_parent() -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from kvfence.auth.keys import api_key_from
+    from kvfence.commands.args import flag_values, grammar_budget
     from kvfence.config import resolve_model_dir
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.server.api import ApiSettings, build_app
-    from kvfence.server.args import flag_values, grammar_budget
-    from kvfence.server.auth import api_key_from
     from kvfence.server.launch import check_free, listen, run_server
     from kvfence.server.role_engine import load_tokenizer
     from kvfence.server.startup import startup_line

@@ -20,9 +20,9 @@ import logging
 from collections.abc import Mapping
 
 from kvfence.config import check_capacity
+from kvfence.engine.engine_client import Capacity
 from kvfence.errors import CapacityConfigError, ContextLengthExceededError, InvalidRequestError
 from kvfence.roles import PREFILL
-from kvfence.server.engine_client import Capacity
 
 logger = logging.getLogger(__name__)
 
