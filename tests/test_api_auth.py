@@ -58,6 +58,7 @@ def test_the_right_key_works_and_health_and_metrics_stay_open(url: str) -> None:
     assert resp.usage.completion_tokens == 2
     assert httpx.get(url + "/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401  # counted
     metrics = httpx.get(url + "/metrics")
     assert metrics.status_code == 200 and 'kvfence_requests_rejected_total{code="invalid_api_key"}' in metrics.text
     info = httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {KEY}"}).json()
