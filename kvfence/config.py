@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence.errors import CapacityConfigError, KvfenceError
+from kvfence.math_utils import cdiv
 
 _DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_BACKENDS = ("auto", "torch", "native")
@@ -73,7 +74,7 @@ class CacheConfig:
         tokens = self.max_total_tokens
         if tokens is None:
             tokens = max(context_length, DEFAULT_MIN_POOL_TOKENS)
-        return -(-tokens // self.page_size)
+        return cdiv(tokens, self.page_size)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.record import IntegrityMetrics
 from kvfence.integrity.verify import Expectation, Reason
+from kvfence.math_utils import cdiv
 from kvfence.transfer.base import TRANSFER_BACKENDS, Receiver, is_transfer_id
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class _EngineReservations:
         self.tokens: dict[str, int] = {}  # request id -> tokens to reserve, set before `start`
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.engine.resolved.page_size)
+        return cdiv(num_tokens, self.engine.resolved.page_size)
 
     def can_allocate(self, n: int) -> bool:
         return self.engine.allocator.can_allocate(n)

@@ -37,6 +37,7 @@ from kvfence.disagg import messages as P
 from kvfence.engine.admission import role_capacity
 from kvfence.engine.engine_client import Capacity
 from kvfence.errors import CapacityConfigError, KvfenceError
+from kvfence.math_utils import cdiv
 from kvfence.roles import WORKER_ROLES
 
 ROLES = WORKER_ROLES  # prefill, decode
@@ -226,7 +227,7 @@ class WorkerTable:
 
     def pages_for(self, num_tokens: int) -> int:
         assert self.identity is not None
-        return -(-num_tokens // self.identity.page_size)
+        return cdiv(num_tokens, self.identity.page_size)
 
     def pick_prefill(self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
         """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it); never one

@@ -24,6 +24,7 @@ from kvfence.engine.request import Request
 from kvfence.engine.sampler import History, Sampler, SamplerOutput, TokenLogprobs, top_logprobs
 from kvfence.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvfence.kv.pool import KVPool
+from kvfence.math_utils import round_up
 from kvfence.models.attention import gather_context
 from kvfence.models.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 
@@ -81,11 +82,11 @@ class DecodeContextCache:
             return True  # append this step's token to the copies
         # Room to grow: double the context when that fits the byte budget (a 128-token prompt then
         # decodes to 256 with one build), else a few dozen appends before the next rebuild.
-        room = [c for c in (2 * K, K + 32) if len(requests) * -(-c // 64) * 64 * self.bytes_per_token <= self.max_bytes]
+        room = [c for c in (2 * K, K + 32) if len(requests) * round_up(c, 64) * self.bytes_per_token <= self.max_bytes]
         if not room:
             self.cap, self.bufs = 0, {}
             return False
-        cap = -(-room[0] // 64) * 64
+        cap = round_up(room[0], 64)
         self.cap, self.bufs, self._append_rows = cap, {}, None  # rebuilt from the pool, layer by layer, now
         self.num_rebuilds += 1
         return True

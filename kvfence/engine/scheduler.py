@@ -28,6 +28,7 @@ from kvfence.config import SchedulerConfig
 from kvfence.engine.request import Request, RequestStatus
 from kvfence.errors import InvalidRequestError
 from kvfence.kv.allocator import PageAllocator
+from kvfence.math_utils import cdiv
 
 
 class ScheduledChunk(NamedTuple):
@@ -119,7 +120,7 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's page table to hold `num_tokens` tokens; False if the pool is short."""

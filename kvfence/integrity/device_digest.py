@@ -40,6 +40,7 @@ import torch
 from kvfence.errors import KvfenceError
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
+from kvfence.math_utils import cdiv
 
 MLH_ALGORITHM = "mlh62"
 
@@ -87,7 +88,7 @@ def slice_units(layout: KVLayout) -> tuple[int, ...]:
 
 
 def _blocks(units: int) -> int:
-    return -(-units // BLOCK)
+    return cdiv(units, BLOCK)
 
 
 @functools.lru_cache(maxsize=16)

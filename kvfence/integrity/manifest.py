@@ -36,6 +36,7 @@ from kvfence.integrity.canary import CANARY_SAMPLES, compute_canaries
 from kvfence.integrity.digest import DIGEST_ALGORITHM, digest_algorithm_for, page_digests, token_hash
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
+from kvfence.math_utils import cdiv
 
 MANIFEST_VERSION = 1
 PLACEHOLDER_TOKEN = 0  # the stand-in token of the incident (SGLang set origin_input_ids=[0])
@@ -70,8 +71,7 @@ def unseal(payload: bytes | bytearray | memoryview, key: bytes) -> bytes:
 
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     """ceil(num_tokens / page_size): the pages a prompt of `num_tokens` needs."""
-    assert num_tokens >= 0 and page_size > 0, (num_tokens, page_size)
-    return -(-num_tokens // page_size)
+    return cdiv(num_tokens, page_size)
 
 
 def _pack_u64(values: Sequence[int]) -> str:

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kvfence.math_utils import cdiv
+
 
 class SeqChunk(NamedTuple):
     """One sequence's share of a forward: `token_ids` placed at positions start..start+len-1."""
@@ -83,7 +85,7 @@ def _build_decode(chunks: list[SeqChunk], page_size: int, device: torch.device |
     B = len(chunks)
     starts = [c.start for c in chunks]  # [B] tokens already in the pool = position of the new token
     K = max(starts) + 1
-    P = -(-K // page_size)
+    P = cdiv(K, page_size)
     for c in chunks:
         assert len(c.page_table) * page_size > c.start, (
             f"page table of {len(c.page_table)} pages cannot hold {c.start + 1} tokens at page size {page_size}"
@@ -138,7 +140,7 @@ def _build_general(chunks: list[SeqChunk], page_size: int, device: torch.device 
             f"page table of {len(c.page_table)} pages cannot hold {total} tokens at page size {page_size}"
         )
     T, Q, K = int(ns.sum()), int(ns.max()), int(totals.max())
-    P = -(-K // page_size)  # pages that cover the longest context
+    P = cdiv(K, page_size)  # pages that cover the longest context
     kv_pages = np.array([(list(c.page_table[:P]) + [0] * P)[:P] for c in chunks], dtype=np.int64)  # [B, P]
     slots = (kv_pages[:, :, None] * page_size + np.arange(page_size)).reshape(B, P * page_size)[:, :K]  # [B, K]
     k_pos = np.arange(K)
