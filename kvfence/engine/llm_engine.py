@@ -22,7 +22,7 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -106,7 +106,7 @@ def _memory_available() -> int | None:
 
 
 def resolve_kernels(config: EngineConfig, weight_bytes: int = 0) -> str:
-    """"torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
+    """ "torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
     (done here, once per machine): asked for by name they must, "auto" takes them where they can. Their
     packed copy of the projections costs about `weight_bytes` more memory, so "auto" also leaves them out
     when that is more than a quarter of the memory available now."""
@@ -282,7 +282,7 @@ class LLMEngine:
                 raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
             from kvfence.engine.structured_output import GrammarCompiler
 
-            eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            eos: frozenset[int] = getattr(self.tokenizer, "eos_token_ids", frozenset())
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         return self._grammar_compiler
 
@@ -506,22 +506,21 @@ class LLMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run prompts (text, or token id lists) to completion; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch: list[str | Sequence[int]] = [cast("str | Sequence[int]", prompts)] if one else list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or SamplingParams()] * len(batch)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
+            if len(params_list) != len(batch):
                 raise InvalidRequestError(
-                    f"{len(params_list)} sampling params for {len(prompts)} prompts", param="sampling_params"
+                    f"{len(params_list)} sampling params for {len(batch)} prompts", param="sampling_params"
                 )
         base = f"gen-{id(self):x}-{self._seed_rng.getrandbits(32):08x}"
-        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        ids = [f"{base}-{i}" for i in range(len(batch))]
         results: dict[str, Completion] = {}
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
+            for rid, prompt, params in zip(ids, batch, params_list, strict=True):
                 prompt_ids = self._tokenize(prompt, None) if isinstance(prompt, str) else self._tokenize(None, prompt)
                 self.add_request(rid, sampling_params=params, prompt_token_ids=prompt_ids)
                 results[rid] = Completion(rid, prompt_ids, [], "", "")
