@@ -90,14 +90,26 @@ def test_kvfences_own_launch_lines_are_read_back() -> None:
     assert snap.args["enable_prefix_caching"] is False and not snap.problems
 
 
-def test_dotted_form_merges_like_vllms_parser() -> None:
-    line = ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\"}' "
-            "--kv-transfer-config.kv_role=kv_consumer --kv_transfer_config.kv_connector_extra_config.lease 10 "
+def test_dotted_form_is_read_like_vllms_parser() -> None:
+    line = ("vllm serve m --kv-transfer-config.kv_connector NixlConnector --kv-transfer-config.kv_role=kv_consumer "
+            "--kv_transfer_config.kv_connector_extra_config.lease 10 "
             "--kv-transfer-config.kv_connector_extra_config.hosts+ a,b")  # fmt: skip
     snap = vsrv.from_launch("decode", line, "command line")
-    assert snap is not None and snap.args["model"] == "m"
+    assert snap is not None and snap.args["model"] == "m" and not snap.problems
     assert snap.kv_transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
                                 "kv_connector_extra_config": {"lease": 10, "hosts": ["a", "b"]}}  # fmt: skip
+
+
+def test_dotted_keys_replace_the_json_whole() -> None:
+    """vLLM 0.32 does not merge the two forms (checked with its parser in tests/test_audit_vllm_live.py): the
+    connector given in the JSON is lost, and the audit says so."""
+    line = ("vllm serve m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\"}' "
+            "--kv-transfer-config.kv_load_failure_policy=fail")  # fmt: skip
+    snap = vsrv.from_launch("decode", line, "command line")
+    assert snap is not None and snap.kv_transfer == {"kv_load_failure_policy": "fail"}
+    assert any("dropping kv_connector, kv_role" in p for p in snap.problems), snap.problems
+    rules = {f.rule for f in vl.audit(None, snap)}
+    assert {"launch-command-invalid", "kv-connector-missing"} <= rules
 
 
 def test_unknown_field_and_bad_policy_are_launch_problems() -> None:

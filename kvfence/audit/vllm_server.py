@@ -3,8 +3,8 @@
 What it knows: the shell shapes of a vLLM launch (`vllm serve MODEL ...`, `python -m
 vllm.entrypoints.openai.api_server --model MODEL ...`, KEY=VAL prefixes, `export` lines and backslash continuations
 in a script), the flags the audit needs (`--kv-transfer-config` as JSON, and vLLM's dotted form
-`--kv-transfer-config.key value` / `--kv-transfer-config.key=value`, nested keys and `key+` list items, merged the
-way vLLM's FlexibleArgumentParser merges them; `--max-model-len`, `--block-size`, `--kv-cache-dtype`, `--dtype`,
+`--kv-transfer-config.key value` / `--kv-transfer-config.key=value`, nested keys and `key+` list items, combined as
+vLLM's FlexibleArgumentParser combines them: the dotted keys replace a JSON value whole, which is flagged); `--max-model-len`, `--block-size`, `--kv-cache-dtype`, `--dtype`,
 `--enable-prefix-caching` / `--no-enable-prefix-caching`, `--model`, `--served-model-name`; dashes or underscores),
 the script line that set each, and `KVTransferConfig`'s field names in vLLM 0.32 (`KV_TRANSFER_FIELDS`; a test
 derives them from the installed wheel). Saved files: the `--kv-transfer-config` JSON alone, a bundle written by
@@ -113,9 +113,13 @@ def _dotted_value(raw: str, append: bool) -> Any:
 
 
 def parse_argv(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None, list[str], dict[str, str]]:
-    """(flags read, the KV transfer config or None when not given, problems, dest -> option token as written)."""
+    """(flags read, the KV transfer config or None when not given, problems, dest -> option token as written).
+
+    As vLLM 0.32's FlexibleArgumentParser: the dotted `--kv-transfer-config.key value` options merge into one JSON
+    value appended after every other option, so when both forms are given the dotted ones replace the JSON whole."""
     args: dict[str, Any] = {}
-    kv: dict[str, Any] | None = None
+    whole: dict[str, Any] | None = None  # the last `--kv-transfer-config JSON`
+    dotted: dict[str, Any] | None = None  # every `--kv-transfer-config.key value`, merged
     problems: list[str] = []
     given: dict[str, str] = {}
     i = 0
@@ -143,7 +147,6 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None, 
             if value is None:
                 problems.append(f"{name} needs a value")
                 continue
-            kv = kv if kv is not None else {}
             if dest == "kv_transfer_config":
                 try:
                     obj = json.loads(value)
@@ -153,18 +156,27 @@ def parse_argv(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any] | None, 
                 if not isinstance(obj, dict):
                     problems.append(f"{name}: a JSON object is expected")
                     continue
-                kv.update(obj)
+                whole = obj  # argparse: the last one wins
             else:
+                dotted = dotted if dotted is not None else {}
                 path = dest.split(".")[1:]
                 append = path[-1].endswith("+")
                 path[-1] = path[-1].rstrip("+")
-                _nested_set(kv, path, _dotted_value(value, append))
+                _nested_set(dotted, path, _dotted_value(value, append))
             continue
         if dest in _VALUED:
             if value is None:
                 problems.append(f"{name} needs a value")
                 continue
             args[dest], given[dest] = value, name
+    kv = dotted if dotted is not None else whole
+    if whole is not None and dotted is not None:
+        lost = sorted(set(whole) - set(dotted))
+        problems.append(
+            "both --kv-transfer-config JSON and --kv-transfer-config.KEY are given: vLLM 0.32 does not merge them, "
+            "the dotted keys replace the whole JSON" + (f" (dropping {', '.join(lost)})" if lost else "")
+        )
+        problems += [f"the JSON value alone: {p}" for p in config_problems(whole)]
     for key in ("max_model_len", "block_size"):
         if key in args:
             try:
