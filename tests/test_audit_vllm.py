@@ -67,6 +67,16 @@ def test_load_failure_policy_values_and_default_are_vllms_own() -> None:
 
 
 @needs_wheel
+def test_constant_defaults_are_vllms_own() -> None:
+    cls = _kv_transfer_class()
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and isinstance(n.value, ast.Constant):
+            if n.target.id == "engine_id":  # None, then a fresh uuid in __post_init__
+                continue
+            assert vsrv.KV_DEFAULTS[n.target.id] == n.value.value, n.target.id
+
+
+@needs_wheel
 def test_roles_are_vllms_own() -> None:
     tree = ast.parse(WHEEL.read_text(encoding="utf-8"))  # type: ignore[union-attr]
     roles: set[str] = set()

@@ -41,9 +41,18 @@ KV_TRANSFER_FIELDS = (
     "enable_permute_local_kv",
     "kv_load_failure_policy",
 )
+KV_DEFAULTS: dict[str, Any] = {  # what vLLM 0.32 uses for a field not given (engine_id, kv_buffer_device: computed)
+    "kv_connector": None,
+    "kv_role": None,
+    "kv_port": 14579,
+    "kv_connector_extra_config": {},
+    "kv_connector_module_path": None,
+    "enable_permute_local_kv": False,
+    "kv_load_failure_policy": "fail",
+}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
-DEFAULT_LOAD_FAILURE_POLICY = "fail"  # vLLM 0.32's default
+DEFAULT_LOAD_FAILURE_POLICY = KV_DEFAULTS["kv_load_failure_policy"]
 
 # flags read (vLLM's dest names); the value-less ones
 _VALUED = ("model", "max_model_len", "block_size", "kv_cache_dtype", "dtype", "served_model_name")
