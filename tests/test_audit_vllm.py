@@ -125,8 +125,8 @@ def test_dotted_keys_replace_the_json_whole() -> None:
 def test_unknown_field_and_bad_policy_are_launch_problems() -> None:
     snap = vsrv.from_launch(
         "decode",
-        "vllm serve m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\","
-        "\"kv_load_failure_policy\":\"retry\",\"kv_lease\":3}'",
+        'vllm serve m --kv-transfer-config \'{"kv_connector":"NixlConnector","kv_role":"kv_consumer",'
+        '"kv_load_failure_policy":"retry","kv_lease":3}\'',
         "command line",
     )
     assert snap is not None
@@ -175,7 +175,7 @@ def cli(capsys: pytest.CaptureFixture[str]):
 
 
 KVF_P, KVF_D = _launch("prefill"), _launch("decode")
-NIXL_P = "vllm serve /m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\"}'"
+NIXL_P = 'vllm serve /m --kv-transfer-config \'{"kv_connector":"NixlConnector","kv_role":"kv_producer"}\''
 NIXL_D = ("vllm serve /m --kv-transfer-config '{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\","
           "\"kv_load_failure_policy\":\"fail\"}'")  # fmt: skip
 

@@ -27,7 +27,9 @@ from kvfence.integrations.vllm.launch import VllmServer, VllmSpec, kvfence_trans
 
 NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_load_failure_policy":"fail"}'
 LINES = [
-    shlex.join(VllmSpec("d", "/m", kvfence_transfer_config("decode", {"lease_s": 5}), block_size=32).args("127.0.0.1", 8000)),
+    shlex.join(
+        VllmSpec("d", "/m", kvfence_transfer_config("decode", {"lease_s": 5}), block_size=32).args("127.0.0.1", 8000)
+    ),
     f"--model /m --max-model-len 4096 --kv-transfer-config '{NIXL}' --enable-prefix-caching",
     "--model /m --kv-transfer-config.kv_connector MooncakeConnector --kv_transfer_config.kv_role=kv_consumer "
     "--kv-transfer-config.kv_connector_extra_config.hosts+ a,b --kv-transfer-config.kv_port 20001",
@@ -111,6 +113,8 @@ def test_kvfence_decode_fails_closed_on_fabricated_params(
     code, doc = _cli(capsys, *argv)
     assert code == ex.CLEAN, doc
     cases = {c["case"]: c for c in doc["cases"]}
-    expected = {"unknown-remote-request", "out-of-range-block-ids"} | ({"reused-reference"} if shape == "kvfence" else set())  # noqa: E501
+    expected = {"unknown-remote-request", "out-of-range-block-ids"} | (
+        {"reused-reference"} if shape == "kvfence" else set()
+    )  # noqa: E501
     assert set(cases) == expected, doc
     assert all(c["verdict"] == "failed closed" and c["status"] != 200 for c in cases.values()), doc

@@ -86,9 +86,12 @@ def _single(s: VllmSnapshot) -> list[Finding]:
     policy = kv.get("kv_load_failure_policy")
     kvfence = KVFENCE in s.connectors()
     if policy == "recompute":
-        sev, why = Severity.WARNING, (
-            "a failed KV load is recomputed silently: no error reaches the client or the failure counter, so a "
-            "broken handoff is invisible"
+        sev, why = (
+            Severity.WARNING,
+            (
+                "a failed KV load is recomputed silently: no error reaches the client or the failure counter, so a "
+                "broken handoff is invisible"
+            ),
         )
         if kvfence:
             sev, why = Severity.CRITICAL, "KvfenceConnector refuses 'recompute' and the instance will not start"

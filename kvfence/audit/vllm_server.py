@@ -4,8 +4,9 @@ What it knows: the shell shapes of a vLLM launch (`vllm serve MODEL ...`, `pytho
 vllm.entrypoints.openai.api_server --model MODEL ...`, KEY=VAL prefixes, `export` lines and backslash continuations
 in a script), the flags the audit needs (`--kv-transfer-config` as JSON, and vLLM's dotted form
 `--kv-transfer-config.key value` / `--kv-transfer-config.key=value`, nested keys and `key+` list items, combined as
-vLLM's FlexibleArgumentParser combines them: the dotted keys replace a JSON value whole, which is flagged); `--max-model-len`, `--block-size`, `--kv-cache-dtype`, `--dtype`,
-`--enable-prefix-caching` / `--no-enable-prefix-caching`, `--model`, `--served-model-name`; dashes or underscores),
+vLLM's FlexibleArgumentParser combines them: the dotted keys replace a JSON value whole, which is flagged;
+`--max-model-len`, `--block-size`, `--kv-cache-dtype`, `--dtype`, `--enable-prefix-caching` /
+`--no-enable-prefix-caching`, `--model`, `--served-model-name`; dashes or underscores),
 the script line that set each, and `KVTransferConfig`'s field names in vLLM 0.32 (`KV_TRANSFER_FIELDS`; a test
 derives them from the installed wheel). Saved files: the `--kv-transfer-config` JSON alone, a bundle written by
 `--save-bundle`, or vLLM's `/server_info?config_format=json` body (served with VLLM_SERVER_DEV_MODE=1). Live: that
@@ -238,14 +239,14 @@ def from_launch(role: str, text: str, source: str) -> VllmSnapshot | None:
         if split is None:
             for t in tokens[1:] if tokens and tokens[0] == "export" else tokens:
                 if _ENV_RE.match(t):
-                    k, v = t.split("=", 1)
-                    env[k] = v
+                    name, val = t.split("=", 1)
+                    env[name] = val
             continue
         before, argv = split
         env.update(t.split("=", 1) for t in before if _ENV_RE.match(t))  # type: ignore[misc]
-        for k, tok in enumerate(argv):
+        for cut, tok in enumerate(argv):
             if _SHELL_STOP_RE.fullmatch(tok):
-                argv = argv[:k]
+                argv = argv[:cut]
                 break
         args, kv, problems, given = parse_argv(argv)
         problems += config_problems(kv or {})
@@ -370,7 +371,9 @@ def load_snapshot(
         except OSError as e:
             raise KvfenceError(f"cannot read {src}: {e.strerror or e}") from e
     elif len(src.split()) == 1 and not src.lstrip().startswith("{"):
-        raise KvfenceError(f"cannot read the {role} source {src}: {'is a directory' if path.is_dir() else 'no such file'}")
+        raise KvfenceError(
+            f"cannot read the {role} source {src}: {'is a directory' if path.is_dir() else 'no such file'}"
+        )
     else:
         text, source = src, "command line"
     if text.lstrip().startswith("{"):
@@ -382,10 +385,10 @@ def load_snapshot(
             raise KvfenceError(f"{source}: a JSON object is expected")
         snap = from_bundle(role, source, doc)
         return (replace(snap, launch_line=1) if source != "command line" else snap), None
-    snap = from_launch(role, text, source)
-    if snap is None:
+    launched = from_launch(role, text, source)
+    if launched is None:
         raise KvfenceError(
             f"{source}: not a vLLM launch command ('vllm serve MODEL ...' or 'python -m "
             "vllm.entrypoints.openai.api_server ...'), a saved JSON, or a URL"
         )
-    return snap, None
+    return launched, None

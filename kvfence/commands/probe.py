@@ -88,7 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "#52234: unknown remote request, out-of-range block ids, a reused reference) and report whether it fails "
         "closed (an error) or answers 200 with tokens",
     )
-    p.add_argument("--prefill", metavar="URL", help="with --kv-params: the prefill instance, for the reused-reference case")
+    p.add_argument(
+        "--prefill", metavar="URL", help="with --kv-params: the prefill instance, for the reused-reference case"
+    )
     p.add_argument("--api-key", help="bearer token for the server")
     p.add_argument(
         "--i-am-authorised",
