@@ -271,3 +271,14 @@ def test_fabricated_kvfence_message_is_well_formed() -> None:
     ids = kp.prompt(1, 40)
     c = ConsumeParams.parse(kp.fabricated("kvfence", ids, "unknown"))
     assert c.tokens_expected == 40
+
+
+def test_probe_table_output(cli, kvfence_api: str) -> None:
+    r = cli("probe", kvfence_api, "--model", "fake-model", "--kv-params", "mooncake")
+    assert r.code == ex.WARNINGS
+    assert "unknown-remote-request" in r.out and "200, same tokens" in r.out and "exit code 1" in r.out
+
+
+def test_prefill_without_kv_params_is_usage(cli, kvfence_api: str) -> None:
+    r = cli("probe", kvfence_api, "--model", "fake-model", "--prefill", kvfence_api)
+    assert r.code == ex.USAGE and "--kv-params" in r.err
