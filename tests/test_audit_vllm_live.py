@@ -73,19 +73,26 @@ def test_json_without_role_is_refused_by_both() -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+def instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+    """(prefill, decode) with KvfenceConnector, and a plain instance with no connector, started in parallel."""
     model = resolve_model_dir(None)
     key = ClusterKey.generate()
     env = {ENV_KEY: key.to_hex(), "VLLM_SERVER_DEV_MODE": "1"}  # dev mode: /server_info shows the config
     common: dict[str, Any] = {"block_size": 32, "max_model_len": 1024, "kv_cache_gib": 1, "env": env}
     specs = [VllmSpec("prefill", model, kvfence_transfer_config("prefill"), **common),
-             VllmSpec("decode", model, kvfence_transfer_config("decode"), **common)]  # fmt: skip
-    prefill, decode = start_all(specs, timeout_s=900, log_dir=tmp_path_factory.mktemp("vllm-audit-logs"))
+             VllmSpec("decode", model, kvfence_transfer_config("decode"), **common),
+             VllmSpec("plain", model, None, block_size=32, max_model_len=1024, kv_cache_gib=1)]  # fmt: skip
+    servers = start_all(specs, timeout_s=900, log_dir=tmp_path_factory.mktemp("vllm-audit-logs"))
     try:
-        yield prefill, decode
+        yield servers[0], servers[1], servers[2]
     finally:
-        prefill.stop()
-        decode.stop()
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(instances: tuple[VllmServer, VllmServer, VllmServer]) -> tuple[VllmServer, VllmServer]:
+    return instances[0], instances[1]
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
@@ -118,3 +125,17 @@ def test_kvfence_decode_fails_closed_on_fabricated_params(
     )  # noqa: E501
     assert set(cases) == expected, doc
     assert all(c["verdict"] == "failed closed" and c["status"] != 200 for c in cases.values()), doc
+
+
+def test_an_instance_without_connector_answers_fabricated_params(
+    instances: tuple[VllmServer, VllmServer, VllmServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A vLLM instance with no KV connector takes fabricated NIXL params and answers 200 with its own tokens: not
+    failing closed is a warning; its live audit (no dev mode) cannot see the config, also a warning."""
+    plain = instances[2]
+    code, doc = _cli(capsys, "probe", plain.url, "--model", plain.spec.model, "--kv-params", "nixl", "--json")
+    assert code == ex.WARNINGS, doc
+    assert [c["verdict"] for c in doc["cases"]] == ["200, same tokens", "200, same tokens"], doc
+    code, doc = _cli(capsys, "audit", "vllm", "--decode", plain.url, "--json")
+    assert code == ex.WARNINGS and [f["rule"] for f in doc["findings"]] == ["kv-transfer-config-unknown"], doc
+    assert doc["servers"]["decode"]["version"] and doc["servers"]["decode"]["block_size"] == 32

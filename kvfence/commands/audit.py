@@ -311,9 +311,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     for role, s in snaps.items():
         if s is not None:
             f = vl.facts(s)
+            policy = f["kv_load_failure_policy"] or ("default" if f["connector"] else "?")
             rows.append((role, f["version"] or "?", f["model"] or "?", f["connector"] or "unknown",
-                         f["kv_role"] or "-", f["kv_load_failure_policy"] or "default", f["max_model_len"] or "?",
-                         f["block_size"] or "?"))  # fmt: skip
+                         f["kv_role"] or "-", policy, f["max_model_len"] or "?", f["block_size"] or "?"))  # fmt: skip
     headers = ["ROLE", "VERSION", "MODEL", "CONNECTOR", "KV ROLE", "LOAD FAILURE", "MAX MODEL LEN", "BLOCK"]
     print(fnd.render_table(headers, rows, wrap={2: 40}))
     print()
