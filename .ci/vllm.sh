@@ -17,4 +17,4 @@ fi
 "$VENV/bin/pip" install -q xxhash pyzmq prometheus-client pytest pytest-timeout
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
-PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_pd.py
+PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_pd.py tests/test_audit_vllm_live.py

@@ -60,6 +60,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _ci_outputs(s)
     s.set_defaults(func=_guarded("kvfence audit sglang", _sglang_rules, run_sglang))
 
+    v = sub.add_parser(
+        "vllm",
+        help="check a vLLM P/D pair's KV transfer config (launch commands, saved JSON, or live URLs)",
+        description="Check a vLLM prefill/decode deployment's KV transfer configuration: connector, kv_role, "
+        "kv_load_failure_policy, whether decode verifies the KV it loads, and prefill/decode consistency. Each side "
+        "is a launch command (`vllm serve ... --kv-transfer-config '{...}'`), a file holding it, a saved JSON (the "
+        "--kv-transfer-config object, /server_info?config_format=json, or a bundle from --save-bundle), or a live URL.",
+        epilog=ex.HELP,
+    )
+    v.add_argument("--prefill", metavar="SRC", help="prefill instance: URL, JSON file, launch script, or command")
+    v.add_argument("--decode", metavar="SRC", help="decode instance: URL, JSON file, launch script, or command")
+    v.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout per request in seconds")
+    v.add_argument("--save-bundle", metavar="DIR", help="save what was read from live URLs as re-auditable JSON")
+    v.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    _ci_outputs(v)
+    v.set_defaults(func=_guarded("kvfence audit vllm", _vllm_rules, run_vllm))
+
     lg = sub.add_parser(
         "logs",
         help="scan SGLang prefill/decode logs: over-pool requests, aborted-but-transferred, checksum coverage",
@@ -85,6 +102,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _sglang_rules() -> list:
     from kvfence.audit.sglang import RULES
+
+    return list(RULES)
+
+
+def _vllm_rules() -> list:
+    from kvfence.audit.vllm import RULES
 
     return list(RULES)
 
@@ -242,6 +265,57 @@ def run_sglang(args: argparse.Namespace) -> int:
             wrap={2: 40},
         )
     )
+    print()
+    print(fnd.findings_table(found))
+    print()
+    print(fnd.summary_line(found))
+    return code
+
+
+def _save_bundle(args: argparse.Namespace, role: str, bundle: dict | None) -> None:
+    if bundle is None or not args.save_bundle:
+        return
+    out_dir = Path(args.save_bundle)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{role}.json").write_text(fnd.dumps(bundle), encoding="utf-8")
+    except OSError as e:
+        raise KvfenceError(f"cannot write the bundle under {out_dir}: {e.strerror or e}") from e
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    from kvfence.audit import vllm as vl
+    from kvfence.audit import vllm_server as vsrv
+
+    if not args.prefill and not args.decode:
+        raise ex.UsageError("give --prefill and/or --decode (URL, JSON file, launch script, or command)")
+    snaps: dict[str, vsrv.VllmSnapshot | None] = {"prefill": None, "decode": None}
+    for role in ("prefill", "decode"):
+        src = getattr(args, role)
+        if src:
+            snaps[role], bundle = vsrv.load_snapshot(role, src, timeout=args.timeout)
+            _save_bundle(args, role, bundle)
+    found = fnd.sort_findings(vl.audit(snaps["prefill"], snaps["decode"]))
+    code = fnd.exit_code(found)
+    _write_ci(args, "kvfence audit vllm", vl.RULES, found)
+    if args.json:
+        doc = {
+            "tool": "kvfence audit vllm",
+            "exit_code": code,
+            "findings": [f.to_dict() for f in found],
+            "servers": {r: vl.facts(s) for r, s in snaps.items() if s is not None},
+        }
+        print(fnd.dumps(doc))
+        return code
+    rows = []
+    for role, s in snaps.items():
+        if s is not None:
+            f = vl.facts(s)
+            policy = f["kv_load_failure_policy"] or ("default" if f["connector"] else "?")
+            rows.append((role, f["version"] or "?", f["model"] or "?", f["connector"] or "unknown",
+                         f["kv_role"] or "-", policy, f["max_model_len"] or "?", f["block_size"] or "?"))  # fmt: skip
+    headers = ["ROLE", "VERSION", "MODEL", "CONNECTOR", "KV ROLE", "LOAD FAILURE", "MAX MODEL LEN", "BLOCK"]
+    print(fnd.render_table(headers, rows, wrap={2: 40}))
     print()
     print(fnd.findings_table(found))
     print()

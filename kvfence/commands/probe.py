@@ -81,6 +81,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="the server claims batch-invariant greedy decoding: temperature-0 golden drift is critical, not a warning",
     )
+    p.add_argument(
+        "--kv-params",
+        choices=["nixl", "mooncake", "kvfence"],
+        help="instead: send a vLLM decode instance fabricated kv_transfer_params of this connector's shape (vLLM "
+        "#52234: unknown remote request, out-of-range block ids, a reused reference) and report whether it fails "
+        "closed (an error) or answers 200 with tokens",
+    )
+    p.add_argument(
+        "--prefill", metavar="URL", help="with --kv-params: the prefill instance, for the reused-reference case"
+    )
     p.add_argument("--api-key", help="bearer token for the server")
     p.add_argument(
         "--i-am-authorised",
@@ -113,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.kv_params:
+        return _run_kv_params(args)
+    if args.prefill:
+        raise ex.UsageError("--prefill goes with --kv-params")
     from kvfence.audit.probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(
@@ -160,6 +174,46 @@ def _run(args: argparse.Namespace) -> int:
         print()
         print("not established by this probe:")
         print(fnd.render_table(["CHECK", "WHY"], [(x.check, x.why) for x in report.not_established], wrap={1: 100}))
+    print()
+    print(fnd.findings_table(report.findings))
+    print()
+    print(fnd.summary_line(report.findings))
+    return code
+
+
+def _run_kv_params(args: argparse.Namespace) -> int:
+    from kvfence.audit.kv_params_probe import KvParamsProbeConfig, run_kv_params_probe
+
+    cfg = KvParamsProbeConfig(
+        url=args.url,
+        model=args.model,
+        connector=args.kv_params,
+        prefill_url=args.prefill,
+        max_tokens=args.max_tokens,
+        request_timeout_s=args.request_timeout,
+        allow_remote=args.allow_remote,
+        api_key=args.api_key,
+    )
+    report = run_kv_params_probe(cfg)
+    code = fnd.exit_code(report.findings)
+    doc = {"tool": TOOL, "exit_code": code, **report.to_dict()}
+    if args.report:
+        try:
+            Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+        except OSError as e:
+            raise KvfenceError(f"cannot write {args.report}: {e.strerror or e}") from e
+    if args.json:
+        print(fnd.dumps(doc))
+        return code
+    print(f"target {report.url}: fabricated {report.connector} kv_transfer_params")
+    print()
+    rows = [(c.case, c.status or "no answer", c.verdict, c.error[:80]) for c in report.cases]
+    print(fnd.render_table(["CASE", "HTTP", "VERDICT", "ERROR"], rows, wrap={3: 80}))
+    if report.not_established:
+        print()
+        print("not established by this probe:")
+        for line in report.not_established:
+            print(f"  {line}")
     print()
     print(fnd.findings_table(report.findings))
     print()
