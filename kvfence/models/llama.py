@@ -12,8 +12,12 @@ What it does not know: where pages are, which request a row is, sampling. It
 writes this forward's K/V at fb.slot_mapping and returns float32 logits for
 fb.logits_index rows only. With kernels "native" a decode batch of up to
 NATIVE_STEP_MAX_BATCH sequences runs every layer in one C++ call (models.native_kernels),
-the same math with float sums in another order. Sliding-window attention is not
-implemented: the loader caps the context at the window so full attention is exact.
+the same math with float sums in another order, in float32 or with bfloat16 weights and KV
+(float32 arithmetic). Weights are held once: plain (each projection [out, in], plus a
+oneDNN-blocked copy for torch's kernels) or, for the native kernels, as native panels only
+(`hold_panels`: the originals and oneDNN copies freed, a tied embedding read from the head's
+panels); every forward runs from either. Sliding-window attention is not implemented: the
+loader caps the context at the window so full attention is exact.
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ def _yarn_inv_freq(cfg: Any, p: dict[str, Any], base: float, dim: int) -> tuple[
 # same CPU time within 1%, and the native step is batch-invariant; above 32 it was not measured.
 NATIVE_STEP_MAX_BATCH = 32
 _EMPTY = torch.empty(0)
+PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection weights, [out, in] each
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -199,13 +204,45 @@ class DecoderLayer(nn.Module):
         self.down_w = _param(E, I, dtype=dtype)
         self.down_b = _param(E, dtype=dtype) if mlp_bias else None
         self.I = I
+        self.shapes = {name: tuple(getattr(self, name).shape) for name in PROJECTIONS}  # name -> (out, in)
         self.packed: dict[str, torch.Tensor | None] = {}  # weight name -> oneDNN-blocked copy (models.linear)
+        # weight name -> native_kernels.pack_panels of it, the only copy while the model holds panels
+        self.panels: dict[str, torch.Tensor] = {}
         self.native = False  # RMSNorm by models.native_kernels (set by LlamaForCausalLM.use_native_kernels)
 
     def pack_weights(self, enabled: bool = True) -> None:
         """Refresh the blocked copies of the four projection weights from the loaded values (or drop them)."""
-        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
-        self.packed = {name: pack_weight(getattr(self, name)) for name in names} if enabled else {}
+        assert not self.panels, "the projections are held as native panels (hold_panels(False) first)"
+        self.packed = {name: pack_weight(getattr(self, name)) for name in PROJECTIONS} if enabled else {}
+
+    def hold_panels(self, enabled: bool) -> None:
+        """Hold the projections as native panels only (the [out, in] originals and oneDNN copies freed, one
+        weight at a time), or back as [out, in] weights (then without oneDNN copies: pack_weights makes them)."""
+        from kvfence.models import native_kernels
+
+        if enabled and not self.panels:
+            self.packed = {}
+            for name in PROJECTIONS:
+                w = getattr(self, name)
+                self.panels[name] = native_kernels.pack_panels(w.data)
+                w.data = w.data.new_empty(0)  # the original's storage goes
+        elif not enabled and self.panels:
+            for name in PROJECTIONS:
+                getattr(self, name).data = native_kernels.unpack_panels(self.panels.pop(name), *self.shapes[name])
+
+    def _project(
+        self, name: str, x: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held."""
+        panels = self.panels.get(name)
+        if panels is not None:
+            from kvfence.models.native_kernels import packed_linear
+
+            return packed_linear(x, panels, self.shapes[name][0], b, residual)
+        w = getattr(self, name)
+        if residual is None:
+            return linear(x, w, b, self.packed.get(name))
+        return linear_add(residual, x, w, b, self.packed.get(name))
 
     def forward(
         self,
@@ -221,7 +258,7 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         h = _norm(x, self.input_norm, self.eps, self.native)
-        qkv = linear(h, self.qkv_w, self.qkv_b, self.packed.get("qkv_w"))  # [T, (H + 2 Hkv) D]
+        qkv = self._project("qkv_w", h, self.qkv_b)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
@@ -234,11 +271,11 @@ class DecoderLayer(nn.Module):
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b, self.packed.get("o_w"))
+        x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
         h = _norm(x, self.post_norm, self.eps, self.native)
-        gu = linear(h, self.gate_up_w, self.gate_up_b, self.packed.get("gate_up_w"))  # [T, 2I]
+        gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
-        return linear_add(x, act, self.down_w, self.down_b, self.packed.get("down_w"))
+        return self._project("down_w", act, self.down_b, x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -278,12 +315,16 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
         self.scale = self.D**-0.5
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by load_weights
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by pack_weights
+        self._weight_shapes = self._shapes_of_targets()
         self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
         self._rope_sin: torch.Tensor | None = None
         self.native = False  # final RMSNorm by models.native_kernels
+        self.panels = False  # projections and head held as native panels only (hold_panels)
         self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
-        self._native_head: torch.Tensor | None = None  # lm_head, packed for native_kernels.packed_linear
+        self._native_head: torch.Tensor | None = None  # lm_head's panels (the only copy while self.panels)
+        self._native_norm: torch.Tensor | None = None  # the final norm's weight in float32
+        self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 tables for the native step
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -320,6 +361,9 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor this model needs, with its shape (names as in the safetensors files)."""
+        return dict(self._weight_shapes)
+
+    def _shapes_of_targets(self) -> dict[str, tuple[int, ...]]:
         out = {}
         for name, (param, _, rows) in self._targets().items():
             shape = tuple(param.shape)
@@ -338,6 +382,7 @@ class LlamaForCausalLM(nn.Module):
         Raises KeyError for a name we do not know (unless ignorable) and ValueError for a
         shape mismatch; the loader turns both into errors naming the file.
         """
+        assert not self.panels, "weights load into the plain layout (hold_panels(False) first)"
         targets = self._targets()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -351,24 +396,80 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
-        self.pack_weights()
         return loaded
 
     def pack_weights(self, enabled: bool = True) -> None:
         """Make (or drop, enabled=False) the oneDNN-blocked weight copies the projections run on.
 
-        load_weights makes them; dropping them sends every projection to F.linear (MKL), which
-        `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
+        The loader makes them for the torch kernels; dropping them sends every projection to F.linear
+        (MKL), which `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
         """
+        assert not self.panels, "the weights are held as native panels (hold_panels(False) first)"
         for layer in self.layers:
             layer.pack_weights(enabled)
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
+    @torch.no_grad()
+    def hold_panels(self, enabled: bool = True) -> None:
+        """Hold the weights as the native kernels read them, and only so (enabled), or plain (not enabled).
+
+        Panels: every projection and the head as native_kernels.pack_panels panels, each original and its
+        oneDNN copy freed as its panels are made (so the model never holds much more than one copy); a
+        tied embedding is read from the head's panels; the per-layer list the native step takes is built
+        here, not on the first step. Plain: [out, in] weights back from the panels, with oneDNN copies.
+        """
+        from kvfence.models import native_kernels
+
+        if enabled and not self.panels:
+            assert self.dtype in native_kernels.DTYPES and self.embed.device.type == "cpu", (self.dtype, self.embed)
+            self.lm_head_packed = None
+            for layer in self.layers:
+                layer.hold_panels(True)
+            self._native_head = native_kernels.pack_panels(self.lm_head.data)
+            self.lm_head.data = self.lm_head.data.new_empty(0)  # tied: the embedding goes too (read from the panels)
+            self._native_norm = self.norm.detach().float()
+            self._native_weights = [
+                _EMPTY if (t := getattr(layer, name)) is None
+                else layer.panels[name] if name in native_kernels.PACKED_FIELDS
+                else t.detach().float().contiguous()
+                for layer in self.layers
+                for name in native_kernels.LAYER_FIELDS
+            ]  # fmt: skip
+            self.panels = True
+        elif not enabled and self.panels:
+            assert self._native_head is not None
+            self._native_weights = self._native_norm = None
+            for layer in self.layers:
+                layer.hold_panels(False)
+            self.lm_head.data = native_kernels.unpack_panels(self._native_head, self.vocab_size, self.hidden_size)
+            self._native_head = None
+            self.panels = False
+            self.pack_weights()
+
     def use_native_kernels(self, enabled: bool = True) -> None:
-        """Run every RMSNorm through models.native_kernels (float32 CPU rows), or back through torch."""
+        """Run decode steps and every RMSNorm through models.native_kernels, holding the weights as native
+        panels only (hold_panels), or back through torch with plain weights and oneDNN copies."""
+        self.hold_panels(enabled)
         self.native = enabled
         for layer in self.layers:
             layer.native = enabled
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] -> embeddings [T, E] in the model's dtype (from the head's panels when tied and held so)."""
+        if self.panels and self.tie_word_embeddings:
+            from kvfence.models.native_kernels import panel_rows
+
+            assert self._native_head is not None
+            return panel_rows(self._native_head, ids, self.hidden_size)
+        return F.embedding(ids, self.embed)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, E] after the final norm -> float32 logits [N, vocab]."""
+        if self._native_head is not None:
+            from kvfence.models.native_kernels import packed_linear
+
+            return packed_linear(x, self._native_head, self.vocab_size).float()
+        return linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     # --- forward -------------------------------------------------------------------------------------
 
@@ -393,7 +494,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
         if self._native_step_applies(fb):
             return self._forward_native_decode(fb, pool)
-        x = F.embedding(fb.input_ids, self.embed)  # [T, E]
+        x = self._embed_rows(fb.input_ids)  # [T, E]
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
         cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
         sin = sin_table[fb.positions][:, None, :]  # [T, 1, D]
@@ -401,33 +502,25 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)
-        return linear(x, self.lm_head, None, self.lm_head_packed).float()  # [N, vocab]
+        return self._logits(x)  # [N, vocab]
 
     def _native_step_applies(self, fb: ForwardBatch) -> bool:
         return (
             fb.native_decode
+            and self.panels  # the native weights are held (so: CPU, float32 or bfloat16)
             and fb.kv_pages is not None
             and 0 < fb.batch_size <= NATIVE_STEP_MAX_BATCH
-            and self.dtype == torch.float32
-            and self.embed.device.type == "cpu"
         )
 
     def _forward_native_decode(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """A decode step (one token per sequence) through models.native_kernels: every layer in one C++ call,
-        the head by the small-batch projection kernel. Same math as `forward`; float sums in another order."""
+        the head by the small-batch projection kernel. Same math as `forward` (float32 activations whatever
+        the weights' dtype); float sums in another order."""
         from kvfence.models import native_kernels
 
-        if self._native_weights is None:  # packed copies of the projections, made on the first native step
-            self._native_weights = [
-                _EMPTY if (t := getattr(layer, name)) is None
-                else native_kernels.pack_panels(t) if name in native_kernels.PACKED_FIELDS
-                else t
-                for layer in self.layers
-                for name in native_kernels.LAYER_FIELDS
-            ]  # fmt: skip
-            self._native_head = native_kernels.pack_panels(self.lm_head)
-        x = F.embedding(fb.input_ids, self.embed)  # [B, E]
-        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
+        assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
+        x = self._embed_rows(fb.input_ids).float()  # [B, E]
+        cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
         x = native_kernels.llama_decode_layers(
             x,
             self._native_weights,
@@ -444,9 +537,19 @@ class LlamaForCausalLM(nn.Module):
             self.scale,
             self.eps,
         )  # [B, E]
-        x = native_kernels.rms_norm(x[fb.logits_index], self.norm, self.eps)  # [N, E]
-        assert self._native_head is not None
-        return native_kernels.packed_linear(x, self._native_head, self.lm_head.shape[0])  # [N, vocab]
+        x = native_kernels.rms_norm(x[fb.logits_index], self._native_norm, self.eps)  # [N, E]
+        return native_kernels.packed_linear(x, self._native_head, self.vocab_size)  # [N, vocab]
+
+    def _rope_tables_f32(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_rope_tables in float32 whatever the model's dtype (the native step rotates in float32)."""
+        if self.dtype == torch.float32:
+            return self._rope_tables(num_positions)
+        if self._rope_f32 is None or self._rope_f32[0].shape[0] < num_positions:
+            n = max(64, 1 << (num_positions - 1).bit_length())
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
+            cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+            self._rope_f32 = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [n, D] each
+        return self._rope_f32
 
 
 class MistralForCausalLM(LlamaForCausalLM):

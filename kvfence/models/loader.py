@@ -194,8 +194,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    panels: bool = False,
 ) -> LoadedModel:
-    """Read, check and load the model in `model_dir` (see module docstring)."""
+    """Read, check and load the model in `model_dir` (see module docstring).
+
+    `panels`: for the native kernels (the engine's kernels "native"), a model that can (Llama family, CPU)
+    holds its weights as native panels only, made right after loading (`hold_panels`); otherwise a CPU
+    Llama-family model gets oneDNN-blocked copies of its projections for torch's kernels."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -222,7 +227,13 @@ def load_model(
     loaded = model.load_weights(_stream(plan, progress))
     assert loaded == set(model.weight_shapes()), "checked plan and loaded tensors disagree"
     model = model.to(device).eval()
-    if torch.device(device).type != "cpu" and hasattr(model, "pack_weights"):
+    on_cpu = torch.device(device).type == "cpu"
+    if hasattr(model, "hold_panels"):
+        if panels and on_cpu:
+            model.hold_panels()  # one copy of the weights, as the native kernels read them
+        else:
+            model.pack_weights(on_cpu)  # oneDNN copies serve CPU products only
+    elif not on_cpu and hasattr(model, "pack_weights"):
         model.pack_weights(False)  # oneDNN copies serve CPU products only: free the host memory
     return LoadedModel(
         model=model,

@@ -101,19 +101,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N (what
-    `packed_linear` and `llama_decode_layers` read; a copy, made once per weight)."""
+    """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N; bfloat16 ->
+    [ceil(N / 32), ceil(K / 2), 32, 2]: per pair of k, each column's two weights side by side (the operand of
+    AVX512_BF16's dot product), zero past N and K. What `packed_linear` and `llama_decode_layers` read."""
     return load().pack_panels(w.contiguous())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [B, K] float32; packed: pack_panels(w) of a w [n, K]; b: [n] or None -> x @ w^T + b [B, n], each
-    output one FMA chain over k in order, so a row's result does not depend on the rest of the batch."""
-    return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b)
+def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_panels' inverse: panels of a weight [n, k] -> that weight [n, k] (a new tensor, same dtype)."""
+    if panels.dim() == 3:  # float32 [P, K, 32]
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n].clone()
+    return panels.permute(0, 2, 1, 3).reshape(-1, 2 * panels.shape[1])[:n, :k].clone()  # bfloat16 [P, K/2, 32, 2]
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` [T] of the weight [n, k] that `panels` packs -> [T, k] (a tied embedding read from its head's
+    panels: the model keeps one copy)."""
+    cols = ids % PANEL
+    if panels.dim() == 3:  # float32 [P, K, 32]
+        return panels[ids // PANEL, :, cols]  # [T, K]
+    return panels[ids // PANEL, :, cols].reshape(ids.shape[0], -1)[:, :k]  # [T, K/2, 2] -> [T, K]
+
+
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [B, K] float32 or bfloat16; packed: pack_panels(w) of a w [n, K] (float32 or bfloat16); b: [n] or None;
+    residual: [B, n] or None -> residual + x @ w^T + b [B, n] in x's dtype, float32 sums; each output one chain
+    over k in order, so a row's result does not depend on the rest of the batch."""
+    return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b, _EMPTY if residual is None else residual)
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [B, K] float32; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N] (packs w first: for one-off calls)."""
+    """x: [B, K]; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N] (packs w first: for one-off calls)."""
     return packed_linear(x, pack_panels(w), w.shape[0], b)
 
 
@@ -135,9 +159,10 @@ def llama_decode_layers(
 ) -> torch.Tensor:
     """Every layer of a Llama-family decode step in one call (see native_kernels.cpp, llama_decode_layers).
 
-    x: [B, E] embedded tokens; layer_weights: 12 per layer (LAYER_FIELDS order, empty tensors for what a
-    model lacks; the PACKED_FIELDS packed by `pack_panels`); cos/sin: [B, D]; k_pools/v_pools: per layer
-    [S, Hkv, D]; slots: [B]; kv_pages: [B, P]; kv_lens: [B] -> [B, E], and this step's K/V written at `slots`.
+    x: [B, E] float32 embedded tokens; layer_weights: 12 per layer (LAYER_FIELDS order, empty tensors for what a
+    model lacks; the PACKED_FIELDS packed by `pack_panels` in the pools' dtype, the others float32); cos/sin:
+    [B, D] float32; k_pools/v_pools: per layer [S, Hkv, D], float32 or bfloat16; slots: [B]; kv_pages: [B, P];
+    kv_lens: [B] -> [B, E] float32, and this step's K/V written at `slots`.
     """
     return load().llama_decode_layers(
         x, layer_weights, cos, sin, k_pools, v_pools, slots, kv_pages, kv_lens, int(page_size),
@@ -152,6 +177,8 @@ LAYER_FIELDS = (
     "gate_up_w", "gate_up_b", "down_w", "down_b",
 )  # fmt: skip
 _EMPTY = torch.empty(0)
+PANEL = 32  # output columns per panel (kPanel in the C++)
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels hold weights and KV in
 
 
 if __name__ == "__main__":  # build (or find) the extension ahead of first use, e.g. in CI before the tests

@@ -1,0 +1,80 @@
+"""The model holds one copy of its weights: with the native kernels, only their panels (the [out, in]
+originals, the oneDNN copies and a tied embedding's second reference freed, checked on tensor storage), made at
+load; the torch forward (prefill) runs from the panels too; switching back gives the exact weights again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.models.llama import PROJECTIONS
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _held_bytes(model: Any) -> int:
+    """Bytes of every distinct storage the model's parameters, oneDNN copies and native panels hold."""
+    seen: dict[int, int] = {}
+    tensors = list(model.parameters()) + ([model._native_head] if model._native_head is not None else [])
+    tensors += [p for layer in model.layers for p in layer.panels.values()]
+    tensors += [p for layer in model.layers for p in layer.packed.values() if p is not None]
+    tensors += [model.lm_head_packed] if model.lm_head_packed is not None else []
+    for t in tensors:
+        if t.layout == torch._mkldnn:  # oneDNN's blocked copies have no storage to ask: count their elements
+            seen[id(t)] = t.numel() * t.element_size()
+        else:
+            seen[t.untyped_storage().data_ptr()] = _storage_bytes(t)
+    return sum(seen.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..., Path], tied: bool) -> None:
+    model_dir = make_model("LlamaForCausalLM", seed=1, tie_word_embeddings=tied)
+    engine = LLMEngine(EngineConfig(model=ModelConfig(str(model_dir), kernels="native"), cache=CacheConfig(page_size=8)))
+    model = engine.runner.model
+    assert model.panels and model._native_weights is not None  # built at load, before any step
+    for layer in model.layers:
+        assert layer.packed == {}  # no oneDNN copies
+        for name in PROJECTIONS:
+            assert _storage_bytes(getattr(layer, name)) == 0  # the original [out, in] weight is gone
+            assert layer.panels[name].numel() >= layer.shapes[name][0] * layer.shapes[name][1]
+    assert model.lm_head_packed is None and _storage_bytes(model.lm_head) == 0
+    assert (_storage_bytes(model.embed) == 0) == tied  # a tied embedding is read from the head's panels
+    # the native step's list holds the very panels, not copies
+    fields = len(model._native_weights) // len(model.layers)
+    assert model._native_weights[1].data_ptr() == model.layers[0].panels["qkv_w"].data_ptr() and fields == 12
+    plain = LLMEngine(EngineConfig(model=ModelConfig(str(model_dir), kernels="torch"), cache=CacheConfig(page_size=8)))
+    weights = sum(p.numel() * p.element_size() for p in plain.runner.model.parameters())
+    assert _held_bytes(plain.runner.model) > 1.5 * weights  # torch kernels: originals + oneDNN copies (not embed)
+    assert _held_bytes(model) < 1.1 * weights  # native: one copy (panels pad the columns to 32)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
+    from kvfence.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = [c.token_ids for c in engine.generate(prompts, params)]  # prefill from the panels, decode natively
+    assert got == [c.token_ids for c in plain.generate(prompts, params)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_switching_to_panels_and_back_gives_the_same_weights(make_model: Callable[..., Path], dtype: torch.dtype) -> None:
+    from kvfence.models.loader import load_model
+
+    lm = load_model(make_model("Qwen2ForCausalLM", seed=2, tie_word_embeddings=True), dtype=dtype, progress=False)
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    lm.model.use_native_kernels(True)
+    assert lm.model.panels and all(_storage_bytes(getattr(lm.model.layers[0], n)) == 0 for n in PROJECTIONS)
+    ids = torch.tensor([0, 31, 32, 100, 2047])  # panel edges
+    assert torch.equal(lm.model._embed_rows(ids), before["embed"][ids])  # the tied embedding from the panels
+    lm.model.use_native_kernels(False)
+    after = lm.model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert lm.model.lm_head_packed is not None or not torch.backends.mkldnn.is_available()  # oneDNN copies again
