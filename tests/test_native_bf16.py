@@ -112,3 +112,23 @@ def test_bf16_native_decode_step_is_close_to_the_torch_forward_and_stores_bf16_k
             got, want = other.flat(i, name)[fb.slot_mapping], pool.flat(i, name)[fb.slot_mapping]
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len", [20, 140])  # below and above BF16_GEMM_MIN_ROWS: panels, then F.linear
+def test_bf16_prefill_from_panels_matches_the_plain_bf16_forward(
+    make_model: Callable[..., Path], prompt_len: int
+) -> None:
+    from kvfence.kv.pool import KVPool
+    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
+
+    lm = _lm(make_model, torch.bfloat16)
+    ids = torch.randint(0, 2000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    fb = build_forward_batch([SeqChunk(ids, 0, list(range(-(-prompt_len // PAGE))), "last")], PAGE)
+    layout = lm.model.kv_layout(lm.hf_config, PAGE, torch.bfloat16)
+    with torch.inference_mode():
+        plain = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
+        lm.model.use_native_kernels(True)
+        panels = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
+    assert lm.model.panels
+    torch.testing.assert_close(panels, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())

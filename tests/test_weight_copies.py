@@ -4,8 +4,9 @@ load; the torch forward (prefill) runs from the panels too; switching back gives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,9 @@ def _held_bytes(model: Any) -> int:
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..., Path], tied: bool) -> None:
     model_dir = make_model("LlamaForCausalLM", seed=1, tie_word_embeddings=tied)
-    engine = LLMEngine(EngineConfig(model=ModelConfig(str(model_dir), kernels="native"), cache=CacheConfig(page_size=8)))
+    engine = LLMEngine(
+        EngineConfig(model=ModelConfig(str(model_dir), kernels="native"), cache=CacheConfig(page_size=8))
+    )
     model = engine.runner.model
     assert model.panels and model._native_weights is not None  # built at load, before any step
     for layer in model.layers:
@@ -65,7 +68,9 @@ def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_switching_to_panels_and_back_gives_the_same_weights(make_model: Callable[..., Path], dtype: torch.dtype) -> None:
+def test_switching_to_panels_and_back_gives_the_same_weights(
+    make_model: Callable[..., Path], dtype: torch.dtype
+) -> None:
     from kvfence.models.loader import load_model
 
     lm = load_model(make_model("Qwen2ForCausalLM", seed=2, tie_word_embeddings=True), dtype=dtype, progress=False)

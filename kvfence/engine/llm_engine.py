@@ -95,7 +95,7 @@ class EngineStats:
 
 
 def resolve_kernels(config: EngineConfig) -> str:
-    """"torch" or "native" for this engine. Native kernels run on CPU float32 or bfloat16 weights and pools
+    """ "torch" or "native" for this engine. Native kernels run on CPU float32 or bfloat16 weights and pools
     and need building (done here, once per machine): asked for by name they must, "auto" takes them where
     they can. The model then holds its weights as the native kernels' panels only (no second copy)."""
     from kvfence.models.native_kernels import NativeKernelsUnavailable, load

@@ -155,6 +155,11 @@ def _yarn_inv_freq(cfg: Any, p: dict[str, Any], base: float, dim: int) -> tuple[
 NATIVE_STEP_MAX_BATCH = 32
 _EMPTY = torch.empty(0)
 PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection weights, [out, in] each
+# From this many rows (prefill chunks) a bfloat16 projection held as panels unpacks its weight for the call and
+# takes F.linear (oneDNN, AMX where the CPU has it): at 1,024 rows x [2048, 768] on two cores here 1,470 GFLOP/s
+# against the panels' 190, the unpacking (0.7 ms) included; break-even near 64 rows. float32 stays on the panels
+# (oneDNN's 300 GFLOP/s against their 270-300 does not pay for the unpacking).
+BF16_GEMM_MIN_ROWS = 128
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -236,8 +241,11 @@ class DecoderLayer(nn.Module):
         """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held."""
         panels = self.panels.get(name)
         if panels is not None:
-            from kvfence.models.native_kernels import packed_linear
+            from kvfence.models.native_kernels import packed_linear, unpack_panels
 
+            if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS:  # a transient [out, in] copy
+                y = F.linear(x, unpack_panels(panels, *self.shapes[name]), b)
+                return y if residual is None else residual + y
             return packed_linear(x, panels, self.shapes[name][0], b, residual)
         w = getattr(self, name)
         if residual is None:
@@ -262,6 +270,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
+            assert self.q_norm is not None and self.k_norm is not None
             w = torch.cat([self.q_norm.expand(H, D), self.k_norm.expand(Hkv, D)])  # [H + Hkv, D]
             qk = rms_norm(qk, None, self.eps) * w
         # RoPE on q and k heads at once, rotate-half convention:
@@ -282,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM serving from a paged KV pool (see module docstring)."""
 
     architecture = "LlamaForCausalLM"
+    inv_freq: torch.Tensor  # a buffer: [D/2] float32
 
     @classmethod
     def kv_layout(cls, hf_config: Any, page_size: int, dtype: torch.dtype) -> KVLayout:
@@ -309,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self.eps = float(cfg.rms_norm_eps)
         self.embed = _param(self.vocab_size, self.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.architecture, dtype) for _ in range(self.num_layers))
+        self.blocks: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]  # self.layers, typed
         self.norm = _param(self.hidden_size, dtype=dtype)
         tied = self.tie_word_embeddings
         self.lm_head = self.embed if tied else _param(self.vocab_size, self.hidden_size, dtype=dtype)
@@ -335,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
         targets["model.norm.weight"] = (self.norm, 0, -1)
         if not self.tie_word_embeddings:
             targets["lm_head.weight"] = (self.lm_head, 0, -1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks):
             p = f"model.layers.{i}."
             targets[p + "input_layernorm.weight"] = (layer.input_norm, 0, -1)
             targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, -1)
@@ -347,13 +358,13 @@ class LlamaForCausalLM(nn.Module):
             targets[p + "self_attn.o_proj.weight"] = (layer.o_w, 0, -1)
             if layer.o_b is not None:
                 targets[p + "self_attn.o_proj.bias"] = (layer.o_b, 0, -1)
-            if layer.qk_norm:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 targets[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, -1)
                 targets[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, -1)
             targets[p + "mlp.gate_proj.weight"] = (layer.gate_up_w, 0, layer.I)
             targets[p + "mlp.up_proj.weight"] = (layer.gate_up_w, layer.I, layer.I)
             targets[p + "mlp.down_proj.weight"] = (layer.down_w, 0, -1)
-            if layer.gate_up_b is not None:
+            if layer.gate_up_b is not None and layer.down_b is not None:
                 targets[p + "mlp.gate_proj.bias"] = (layer.gate_up_b, 0, layer.I)
                 targets[p + "mlp.up_proj.bias"] = (layer.gate_up_b, layer.I, layer.I)
                 targets[p + "mlp.down_proj.bias"] = (layer.down_b, 0, -1)
@@ -405,7 +416,7 @@ class LlamaForCausalLM(nn.Module):
         (MKL), which `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
         """
         assert not self.panels, "the weights are held as native panels (hold_panels(False) first)"
-        for layer in self.layers:
+        for layer in self.blocks:
             layer.pack_weights(enabled)
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
@@ -423,7 +434,7 @@ class LlamaForCausalLM(nn.Module):
         if enabled and not self.panels:
             assert self.dtype in native_kernels.DTYPES and self.embed.device.type == "cpu", (self.dtype, self.embed)
             self.lm_head_packed = None
-            for layer in self.layers:
+            for layer in self.blocks:
                 layer.hold_panels(True)
             self._native_head = native_kernels.pack_panels(self.lm_head.data)
             self.lm_head.data = self.lm_head.data.new_empty(0)  # tied: the embedding goes too (read from the panels)
@@ -432,14 +443,14 @@ class LlamaForCausalLM(nn.Module):
                 _EMPTY if (t := getattr(layer, name)) is None
                 else layer.panels[name] if name in native_kernels.PACKED_FIELDS
                 else t.detach().float().contiguous()
-                for layer in self.layers
+                for layer in self.blocks
                 for name in native_kernels.LAYER_FIELDS
             ]  # fmt: skip
             self.panels = True
         elif not enabled and self.panels:
             assert self._native_head is not None
             self._native_weights = self._native_norm = None
-            for layer in self.layers:
+            for layer in self.blocks:
                 layer.hold_panels(False)
             self.lm_head.data = native_kernels.unpack_panels(self._native_head, self.vocab_size, self.hidden_size)
             self._native_head = None
@@ -451,7 +462,7 @@ class LlamaForCausalLM(nn.Module):
         panels only (hold_panels), or back through torch with plain weights and oneDNN copies."""
         self.hold_panels(enabled)
         self.native = enabled
-        for layer in self.layers:
+        for layer in self.blocks:
             layer.native = enabled
 
     def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -521,6 +532,7 @@ class LlamaForCausalLM(nn.Module):
         assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
         x = self._embed_rows(fb.input_ids).float()  # [B, E]
         cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
+        assert fb.kv_pages is not None and fb.kv_lens is not None
         x = native_kernels.llama_decode_layers(
             x,
             self._native_weights,

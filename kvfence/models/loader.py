@@ -52,7 +52,8 @@ class LoadedModel:
 
     def kv_layout(self, page_size: int, dtype: torch.dtype | None = None) -> KVLayout:
         """This model's KV layout at `page_size` (KV dtype defaults to the weights' dtype)."""
-        return type(self.model).kv_layout(self.hf_config, page_size, dtype or self.dtype)
+        model_class: Any = type(self.model)  # a registry class: kv_layout is a classmethod of each
+        return model_class.kv_layout(self.hf_config, page_size, dtype or self.dtype)
 
 
 def _read_config(model_dir: Path) -> tuple[str, Any]:

@@ -1,4 +1,4 @@
-"""The C++ kernels (CPU, float32), from native_kernels.cpp: RMSNorm, decode attention that reads the
+"""The C++ kernels (CPU, float32 and bfloat16 weights/KV), from native_kernels.cpp: RMSNorm, decode attention that reads the
 paged KV pool in place, small-batch projections, and a whole Llama-family decode step in one call.
 
 What it knows: RMSNorm of each row in one pass (weight * (x * rsqrt(mean(x^2) + eps)), the order
@@ -23,12 +23,18 @@ native step do not depend on the batch it shares.
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
 needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
 the source). Engines take them by default where they apply (`ModelConfig.kernels = "auto"`: CPU,
-float32, the build succeeds, and their packed copy of the projections, as large again as the weights,
-takes at most a quarter of the memory available; otherwise the torch kernels, with a warning saying why);
-`python -m kvfence.models.native_kernels` builds them ahead of time.
+float32 or bfloat16, the build succeeds; otherwise the torch kernels, with a warning saying why); a model
+running them holds its projections as these panels only (models.llama, `hold_panels`), and its torch
+forward (prefill) runs `packed_linear` on them. `python -m kvfence.models.native_kernels` builds them
+ahead of time.
 
-What it does not know: prefill, masks other than "the first kv_len keys", dtypes other than float32,
-or devices other than the CPU; callers keep the torch path for those.
+bfloat16: `pack_panels` of a bfloat16 weight makes bfloat16 panels (pairs of k side by side), read by
+AVX512_BF16's VDPBF16PS where the CPU has it and by float FMAs in the same order where it does not (the
+same bits: products of bfloat16s are exact in float32); the input rows are rounded to bfloat16, sums stay
+float32. Decode attention and the decode step read and write bfloat16 pools, computing in float32.
+
+What it does not know: prefill attention, masks other than "the first kv_len keys", float16, or devices
+other than the CPU; callers keep the torch path for those.
 """
 
 from __future__ import annotations
@@ -111,7 +117,8 @@ def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """pack_panels' inverse: panels of a weight [n, k] -> that weight [n, k] (a new tensor, same dtype)."""
     if panels.dim() == 3:  # float32 [P, K, 32]
         return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n].clone()
-    return panels.permute(0, 2, 1, 3).reshape(-1, 2 * panels.shape[1])[:n, :k].clone()  # bfloat16 [P, K/2, 32, 2]
+    w = panels.permute(0, 2, 1, 3).reshape(-1, 2 * panels.shape[1])  # bfloat16 [P, K/2, 32, 2]: a copy
+    return w if w.shape == (n, k) else w[:n, :k].clone()
 
 
 def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
