@@ -1,5 +1,6 @@
-"""The C++ kernels (CPU, float32 and bfloat16 weights/KV), from native_kernels.cpp: RMSNorm, decode attention that reads the
-paged KV pool in place, small-batch projections, and a whole Llama-family decode step in one call.
+"""The C++ kernels (CPU; float32, or bfloat16 weights and KV), from native_kernels.cpp: RMSNorm, decode
+attention that reads the paged KV pool in place, small-batch projections, and a whole Llama-family decode
+step in one call.
 
 What it knows: RMSNorm of each row in one pass (weight * (x * rsqrt(mean(x^2) + eps)), the order
 transformers uses; one call instead of the ~9 ops torch's CPU rms_norm dispatches). Decode attention:
