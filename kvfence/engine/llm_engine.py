@@ -185,7 +185,12 @@ class LLMEngine:
             kernels=kernels,
         )
         if hasattr(loaded.model, "use_native_kernels"):  # a model shared by engines follows the last one built
+            was_native = getattr(loaded.model, "panels", False)
             loaded.model.use_native_kernels(kernels == "native")
+            if was_native != (kernels == "native"):  # the weights changed layout: return what the old one held
+                from kvfence.models.loader import release_freed_heap
+
+                release_freed_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)

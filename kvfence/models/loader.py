@@ -189,6 +189,27 @@ def context_length_source(hf_config: Any) -> str:
     return "max_position_embeddings in config.json"
 
 
+def release_freed_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    Weights freed after loading (the [out, in] originals once their panels exist, the file's float32 tensors
+    after a bfloat16 cast) are mostly below glibc's mmap threshold, so their pages stay in the heap and
+    count as resident until trimmed: about 100 MiB on the 100M preset.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -236,6 +257,7 @@ def load_model(
             model.pack_weights(on_cpu)  # oneDNN copies serve CPU products only
     elif not on_cpu and hasattr(model, "pack_weights"):
         model.pack_weights(False)  # oneDNN copies serve CPU products only: free the host memory
+    release_freed_heap()
     return LoadedModel(
         model=model,
         hf_config=hf_config,
