@@ -157,14 +157,14 @@ def _stream(plan: list[tuple[Path, list[str]]], progress: bool) -> Iterator[tupl
     total = sum(len(names) for _, names in plan)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress) as bar:
         for path, names in plan:
-            with _open(path) as f:
-                for name in names:
+            for name in names:  # the file mapped for one tensor at a time: its pages do not stay resident
+                with _open(path) as f:
                     try:
                         tensor = f.get_tensor(name)
                     except Exception as e:
                         raise ModelLoadError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
-                    yield name, tensor
-                    bar.update(1)
+                yield name, tensor
+                bar.update(1)
 
 
 def context_length_of(hf_config: Any) -> int:
