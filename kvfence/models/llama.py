@@ -524,33 +524,36 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _forward_native_decode(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """A decode step (one token per sequence) through models.native_kernels: every layer in one C++ call,
-        the head by the small-batch projection kernel. Same math as `forward` (float32 activations whatever
-        the weights' dtype); float sums in another order."""
+        """A decode step (one token per sequence) through models.native_kernels: embedding, every layer, the
+        final norm and the head in one C++ call. Same math as `forward` (float32 activations whatever the
+        weights' dtype); float sums in another order."""
         from kvfence.models import native_kernels
 
         assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
-        x = self._embed_rows(fb.input_ids).float()  # [B, E]
-        cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
         assert fb.kv_pages is not None and fb.kv_lens is not None
-        x = native_kernels.llama_decode_layers(
-            x,
+        cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
+        return native_kernels.llama_decode_step(
+            fb.input_ids,
+            None if self.tie_word_embeddings else self.embed,  # tied: rows from the head's panels
+            self._native_head,
+            self.vocab_size,
             self._native_weights,
-            cos_table[fb.positions],  # [B, D]
-            sin_table[fb.positions],
+            cos_table,
+            sin_table,
+            fb.positions,
             [pool.flat(i, "k") for i in range(self.num_layers)],
             [pool.flat(i, "v") for i in range(self.num_layers)],
             fb.slot_mapping,
             fb.kv_pages,
             fb.kv_lens,
+            fb.logits_index,
+            self._native_norm,
             fb.page_size,
             self.H,
             self.Hkv,
             self.scale,
             self.eps,
-        )  # [B, E]
-        x = native_kernels.rms_norm(x[fb.logits_index], self._native_norm, self.eps)  # [N, E]
-        return native_kernels.packed_linear(x, self._native_head, self.vocab_size)  # [N, vocab]
+        )  # [N, vocab] float32
 
     def _rope_tables_f32(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """_rope_tables in float32 whatever the model's dtype (the native step rotates in float32)."""

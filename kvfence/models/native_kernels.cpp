@@ -675,3 +675,101 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
                          Hkv, sc, e);
   return x;
 }
+
+namespace {
+
+// row v of the weight [V, E] that `panels` packs (float32 [P, E, kPanel] or bfloat16 [P, E/2, kPanel, 2]), as floats
+template <typename T>
+void panel_row(const T* panels, int64_t v, int64_t E, float* out) {
+  const int64_t p = v / kPanel, c = v % kPanel;
+  if (std::is_same<T, float>::value) {
+    for (int64_t e = 0; e < E; ++e) out[e] = to_f32(panels[(p * E + e) * kPanel + c]);
+  } else {
+    const int64_t E2 = (E + 1) / 2;
+    for (int64_t e = 0; e < E; ++e) out[e] = to_f32(panels[((p * E2 + e / 2) * kPanel + c) * 2 + e % 2]);
+  }
+}
+
+template <typename T>
+torch::Tensor decode_step(const torch::Tensor& ids, const torch::Tensor& embed, const torch::Tensor& head,
+                          int64_t V, const std::vector<torch::Tensor>& layer_weights, const torch::Tensor& cos_table,
+                          const torch::Tensor& sin_table, const torch::Tensor& positions,
+                          std::vector<torch::Tensor>& k_pools, std::vector<torch::Tensor>& v_pools,
+                          const torch::Tensor& slots, const torch::Tensor& pages, const torch::Tensor& lens,
+                          const torch::Tensor& logits_index, const torch::Tensor& norm, int64_t page_size, int64_t H,
+                          int64_t Hkv, float sc, float e) {
+  const int64_t B = ids.size(0), E = norm.size(0), D = cos_table.size(1), n_pos = cos_table.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(packed_as<T>(head, V, E), "llama_decode_step: head must be pack_panels of a [V, E] weight");
+  auto x = torch::empty({B, E}, cos_table.options());
+  auto cos = torch::empty({B, D}, cos_table.options());
+  auto sin = torch::empty({B, D}, cos_table.options());
+  float* xp = x.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(idp[b] >= 0 && idp[b] < V, "token id outside the vocabulary");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < n_pos, "position outside the RoPE tables");
+    if (embed.numel() == 0) {  // tied: the embedding is the head's weight
+      panel_row(data_as<T>(head, "head"), idp[b], E, xp + b * E);
+    } else {
+      const T* row = data_as<T>(embed, "embedding") + idp[b] * E;
+      for (int64_t i = 0; i < E; ++i) xp[b * E + i] = to_f32(row[i]);
+    }
+    std::copy_n(cos_table.data_ptr<float>() + pos[b] * D, D, cos.data_ptr<float>() + b * D);
+    std::copy_n(sin_table.data_ptr<float>() + pos[b] * D, D, sin.data_ptr<float>() + b * D);
+  }
+  decode_layers<T>(xp, B, E, layer_weights, cos.data_ptr<float>(), sin.data_ptr<float>(), D, k_pools, v_pools,
+                   slots.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), pages.size(1), lens.data_ptr<int64_t>(),
+                   page_size, H, Hkv, sc, e);
+  const int64_t N = logits_index.size(0);
+  const int64_t* li = logits_index.data_ptr<int64_t>();
+  std::vector<float> h(N * E);
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK(li[r] >= 0 && li[r] < B, "logits row outside the batch");
+    rms_norm_into(xp + li[r] * E, 1, E, norm.data_ptr<float>(), e, h.data() + r * E);
+  }
+  auto logits = torch::empty({N, V}, cos_table.options());
+  packed_linear_into(h.data(), N, E, data_as<T>(head, "head"), V, nullptr, nullptr, logits.data_ptr<float>());
+  return logits;
+}
+
+}  // namespace
+
+// A whole decode step in one call: token ids [B] -> float32 logits [N, V] of the rows `logits_index` [N].
+// Embeds each token (from `embed` [V, E], or, when `embed` is empty, from the tied head's panels), gathers its
+// RoPE row from cos_table/sin_table [n, D] (float32) at `positions` [B], runs llama_decode_layers, the final
+// RMSNorm (`norm` [E] float32) of the wanted rows and the head (`head`: pack_panels of the [V, E] lm_head).
+// Weights, embed and pools in one dtype (float32 or bfloat16); the same arithmetic as the separate calls.
+torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::Tensor head, int64_t V,
+                                std::vector<torch::Tensor> layer_weights, torch::Tensor cos_table,
+                                torch::Tensor sin_table, torch::Tensor positions, std::vector<torch::Tensor> k_pools,
+                                std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor pages,
+                                torch::Tensor lens, torch::Tensor logits_index, torch::Tensor norm, int64_t page_size,
+                                int64_t H, int64_t Hkv, double scale, double eps) {
+  constexpr int64_t kFields = 12;
+  const int64_t L = static_cast<int64_t>(k_pools.size());
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(layer_weights.size()) == L * kFields &&
+                  static_cast<int64_t>(v_pools.size()) == L,
+              "llama_decode_step: 12 weights and two pool views per layer");
+  for (torch::Tensor* t : {&ids, &positions, &slots, &pages, &lens, &logits_index}) {
+    TORCH_CHECK(t->dtype() == torch::kInt64, "ids, positions, slots, pages, lens and logits_index must be int64");
+    *t = t->contiguous();
+  }
+  check_f32(cos_table, "cos_table");
+  check_f32(sin_table, "sin_table");
+  check_f32(norm, "norm");
+  const int64_t B = ids.size(0), P = pages.size(1);
+  TORCH_CHECK(B >= 1 && positions.size(0) == B && slots.size(0) == B && lens.size(0) == B && pages.size(0) == B &&
+                  sin_table.sizes() == cos_table.sizes() && cos_table.size(1) % 2 == 0 && H % Hkv == 0,
+              "llama_decode_step: shapes");
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
+  }
+  const float sc = static_cast<float>(scale), e = static_cast<float>(eps);
+  if (is_bf16(k_pools[0]))
+    return decode_step<bf16_t>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
+                               slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
+  return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
+                            slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
+}

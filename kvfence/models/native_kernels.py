@@ -77,7 +77,14 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["paged_decode_attention", "rms_norm", "pack_panels", "packed_linear", "llama_decode_layers"],
+            functions=[
+                "paged_decode_attention",
+                "rms_norm",
+                "pack_panels",
+                "packed_linear",
+                "llama_decode_layers",
+                "llama_decode_step",
+            ],  # fmt: skip
             # at::parallel_for is OpenMP: serial without -fopenmp
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
@@ -175,6 +182,42 @@ def llama_decode_layers(
     return load().llama_decode_layers(
         x, layer_weights, cos, sin, k_pools, v_pools, slots, kv_pages, kv_lens, int(page_size),
         int(num_heads), int(num_kv_heads), float(scale), float(eps),
+    )  # fmt: skip
+
+
+def llama_decode_step(
+    ids: torch.Tensor,
+    embed: torch.Tensor | None,
+    head: torch.Tensor,
+    vocab_size: int,
+    layer_weights: list[torch.Tensor],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    slots: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    logits_index: torch.Tensor,
+    norm: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """A whole decode step in one call (native_kernels.cpp, llama_decode_step): ids [B] -> float32 logits [N,
+    vocab] of the rows logits_index [N]; the embedding, the RoPE gathers, llama_decode_layers, the final norm and
+    the head, with no torch op between them (each costs microseconds at batch 1).
+
+    embed: [vocab, E] or None when tied (rows read from `head`, pack_panels of the lm_head); cos_table/sin_table:
+    [n, D] float32 (n > every position); norm: [E] float32; the rest as in llama_decode_layers.
+    """
+    return load().llama_decode_step(
+        ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
+        positions, k_pools, v_pools, slots, kv_pages, kv_lens, logits_index, norm, int(page_size), int(num_heads),
+        int(num_kv_heads), float(scale), float(eps),
     )  # fmt: skip
 
 
