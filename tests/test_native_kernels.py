@@ -190,11 +190,12 @@ def _torch_then_native(lm: Any, fb: Any, pool: Any, other: Any) -> tuple[torch.T
     (the model switched to hold native panels, over `other`, a copy of the pool)."""
     import dataclasses
 
-    lm.model.use_native_kernels(False)
+    model: Any = lm.model
+    model.use_native_kernels(False)
     with torch.inference_mode():
-        want = lm.model.forward(fb, pool)  # [B, vocab]
-        lm.model.use_native_kernels(True)
-        got = lm.model.forward(dataclasses.replace(fb, native_decode=True), other)
+        want = model.forward(fb, pool)  # [B, vocab]
+        model.use_native_kernels(True)
+        got = model.forward(dataclasses.replace(fb, native_decode=True), other)
     return want, got
 
 
@@ -216,7 +217,7 @@ def test_native_decode_step_equals_the_torch_forward(
 
     from kvfence.models.loader import load_model
 
-    lm = load_model(make_model(arch, seed=5, **overrides), progress=False)
+    lm: Any = load_model(make_model(arch, seed=5, **overrides), progress=False)
     pool, fb = _decode_batch(lm, [1, 15, 16, 40], seed=1)
     other = copy.deepcopy(pool)
     want, got = _torch_then_native(lm, fb, pool, other)

@@ -28,7 +28,7 @@ def _held_bytes(model: Any) -> int:
     tensors += [p for layer in model.layers for p in layer.packed.values() if p is not None]
     tensors += [model.lm_head_packed] if model.lm_head_packed is not None else []
     for t in tensors:
-        if t.layout == torch._mkldnn:  # oneDNN's blocked copies have no storage to ask: count their elements
+        if t.is_mkldnn:  # oneDNN's blocked copies have no storage to ask: count their elements
             seen[id(t)] = t.numel() * t.element_size()
         else:
             seen[t.untyped_storage().data_ptr()] = _storage_bytes(t)
@@ -42,7 +42,7 @@ def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..
     engine = LLMEngine(
         EngineConfig(model=ModelConfig(str(model_dir), kernels="native"), cache=CacheConfig(page_size=8))
     )
-    model = engine.runner.model
+    model: Any = engine.runner.model
     assert model.panels and model._native_weights is not None  # built at load, before any step
     for layer in model.layers:
         assert layer.packed == {}  # no oneDNN copies
@@ -74,12 +74,13 @@ def test_switching_to_panels_and_back_gives_the_same_weights(
     from kvfence.models.loader import load_model
 
     lm = load_model(make_model("Qwen2ForCausalLM", seed=2, tie_word_embeddings=True), dtype=dtype, progress=False)
-    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
-    lm.model.use_native_kernels(True)
-    assert lm.model.panels and all(_storage_bytes(getattr(lm.model.layers[0], n)) == 0 for n in PROJECTIONS)
+    model: Any = lm.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.use_native_kernels(True)
+    assert model.panels and all(_storage_bytes(getattr(model.layers[0], n)) == 0 for n in PROJECTIONS)
     ids = torch.tensor([0, 31, 32, 100, 2047])  # panel edges
-    assert torch.equal(lm.model._embed_rows(ids), before["embed"][ids])  # the tied embedding from the panels
-    lm.model.use_native_kernels(False)
-    after = lm.model.state_dict()
+    assert torch.equal(model._embed_rows(ids), before["embed"][ids])  # the tied embedding from the panels
+    model.use_native_kernels(False)
+    after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
-    assert lm.model.lm_head_packed is not None or not torch.backends.mkldnn.is_available()  # oneDNN copies again
+    assert model.lm_head_packed is not None or not torch.backends.mkldnn.is_available()  # oneDNN copies again
