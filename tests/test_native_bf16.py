@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-PAGE = 8
+from tests.helpers.native import PAGE, attention_case, decode_batch, reference_attention
 
 
 @pytest.mark.slow
@@ -59,13 +59,14 @@ def test_bf16_projection_gives_the_same_bits_with_and_without_avx512_bf16() -> N
 @pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 32), (8, 2, 64), (2, 1, 128)])  # generic; register-held
 def test_bf16_attention_over_bf16_pools_matches_torch(H: int, Hkv: int, D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
-    from tests.test_native_kernels import _case, _reference
 
-    q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
+    q, k, v, pages, lens = attention_case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
     kb, vb = k.bfloat16(), v.bfloat16()
     got = paged_decode_attention(q, kb, vb, pages, lens, PAGE, D**-0.5)
     assert got.dtype == torch.float32 and not got.isnan().any()
-    want = _reference(q.double(), kb.double(), vb.double(), pages, lens)  # float32 math over the bfloat16 values
+    want = reference_attention(
+        q.double(), kb.double(), vb.double(), pages, lens
+    )  # float32 math over the bfloat16 values
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -81,13 +82,11 @@ def test_bf16_native_decode_step_is_close_to_the_torch_forward_and_stores_bf16_k
 ) -> None:
     """The native bfloat16 step keeps float32 activations, so it sits nearer the float32 forward of the same
     (bfloat16-valued) weights than torch's bfloat16 forward does; both are within bfloat16's reach of it."""
-    from tests.test_native_kernels import _decode_batch
-
     lm = _lm(make_model, torch.bfloat16, tie_word_embeddings=True)
     ref = _lm(make_model, torch.float32, tie_word_embeddings=True)
     ref.model.load_state_dict({k: v.float() for k, v in lm.model.state_dict().items()})  # same values in fp32
     ref.model.pack_weights()
-    pool32, fb = _decode_batch(ref, [1, 15, 16, 40], seed=1)
+    pool32, fb = decode_batch(ref, [1, 15, 16, 40], seed=1)
     for i in range(pool32.layout.num_layers):
         for name in ("k", "v"):
             pool32.flat(i, name).copy_(pool32.flat(i, name).bfloat16().float())  # the context bf16 holds

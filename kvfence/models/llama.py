@@ -413,9 +413,12 @@ class LlamaForCausalLM(nn.Module):
         """Make (or drop, enabled=False) the oneDNN-blocked weight copies the projections run on.
 
         The loader makes them for the torch kernels; dropping them sends every projection to F.linear
-        (MKL), which `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
+        (MKL), which `kvfence bench offline --baselines unpacked` uses as a same-run baseline (on a model
+        holding native panels, the weights go back to [out, in] first, so its decode steps run the torch
+        forward on F.linear too).
         """
-        assert not self.panels, "the weights are held as native panels (hold_panels(False) first)"
+        if self.panels:
+            self.hold_panels(False)
         for layer in self.blocks:
             layer.pack_weights(enabled)
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None

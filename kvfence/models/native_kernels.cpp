@@ -246,7 +246,8 @@ inline int64_t panel_grain(int64_t B, int64_t K) {
 // y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as float32 packed panels (pack_panels); split over panels
 void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packed, int64_t N, const float* bias,
                         const float* residual, float* y) {
-  TORCH_CHECK(residual != y, "packed_linear_into: the residual must not be the output");
+  TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
+  if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -261,7 +262,8 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packe
 // to an even K
 void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* packed, int64_t N, const float* bias,
                         const float* residual, float* y) {
-  TORCH_CHECK(residual != y, "packed_linear_into: the residual must not be the output");
+  TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
+  if (B == 0) return;
   const int64_t Kp = K + (K & 1), panels = (N + kPanel - 1) / kPanel;
   std::vector<bf16_t> xb(B * Kp, 0);
   for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * Kp);
