@@ -20,6 +20,17 @@ def _storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+def _mapped_file(t: torch.Tensor) -> str | None:
+    """The file mapped at t's first byte (from /proc/self/maps), or None for anonymous memory."""
+    address = t.data_ptr()
+    for line in open("/proc/self/maps", encoding="utf-8"):
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
 def _held_bytes(model: Any) -> int:
     """Bytes of every distinct storage the model's parameters, oneDNN copies and native panels hold."""
     seen: dict[int, int] = {}
@@ -84,3 +95,33 @@ def test_switching_to_panels_and_back_gives_the_same_weights(
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert model.lm_head_packed is not None or not torch.backends.mkldnn.is_available()  # oneDNN copies again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_processes_loading_one_model_map_one_file_of_panels(
+    make_model: Callable[..., Path], tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """With a shared panel directory (a disaggregated deployment's workers), the panels live in one file that
+    each load maps: the second load writes nothing and reads the same bytes; the forward is unchanged."""
+    from kvfence.models.loader import load_model
+
+    model_dir = make_model("LlamaForCausalLM", seed=4, tie_word_embeddings=True)
+    tmp_path = tmp_path / "panels"
+    alone: Any = load_model(model_dir, dtype=dtype, progress=False, panels=True).model
+    first: Any = load_model(model_dir, dtype=dtype, progress=False, panels=True, shared_panels_dir=tmp_path).model
+    (path,) = tmp_path.iterdir()
+    assert _mapped_file(alone._native_head) is None  # without a shared directory: anonymous memory
+    written = path.stat().st_mtime_ns
+    second: Any = load_model(model_dir, dtype=dtype, progress=False, panels=True, shared_panels_dir=tmp_path).model
+    assert path.stat().st_mtime_ns == written and list(tmp_path.iterdir()) == [path]  # mapped, not rewritten
+    for model in (first, second):
+        head = model._native_head
+        assert _mapped_file(head) == str(path)  # file-backed, not anonymous memory
+        assert _mapped_file(model._native_weights[1]) == str(path)  # the step reads the mapping
+        assert torch.equal(head, alone._native_head)
+        for a, b in zip(model.blocks, alone.blocks, strict=True):
+            assert all(torch.equal(a.panels[n], b.panels[n]) for n in PROJECTIONS)
+    path.write_bytes(b"\0" * path.stat().st_size)  # other bytes under this name: refused, not used
+    with pytest.raises(ValueError, match="does not hold this model's panels"):
+        load_model(model_dir, dtype=dtype, progress=False, panels=True, shared_panels_dir=tmp_path)

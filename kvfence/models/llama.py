@@ -23,7 +23,9 @@ loader caps the context at the window so full attention is exact.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -424,13 +426,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
     @torch.no_grad()
-    def hold_panels(self, enabled: bool = True) -> None:
+    def hold_panels(self, enabled: bool = True, shared_file: Path | None = None) -> None:
         """Hold the weights as the native kernels read them, and only so (enabled), or plain (not enabled).
 
         Panels: every projection and the head as native_kernels.pack_panels panels, each original and its
         oneDNN copy freed as its panels are made (so the model never holds much more than one copy); a
         tied embedding is read from the head's panels; the per-layer list the native step takes is built
         here, not on the first step. Plain: [out, in] weights back from the panels, with oneDNN copies.
+
+        `shared_file`: the panels then live in that file, mapped read-only (copy-on-write), so processes on
+        one host that load the same model (a disaggregated deployment's workers) share one copy in the page
+        cache. The first process writes it (atomically); later ones map it after checking that its first
+        panels equal theirs.
         """
         from kvfence.models import native_kernels
 
@@ -441,6 +448,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.hold_panels(True)
             self._native_head = native_kernels.pack_panels(self.lm_head.data)
             self.lm_head.data = self.lm_head.data.new_empty(0)  # tied: the embedding goes too (read from the panels)
+            if shared_file is not None:
+                self._map_panels(shared_file)
             self._native_norm = self.norm.detach().float()
             self._native_weights = [
                 _EMPTY if (t := getattr(layer, name)) is None
@@ -459,6 +468,38 @@ class LlamaForCausalLM(nn.Module):
             self._native_head = None
             self.panels = False
             self.pack_weights()
+
+    def _map_panels(self, path: Path) -> None:
+        """Replace the in-memory panels (head first, then each layer's PROJECTIONS) with views of `path`, a file
+        holding them back to back at 64-byte offsets, written here if absent."""
+        assert self._native_head is not None
+        panels = [self._native_head] + [layer.panels[name] for layer in self.blocks for name in PROJECTIONS]
+        offsets, end = [], 0
+        for t in panels:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // 64) * 64
+        if not path.is_file() or path.stat().st_size != end:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                for t, offset in zip(panels, offsets, strict=True):
+                    f.seek(offset)
+                    f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+                f.truncate(end)
+            os.replace(tmp, path)  # atomic: a concurrent writer leaves the same bytes
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=end)  # MAP_PRIVATE: read-only use
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        mapped = [
+            whole[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, o in zip(panels, offsets, strict=True)
+        ]
+        if not torch.equal(mapped[1], panels[1]):  # a file from other weights under the same name
+            raise ValueError(f"{path} does not hold this model's panels; delete it to rewrite it")
+        self._native_head = mapped[0]
+        it = iter(mapped[1:])
+        for layer in self.blocks:
+            for name in PROJECTIONS:
+                layer.panels[name] = next(it)
 
     def use_native_kernels(self, enabled: bool = True) -> None:
         """Run decode steps and every RMSNorm through models.native_kernels, holding the weights as native

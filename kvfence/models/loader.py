@@ -189,6 +189,21 @@ def context_length_source(hf_config: Any) -> str:
     return "max_position_embeddings in config.json"
 
 
+PANELS_FORMAT = 1  # bump when native_kernels.pack_panels' layout changes: shared panel files are keyed by it
+
+
+def _panels_file_name(files: list[Path], dtype: torch.dtype) -> str:
+    """The shared panel file's name for these weight files (path, size, mtime) in `dtype`."""
+    import hashlib
+
+    parts = [f"v{PANELS_FORMAT}", str(dtype)]
+    for f in files:
+        st = f.stat()
+        parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return f"{files[0].parent.name}-{key}.{str(dtype).removeprefix('torch.')}.panels"
+
+
 def release_freed_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
 
@@ -217,12 +232,15 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: bool = True,
     panels: bool = False,
+    shared_panels_dir: Path | None = None,
 ) -> LoadedModel:
     """Read, check and load the model in `model_dir` (see module docstring).
 
     `panels`: for the native kernels (the engine's kernels "native"), a model that can (Llama family, CPU)
     holds its weights as native panels only, made right after loading (`hold_panels`); otherwise a CPU
-    Llama-family model gets oneDNN-blocked copies of its projections for torch's kernels."""
+    Llama-family model gets oneDNN-blocked copies of its projections for torch's kernels. `shared_panels_dir`:
+    the panels then live in a file there, named after the weight files and dtype, that every process loading
+    the same model maps (one copy in the page cache for a host's workers)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -252,7 +270,8 @@ def load_model(
     on_cpu = torch.device(device).type == "cpu"
     if hasattr(model, "hold_panels"):
         if panels and on_cpu:
-            model.hold_panels()  # one copy of the weights, as the native kernels read them
+            shared = None if shared_panels_dir is None else Path(shared_panels_dir) / _panels_file_name(files, dtype)
+            model.hold_panels(True, shared)  # one copy of the weights, as the native kernels read them
         else:
             model.pack_weights(on_cpu)  # oneDNN copies serve CPU products only
     elif not on_cpu and hasattr(model, "pack_weights"):
