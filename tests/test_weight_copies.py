@@ -125,3 +125,13 @@ def test_processes_loading_one_model_map_one_file_of_panels(
     path.write_bytes(b"\0" * path.stat().st_size)  # other bytes under this name: refused, not used
     with pytest.raises(ValueError, match="does not hold this model's panels"):
         load_model(model_dir, dtype=dtype, progress=False, panels=True, shared_panels_dir=tmp_path)
+
+
+def test_a_new_panel_file_replaces_the_older_ones_of_its_model_and_dtype(tmp_path: Path) -> None:
+    from kvfence.models.loader import _drop_older_panel_files
+
+    names = ["Qwen2.5-0.5B-aaaa.bfloat16.panels", "Qwen2.5-0.5B-bbbb.float32.panels", "Qwen2.5-7B-cccc.bfloat16.panels"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    _drop_older_panel_files(tmp_path / "Qwen2.5-0.5B-dddd.bfloat16.panels")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])  # same model and dtype only

@@ -204,6 +204,23 @@ def _panels_file_name(files: list[Path], dtype: torch.dtype) -> str:
     return f"{files[0].parent.name}-{key}.{str(dtype).removeprefix('torch.')}.panels"
 
 
+def _panel_file_family(path: Path) -> tuple[str, str]:
+    """(model directory name, dtype) of a `_panels_file_name` name."""
+    stem, dtype = path.name.removesuffix(".panels").rsplit(".", 1)
+    return stem.rsplit("-", 1)[0], dtype
+
+
+def _drop_older_panel_files(path: Path) -> None:
+    """Remove the panel files of earlier versions of the same model directory and dtype beside `path` (one file
+    per model and dtype stays; a process still mapping a removed file keeps its mapping)."""
+    import glob
+
+    family = _panel_file_family(path)
+    for old in path.parent.glob(f"{glob.escape(family[0])}-*.panels"):
+        if old != path and _panel_file_family(old) == family:
+            old.unlink(missing_ok=True)
+
+
 def release_freed_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
 
@@ -271,6 +288,8 @@ def load_model(
     if hasattr(model, "hold_panels"):
         if panels and on_cpu:
             shared = None if shared_panels_dir is None else Path(shared_panels_dir) / _panels_file_name(files, dtype)
+            if shared is not None and not shared.exists():
+                _drop_older_panel_files(shared)
             model.hold_panels(True, shared)  # one copy of the weights, as the native kernels read them
         else:
             model.pack_weights(on_cpu)  # oneDNN copies serve CPU products only
