@@ -487,8 +487,7 @@ class LlamaForCausalLM(nn.Module):
                     f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
                 f.truncate(end)
             os.replace(tmp, path)  # atomic: a concurrent writer leaves the same bytes
-        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=end)  # MAP_PRIVATE: read-only use
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        whole = torch.from_file(str(path), shared=False, size=end, dtype=torch.uint8)  # MAP_PRIVATE, read only
         mapped = [
             whole[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for t, o in zip(panels, offsets, strict=True)
