@@ -135,3 +135,22 @@ def test_a_new_panel_file_replaces_the_older_ones_of_its_model_and_dtype(tmp_pat
         (tmp_path / name).write_bytes(b"x")
     _drop_older_panel_files(tmp_path / "Qwen2.5-0.5B-dddd.bfloat16.panels")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])  # same model and dtype only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("role", "shares"), [("prefill", True), ("decode", True), ("aggregated", False)])
+def test_worker_roles_map_the_shared_panel_file_and_an_aggregated_engine_does_not(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, role: str, shares: bool
+) -> None:
+    from kvfence.cli import build_parser
+    from kvfence.server.role_engine import build_role_engine
+
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(tmp_path))
+    args = build_parser().parse_args(
+        ["serve", "--role", "aggregated", "--model", str(tiny_llama_dir), "--kernels", "native"]
+        + ["--page-size", "4", "--max-total-tokens", "512", "--context-length", "256"]
+    )
+    model: Any = build_role_engine(args, str(tiny_llama_dir), role).engine.runner.model
+    files = list((tmp_path / "panels").glob("*.panels")) if (tmp_path / "panels").exists() else []
+    assert model.panels and len(files) == int(shares)
+    assert _mapped_file(model._native_head) == (str(files[0]) if shares else None)
