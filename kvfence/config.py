@@ -45,10 +45,10 @@ class ModelConfig:
     dtype: str = "float32"  # weights and KV pool dtype
     device: str = "cpu"
     # "torch": torch ops only; "native": C++ kernels (models.native_kernels; built on first use, CPU float32
-    # only) for decode attention (reads the paged pool in place) and RMSNorm, and for Llama-family models
-    # the whole decode step of a small batch in one call; "auto": native where they apply and build (a CPU
-    # float32 engine on a machine with a C++ compiler) and their packed weight copy fits in a quarter of the
-    # memory available, else torch. The engine's choice is in its `resolved`.
+    # or bfloat16) for decode attention (reads the paged pool in place) and RMSNorm, and for Llama-family
+    # models the whole decode step of a small batch in one call, the weights held once as their panels;
+    # "auto": native where they apply and build (a CPU float32 or bfloat16 engine on a machine with a C++
+    # compiler), else torch. The engine's choice is in its `resolved`.
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
@@ -172,7 +172,8 @@ def add_engine_arguments(parser: Any) -> None:
         default=ModelConfig.kernels,
         choices=list(KERNEL_BACKENDS),
         help="torch ops, or C++ kernels (decode attention over the paged pool, RMSNorm, and a Llama-family "
-        f"decode step in one call; built on first use, {NATIVE_BUILD_ESTIMATE}, then cached; CPU float32 only); auto: "
+        f"decode step in one call; built on first use, {NATIVE_BUILD_ESTIMATE}, then cached; CPU float32 or "
+        "bfloat16); auto: "
         f"native where they apply and build, else torch (default: {ModelConfig.kernels})",
     )
     g.add_argument(

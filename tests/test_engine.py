@@ -43,13 +43,13 @@ def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from kvfence.models import native_kernels
 
     calls: list[int] = []
-    real = native_kernels.llama_decode_layers
+    real = native_kernels.llama_decode_step
 
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
+    def counted(ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(ids.shape[0])
+        return real(ids, *args)
 
-    monkeypatch.setattr(native_kernels, "llama_decode_layers", counted)
+    monkeypatch.setattr(native_kernels, "llama_decode_step", counted)
     return calls
 
 

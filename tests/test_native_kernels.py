@@ -19,38 +19,7 @@ import torch
 from kvfence.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-
-PAGE = 8
-
-
-def _case(lens: list[int], H: int = 4, Hkv: int = 2, D: int = 32, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q [B, H, D], NaN-filled pools [S, Hkv, D] with each context written on shuffled pages, pages [B, P], lens [B]."""
-    g = torch.Generator().manual_seed(seed)
-    B, P = len(lens), -(-max(lens) // PAGE)
-    num_pages = B * P + 3
-    k = torch.full((num_pages * PAGE, Hkv, D), float("nan"))
-    v = torch.full((num_pages * PAGE, Hkv, D), float("nan"))
-    pages = torch.randperm(num_pages, generator=g)[: B * P].view(B, P)
-    for b, n in enumerate(lens):
-        slots = (pages[b][:, None] * PAGE + torch.arange(PAGE)).view(-1)[:n]
-        k[slots] = torch.randn(n, Hkv, D, generator=g)
-        v[slots] = torch.randn(n, Hkv, D, generator=g)
-    q = torch.randn(B, H, D, generator=g)
-    return q, k, v, pages, torch.tensor(lens)
-
-
-def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor
-) -> torch.Tensor:
-    B, H, D = q.shape
-    Hkv = k.shape[1]
-    out = []
-    for b in range(B):
-        slots = (pages[b][:, None] * PAGE + torch.arange(PAGE)).view(-1)[: int(lens[b])]
-        kb, vb = k[slots].transpose(0, 1), v[slots].transpose(0, 1)  # [Hkv, L, D]
-        qb = q[b].view(Hkv, H // Hkv, D)  # [Hkv, G, D]
-        out.append((torch.softmax(qb @ kb.transpose(1, 2) * D**-0.5, -1) @ vb).reshape(H, D))
-    return torch.stack(out)  # [B, H, D]
+from tests.helpers.native import PAGE, attention_case, decode_batch, reference_attention, torch_then_native
 
 
 @pytest.mark.slow
@@ -61,10 +30,10 @@ def _reference(
 def test_kernel_equals_torch_attention_over_scattered_pages(H: int, Hkv: int, D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
 
-    q, k, v, pages, lens = _case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
+    q, k, v, pages, lens = attention_case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
     got = paged_decode_attention(q, k, v, pages, lens, PAGE, q.shape[-1] ** -0.5)
     assert not got.isnan().any()  # NaN slots past each context are never read
-    torch.testing.assert_close(got, _reference(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, reference_attention(q, k, v, pages, lens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -72,7 +41,7 @@ def test_kernel_equals_torch_attention_over_scattered_pages(H: int, Hkv: int, D:
 def test_kernel_row_does_not_depend_on_batch_mates(D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
 
-    q, k, v, pages, lens = _case([5, 33, 17, 64], D=D)
+    q, k, v, pages, lens = attention_case([5, 33, 17, 64], D=D)
     scale = q.shape[-1] ** -0.5
     batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)
     for b in range(q.shape[0]):
@@ -109,28 +78,21 @@ def test_engine_with_native_kernels_matches_transformers(loaded: Any, tiny_llama
 
 
 def test_native_kernels_refuses_other_dtypes(loaded: Any) -> None:
-    with pytest.raises(ConfigError, match="float32"):
-        _engine(loaded, "native", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="float32 or bfloat16"):
+        _engine(loaded, "native", dtype="float16")
 
 
-def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_fit_or_build(
+def test_auto_kernels_take_the_torch_path_where_native_does_not_apply_or_build(
     loaded: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from kvfence.models import native_kernels
 
-    assert _engine(loaded, "auto", dtype="bfloat16").resolved.kernels == "torch"  # no native bfloat16 kernels
+    assert _engine(loaded, "auto", dtype="float16").resolved.kernels == "torch"  # no native float16 kernels
 
     def no_compiler() -> Any:
         raise native_kernels.NativeKernelsUnavailable("cannot build the native kernels: no g++ here")
 
-    from kvfence.engine import llm_engine
-
-    monkeypatch.setattr(llm_engine, "_memory_available", lambda: 1000)  # a model whose copy would not fit
-    with caplog.at_level("WARNING"):
-        assert _engine(loaded, "auto").resolved.kernels == "torch"
-    assert "more than a quarter of the memory available" in caplog.text
     assert _engine(loaded, "native").resolved.kernels == "native"  # asked for by name: taken
-    monkeypatch.setattr(llm_engine, "_memory_available", lambda: None)  # unknown: no guard
     monkeypatch.setattr(native_kernels, "load", no_compiler)
     with caplog.at_level("WARNING"):
         engine = _engine(loaded, "auto")
@@ -170,28 +132,6 @@ def test_small_linear_matches_a_float64_product_and_rows_do_not_depend_on_the_ba
     assert torch.equal(small_linear(x[7:8], w, b)[0], got[7])
 
 
-def _decode_batch(lm: Any, lens: list[int], seed: int) -> tuple[Any, Any]:
-    """A pool whose pages hold random K/V for contexts of `lens` tokens (NaN elsewhere), and the decode batch
-    that appends one token to each, on shuffled pages."""
-    from kvfence.kv.pool import KVPool
-    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
-
-    g = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-(n + 1) // PAGE) for n in lens) + 2
-    pool = KVPool(lm.model.kv_layout(lm.hf_config, PAGE, torch.float32), num_pages)
-    pool.poison(range(num_pages))
-    order = torch.randperm(num_pages, generator=g).tolist()
-    chunks = []
-    for n in lens:
-        table, order = order[: -(-(n + 1) // PAGE)], order[-(-(n + 1) // PAGE) :]
-        slots = torch.tensor([table[t // PAGE] * PAGE + t % PAGE for t in range(n)])
-        for layer in range(pool.layout.num_layers):
-            for buf in pool.layer_buffers(layer).values():
-                buf[slots] = torch.randn(n, *buf.shape[1:], generator=g)
-        chunks.append(SeqChunk([int(torch.randint(0, 100, (1,), generator=g))], n, table))
-    return pool, build_forward_batch(chunks, PAGE)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "overrides"),
@@ -210,12 +150,10 @@ def test_native_decode_step_equals_the_torch_forward(
 
     from kvfence.models.loader import load_model
 
-    lm = load_model(make_model(arch, seed=5, **overrides), progress=False)
-    pool, fb = _decode_batch(lm, [1, 15, 16, 40], seed=1)
+    lm: Any = load_model(make_model(arch, seed=5, **overrides), progress=False)
+    pool, fb = decode_batch(lm, [1, 15, 16, 40], seed=1)
     other = copy.deepcopy(pool)
-    with torch.inference_mode():
-        want = lm.model.forward(fb, pool)  # [B, vocab]: the torch forward
-        got = lm.model.forward(dataclasses.replace(fb, native_decode=True), other)
+    want, got = torch_then_native(lm, fb, pool, other)
     assert lm.model._native_step_applies(dataclasses.replace(fb, native_decode=True))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for layer in range(pool.layout.num_layers):  # this step's K/V went to the same slots with the same values
@@ -227,7 +165,8 @@ def test_native_decode_step_equals_the_torch_forward(
 def test_native_decode_step_gives_a_sequence_the_same_logits_whatever_its_batch_mates(loaded: Any) -> None:
     import dataclasses
 
-    pool, fb = _decode_batch(loaded, [3, 30, 17, 64, 8], seed=2)
+    pool, fb = decode_batch(loaded, [3, 30, 17, 64, 8], seed=2)
+    loaded.model.use_native_kernels(True)
     with torch.inference_mode():
         batched = loaded.model.forward(dataclasses.replace(fb, native_decode=True), pool)
         for b in range(fb.batch_size):
@@ -258,15 +197,13 @@ def test_the_portable_build_without_avx512_gives_the_same_results(loaded: Any, m
     g = torch.Generator().manual_seed(3)
     w, b, x = torch.randn(37, 200, generator=g), torch.randn(37, generator=g), torch.randn(19, 200, generator=g)
     packed = portable.pack_panels(w)
-    got = portable.packed_linear(x, packed, 37, b)
+    got = portable.packed_linear(x, packed, 37, b, torch.empty(0))
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     for rows in (1, 3, 8, 13):
-        assert torch.equal(portable.packed_linear(x[:rows], packed, 37, b), got[:rows])
+        assert torch.equal(portable.packed_linear(x[:rows], packed, 37, b, torch.empty(0)), got[:rows])
     monkeypatch.setattr(native_kernels, "load", lambda *flags: portable)
-    pool, fb = _decode_batch(loaded, [3, 30, 17, 64, 8], seed=4)
-    other = copy.deepcopy(pool)
-    with torch.inference_mode():
-        want = loaded.model.forward(fb, pool)
-        native = loaded.model.forward(dataclasses.replace(fb, native_decode=True), other)
+    pool, fb = decode_batch(loaded, [3, 30, 17, 64, 8], seed=4)
+    want, native = torch_then_native(loaded, fb, pool, copy.deepcopy(pool))
+    assert loaded.model._native_step_applies(dataclasses.replace(fb, native_decode=True))
     torch.testing.assert_close(native, want, rtol=1e-4, atol=1e-4)

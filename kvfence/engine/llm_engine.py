@@ -94,32 +94,20 @@ class EngineStats:
     num_preemptions: int
 
 
-def _memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in open("/proc/meminfo", encoding="ascii"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def resolve_kernels(config: EngineConfig, weight_bytes: int = 0) -> str:
-    """ "torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
-    (done here, once per machine): asked for by name they must, "auto" takes them where they can. Their
-    packed copy of the projections costs about `weight_bytes` more memory, so "auto" also leaves them out
-    when that is more than a quarter of the memory available now."""
+def resolve_kernels(config: EngineConfig) -> str:
+    """ "torch" or "native" for this engine. Native kernels run on CPU float32 or bfloat16 weights and pools
+    and need building (done here, once per machine): asked for by name they must, "auto" takes them where
+    they can. The model then holds its weights as the native kernels' panels only (no second copy)."""
     from kvfence.models.native_kernels import NativeKernelsUnavailable, load
 
     asked = config.model.kernels
     if asked == "torch":
         return "torch"
-    if torch.device(config.model.device).type != "cpu" or config.model.dtype != "float32":
+    if torch.device(config.model.device).type != "cpu" or config.model.dtype not in ("float32", "bfloat16"):
         if asked == "auto":
             return "torch"
         raise ConfigError(
-            f"--kernels native runs on the CPU in float32; got device {config.model.device!r}, "
+            f"--kernels native runs on the CPU in float32 or bfloat16; got device {config.model.device!r}, "
             f"dtype {config.model.dtype!r}"
         )
     try:
@@ -129,14 +117,6 @@ def resolve_kernels(config: EngineConfig, weight_bytes: int = 0) -> str:
             logger.warning("native kernels unavailable, running the torch kernels: %s", e)
             return "torch"
         raise ConfigError(f"--kernels native: {e}") from e
-    available = _memory_available()
-    if asked == "auto" and available is not None and weight_bytes > available // 4:
-        logger.warning(
-            "running the torch kernels: the native kernels' packed copy of the weights (%.1f GiB) is more than a "
-            "quarter of the memory available (%.1f GiB); --kernels native to take them anyway",
-            weight_bytes / 2**30, available / 2**30,
-        )  # fmt: skip
-        return "torch"
     return "native"
 
 
@@ -158,10 +138,17 @@ class LLMEngine:
         """Load the model (or take an already `loaded` one), check capacity, build the pool and scheduler."""
         self.config = config
         dtype = _DTYPES[config.model.dtype]
+        kernels = resolve_kernels(config)
         if loaded is None:
             from kvfence.models.loader import load_model
 
-            loaded = load_model(config.model.model_dir, dtype=dtype, device=config.model.device, progress=progress)
+            loaded = load_model(
+                config.model.model_dir,
+                dtype=dtype,
+                device=config.model.device,
+                progress=progress,
+                panels=kernels == "native",  # the native copy made at load, the only one
+            )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         model_context = int(loaded.context_length)
@@ -180,8 +167,6 @@ class LLMEngine:
         layout = loaded.kv_layout(page_size, dtype)
         self.pool = KVPool(layout, num_pages, device=config.model.device)
         self.allocator = PageAllocator(num_pages)
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        kernels = resolve_kernels(config, weight_bytes)
         self.resolved = ResolvedEngineConfig(
             context_length=context_length,
             page_size=page_size,
@@ -200,7 +185,12 @@ class LLMEngine:
             kernels=kernels,
         )
         if hasattr(loaded.model, "use_native_kernels"):  # a model shared by engines follows the last one built
+            was_native = getattr(loaded.model, "panels", False)
             loaded.model.use_native_kernels(kernels == "native")
+            if was_native != (kernels == "native"):  # the weights changed layout: return what the old one held
+                from kvfence.models.loader import release_freed_heap
+
+                release_freed_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)

@@ -67,7 +67,12 @@ def paged_attention(
         for rows, part in fb.parts:
             out[rows] = paged_attention(q[rows], k_cache, v_cache, part, scale)
         return out
-    if fb.native_decode and fb.kv_pages is not None and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+    if (
+        fb.native_decode
+        and fb.kv_pages is not None
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
+    ):
         from kvfence.models.native_kernels import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, fb.kv_pages, fb.kv_lens, fb.page_size, scale)

@@ -12,14 +12,20 @@ What it does not know: where pages are, which request a row is, sampling. It
 writes this forward's K/V at fb.slot_mapping and returns float32 logits for
 fb.logits_index rows only. With kernels "native" a decode batch of up to
 NATIVE_STEP_MAX_BATCH sequences runs every layer in one C++ call (models.native_kernels),
-the same math with float sums in another order. Sliding-window attention is not
-implemented: the loader caps the context at the window so full attention is exact.
+the same math with float sums in another order, in float32 or with bfloat16 weights and KV
+(float32 arithmetic). Weights are held once: plain (each projection [out, in], plus a
+oneDNN-blocked copy for torch's kernels) or, for the native kernels, as native panels only
+(`hold_panels`: the originals and oneDNN copies freed, a tied embedding read from the head's
+panels); every forward runs from either. Sliding-window attention is not implemented: the
+loader caps the context at the window so full attention is exact.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,6 +156,12 @@ def _yarn_inv_freq(cfg: Any, p: dict[str, Any], base: float, dim: int) -> tuple[
 # same CPU time within 1%, and the native step is batch-invariant; above 32 it was not measured.
 NATIVE_STEP_MAX_BATCH = 32
 _EMPTY = torch.empty(0)
+PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection weights, [out, in] each
+# From this many rows (prefill chunks) a bfloat16 projection held as panels unpacks its weight for the call and
+# takes F.linear (oneDNN, AMX where the CPU has it): at 1,024 rows x [2048, 768] on two cores here 1,470 GFLOP/s
+# against the panels' 190, the unpacking (0.7 ms) included; break-even near 64 rows. float32 stays on the panels
+# (oneDNN's 300 GFLOP/s against their 270-300 does not pay for the unpacking).
+BF16_GEMM_MIN_ROWS = 128
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -199,13 +211,48 @@ class DecoderLayer(nn.Module):
         self.down_w = _param(E, I, dtype=dtype)
         self.down_b = _param(E, dtype=dtype) if mlp_bias else None
         self.I = I
+        self.shapes = {name: tuple(getattr(self, name).shape) for name in PROJECTIONS}  # name -> (out, in)
         self.packed: dict[str, torch.Tensor | None] = {}  # weight name -> oneDNN-blocked copy (models.linear)
+        # weight name -> native_kernels.pack_panels of it, the only copy while the model holds panels
+        self.panels: dict[str, torch.Tensor] = {}
         self.native = False  # RMSNorm by models.native_kernels (set by LlamaForCausalLM.use_native_kernels)
 
     def pack_weights(self, enabled: bool = True) -> None:
         """Refresh the blocked copies of the four projection weights from the loaded values (or drop them)."""
-        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
-        self.packed = {name: pack_weight(getattr(self, name)) for name in names} if enabled else {}
+        assert not self.panels, "the projections are held as native panels (hold_panels(False) first)"
+        self.packed = {name: pack_weight(getattr(self, name)) for name in PROJECTIONS} if enabled else {}
+
+    def hold_panels(self, enabled: bool) -> None:
+        """Hold the projections as native panels only (the [out, in] originals and oneDNN copies freed, one
+        weight at a time), or back as [out, in] weights (then without oneDNN copies: pack_weights makes them)."""
+        from kvfence.models import native_kernels
+
+        if enabled and not self.panels:
+            self.packed = {}
+            for name in PROJECTIONS:
+                w = getattr(self, name)
+                self.panels[name] = native_kernels.pack_panels(w.data)
+                w.data = w.data.new_empty(0)  # the original's storage goes
+        elif not enabled and self.panels:
+            for name in PROJECTIONS:
+                getattr(self, name).data = native_kernels.unpack_panels(self.panels.pop(name), *self.shapes[name])
+
+    def _project(
+        self, name: str, x: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held."""
+        panels = self.panels.get(name)
+        if panels is not None:
+            from kvfence.models.native_kernels import packed_linear, unpack_panels
+
+            if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS:  # a transient [out, in] copy
+                y = F.linear(x, unpack_panels(panels, *self.shapes[name]), b)
+                return y if residual is None else residual + y
+            return packed_linear(x, panels, self.shapes[name][0], b, residual)
+        w = getattr(self, name)
+        if residual is None:
+            return linear(x, w, b, self.packed.get(name))
+        return linear_add(residual, x, w, b, self.packed.get(name))
 
     def forward(
         self,
@@ -221,10 +268,11 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         h = _norm(x, self.input_norm, self.eps, self.native)
-        qkv = linear(h, self.qkv_w, self.qkv_b, self.packed.get("qkv_w"))  # [T, (H + 2 Hkv) D]
+        qkv = self._project("qkv_w", h, self.qkv_b)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
+            assert self.q_norm is not None and self.k_norm is not None
             w = torch.cat([self.q_norm.expand(H, D), self.k_norm.expand(Hkv, D)])  # [H + Hkv, D]
             qk = rms_norm(qk, None, self.eps) * w
         # RoPE on q and k heads at once, rotate-half convention:
@@ -234,17 +282,18 @@ class DecoderLayer(nn.Module):
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        x = linear_add(x, attn.reshape(T, H * D), self.o_w, self.o_b, self.packed.get("o_w"))
+        x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
         h = _norm(x, self.post_norm, self.eps, self.native)
-        gu = linear(h, self.gate_up_w, self.gate_up_b, self.packed.get("gate_up_w"))  # [T, 2I]
+        gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
-        return linear_add(x, act, self.down_w, self.down_b, self.packed.get("down_w"))
+        return self._project("down_w", act, self.down_b, x)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM serving from a paged KV pool (see module docstring)."""
 
     architecture = "LlamaForCausalLM"
+    inv_freq: torch.Tensor  # a buffer: [D/2] float32
 
     @classmethod
     def kv_layout(cls, hf_config: Any, page_size: int, dtype: torch.dtype) -> KVLayout:
@@ -272,18 +321,23 @@ class LlamaForCausalLM(nn.Module):
         self.eps = float(cfg.rms_norm_eps)
         self.embed = _param(self.vocab_size, self.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.architecture, dtype) for _ in range(self.num_layers))
+        self.blocks: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]  # self.layers, typed
         self.norm = _param(self.hidden_size, dtype=dtype)
         tied = self.tie_word_embeddings
         self.lm_head = self.embed if tied else _param(self.vocab_size, self.hidden_size, dtype=dtype)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2] float32
         self.scale = self.D**-0.5
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by load_weights
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by pack_weights
+        self._weight_shapes = self._shapes_of_targets()
         self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
         self._rope_sin: torch.Tensor | None = None
         self.native = False  # final RMSNorm by models.native_kernels
+        self.panels = False  # projections and head held as native panels only (hold_panels)
         self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
-        self._native_head: torch.Tensor | None = None  # lm_head, packed for native_kernels.packed_linear
+        self._native_head: torch.Tensor | None = None  # lm_head's panels (the only copy while self.panels)
+        self._native_norm: torch.Tensor | None = None  # the final norm's weight in float32
+        self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 tables for the native step
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -294,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
         targets["model.norm.weight"] = (self.norm, 0, -1)
         if not self.tie_word_embeddings:
             targets["lm_head.weight"] = (self.lm_head, 0, -1)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks):
             p = f"model.layers.{i}."
             targets[p + "input_layernorm.weight"] = (layer.input_norm, 0, -1)
             targets[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, -1)
@@ -306,13 +360,13 @@ class LlamaForCausalLM(nn.Module):
             targets[p + "self_attn.o_proj.weight"] = (layer.o_w, 0, -1)
             if layer.o_b is not None:
                 targets[p + "self_attn.o_proj.bias"] = (layer.o_b, 0, -1)
-            if layer.qk_norm:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 targets[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, -1)
                 targets[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, -1)
             targets[p + "mlp.gate_proj.weight"] = (layer.gate_up_w, 0, layer.I)
             targets[p + "mlp.up_proj.weight"] = (layer.gate_up_w, layer.I, layer.I)
             targets[p + "mlp.down_proj.weight"] = (layer.down_w, 0, -1)
-            if layer.gate_up_b is not None:
+            if layer.gate_up_b is not None and layer.down_b is not None:
                 targets[p + "mlp.gate_proj.bias"] = (layer.gate_up_b, 0, layer.I)
                 targets[p + "mlp.up_proj.bias"] = (layer.gate_up_b, layer.I, layer.I)
                 targets[p + "mlp.down_proj.bias"] = (layer.down_b, 0, -1)
@@ -320,6 +374,9 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor this model needs, with its shape (names as in the safetensors files)."""
+        return dict(self._weight_shapes)
+
+    def _shapes_of_targets(self) -> dict[str, tuple[int, ...]]:
         out = {}
         for name, (param, _, rows) in self._targets().items():
             shape = tuple(param.shape)
@@ -338,6 +395,7 @@ class LlamaForCausalLM(nn.Module):
         Raises KeyError for a name we do not know (unless ignorable) and ValueError for a
         shape mismatch; the loader turns both into errors naming the file.
         """
+        assert not self.panels, "weights load into the plain layout (hold_panels(False) first)"
         targets = self._targets()
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -351,24 +409,121 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(name)
-        self.pack_weights()
         return loaded
 
     def pack_weights(self, enabled: bool = True) -> None:
         """Make (or drop, enabled=False) the oneDNN-blocked weight copies the projections run on.
 
-        load_weights makes them; dropping them sends every projection to F.linear (MKL), which
-        `kvfence bench offline --baselines unpacked` uses as a same-run baseline.
+        The loader makes them for the torch kernels; dropping them sends every projection to F.linear
+        (MKL), which `kvfence bench offline --baselines unpacked` uses as a same-run baseline (on a model
+        holding native panels, the weights go back to [out, in] first, so its decode steps run the torch
+        forward on F.linear too).
         """
-        for layer in self.layers:
+        if self.panels:
+            self.hold_panels(False)
+        for layer in self.blocks:
             layer.pack_weights(enabled)
         self.lm_head_packed = pack_weight(self.lm_head) if enabled else None
 
+    @torch.no_grad()
+    def hold_panels(self, enabled: bool = True, shared_file: Path | None = None) -> None:
+        """Hold the weights as the native kernels read them, and only so (enabled), or plain (not enabled).
+
+        Panels: every projection and the head as native_kernels.pack_panels panels, each original and its
+        oneDNN copy freed as its panels are made (so the model never holds much more than one copy); a
+        tied embedding is read from the head's panels; the per-layer list the native step takes is built
+        here, not on the first step. Plain: [out, in] weights back from the panels, with oneDNN copies.
+
+        `shared_file`: the panels then live in that file, mapped read-only (copy-on-write), so processes on
+        one host that load the same model (a disaggregated deployment's workers) share one copy in the page
+        cache. The first process writes it (atomically); later ones map it after checking that its first
+        panels equal theirs.
+        """
+        from kvfence.models import native_kernels
+
+        if enabled and not self.panels:
+            assert self.dtype in native_kernels.DTYPES and self.embed.device.type == "cpu", (self.dtype, self.embed)
+            self.lm_head_packed = None
+            for layer in self.blocks:
+                layer.hold_panels(True)
+            self._native_head = native_kernels.pack_panels(self.lm_head.data)
+            self.lm_head.data = self.lm_head.data.new_empty(0)  # tied: the embedding goes too (read from the panels)
+            if shared_file is not None:
+                self._map_panels(shared_file)
+            self._native_norm = self.norm.detach().float()
+            self._native_weights = [
+                _EMPTY if (t := getattr(layer, name)) is None
+                else layer.panels[name] if name in native_kernels.PACKED_FIELDS
+                else t.detach().float().contiguous()
+                for layer in self.blocks
+                for name in native_kernels.LAYER_FIELDS
+            ]  # fmt: skip
+            self.panels = True
+        elif not enabled and self.panels:
+            assert self._native_head is not None
+            self._native_weights = self._native_norm = None
+            for layer in self.blocks:
+                layer.hold_panels(False)
+            self.lm_head.data = native_kernels.unpack_panels(self._native_head, self.vocab_size, self.hidden_size)
+            self._native_head = None
+            self.panels = False
+            self.pack_weights()
+
+    def _map_panels(self, path: Path) -> None:
+        """Replace the in-memory panels (head first, then each layer's PROJECTIONS) with views of `path`, a file
+        holding them back to back at 64-byte offsets, written here if absent."""
+        assert self._native_head is not None
+        panels = [self._native_head] + [layer.panels[name] for layer in self.blocks for name in PROJECTIONS]
+        offsets, end = [], 0
+        for t in panels:
+            offsets.append(end)
+            end += -(-t.numel() * t.element_size() // 64) * 64
+        if not path.is_file() or path.stat().st_size != end:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                for t, offset in zip(panels, offsets, strict=True):
+                    f.seek(offset)
+                    f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+                f.truncate(end)
+            os.replace(tmp, path)  # atomic: a concurrent writer leaves the same bytes
+        whole = torch.from_file(str(path), shared=False, size=end, dtype=torch.uint8)  # MAP_PRIVATE, read only
+        mapped = [
+            whole[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, o in zip(panels, offsets, strict=True)
+        ]
+        if not torch.equal(mapped[1], panels[1]):  # a file from other weights under the same name
+            raise ValueError(f"{path} does not hold this model's panels; delete it to rewrite it")
+        self._native_head = mapped[0]
+        it = iter(mapped[1:])
+        for layer in self.blocks:
+            for name in PROJECTIONS:
+                layer.panels[name] = next(it)
+
     def use_native_kernels(self, enabled: bool = True) -> None:
-        """Run every RMSNorm through models.native_kernels (float32 CPU rows), or back through torch."""
+        """Run decode steps and every RMSNorm through models.native_kernels, holding the weights as native
+        panels only (hold_panels), or back through torch with plain weights and oneDNN copies."""
+        self.hold_panels(enabled)
         self.native = enabled
-        for layer in self.layers:
+        for layer in self.blocks:
             layer.native = enabled
+
+    def _embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] -> embeddings [T, E] in the model's dtype (from the head's panels when tied and held so)."""
+        if self.panels and self.tie_word_embeddings:
+            from kvfence.models.native_kernels import panel_rows
+
+            assert self._native_head is not None
+            return panel_rows(self._native_head, ids, self.hidden_size)
+        return F.embedding(ids, self.embed)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, E] after the final norm -> float32 logits [N, vocab]."""
+        if self._native_head is not None:
+            from kvfence.models.native_kernels import packed_linear
+
+            return packed_linear(x, self._native_head, self.vocab_size).float()
+        return linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     # --- forward -------------------------------------------------------------------------------------
 
@@ -393,7 +548,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens of `fb`, writing their K/V into `pool`; logits [N, vocab] float32."""
         if self._native_step_applies(fb):
             return self._forward_native_decode(fb, pool)
-        x = F.embedding(fb.input_ids, self.embed)  # [T, E]
+        x = self._embed_rows(fb.input_ids)  # [T, E]
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
         cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
         sin = sin_table[fb.positions][:, None, :]  # [T, 1, D]
@@ -401,52 +556,58 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)
-        return linear(x, self.lm_head, None, self.lm_head_packed).float()  # [N, vocab]
+        return self._logits(x)  # [N, vocab]
 
     def _native_step_applies(self, fb: ForwardBatch) -> bool:
         return (
             fb.native_decode
+            and self.panels  # the native weights are held (so: CPU, float32 or bfloat16)
             and fb.kv_pages is not None
             and 0 < fb.batch_size <= NATIVE_STEP_MAX_BATCH
-            and self.dtype == torch.float32
-            and self.embed.device.type == "cpu"
         )
 
     def _forward_native_decode(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """A decode step (one token per sequence) through models.native_kernels: every layer in one C++ call,
-        the head by the small-batch projection kernel. Same math as `forward`; float sums in another order."""
+        """A decode step (one token per sequence) through models.native_kernels: embedding, every layer, the
+        final norm and the head in one C++ call. Same math as `forward` (float32 activations whatever the
+        weights' dtype); float sums in another order."""
         from kvfence.models import native_kernels
 
-        if self._native_weights is None:  # packed copies of the projections, made on the first native step
-            self._native_weights = [
-                _EMPTY if (t := getattr(layer, name)) is None
-                else native_kernels.pack_panels(t) if name in native_kernels.PACKED_FIELDS
-                else t
-                for layer in self.layers
-                for name in native_kernels.LAYER_FIELDS
-            ]  # fmt: skip
-            self._native_head = native_kernels.pack_panels(self.lm_head)
-        x = F.embedding(fb.input_ids, self.embed)  # [B, E]
-        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
-        x = native_kernels.llama_decode_layers(
-            x,
+        assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
+        assert fb.kv_pages is not None and fb.kv_lens is not None
+        cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
+        return native_kernels.llama_decode_step(
+            fb.input_ids,
+            None if self.tie_word_embeddings else self.embed,  # tied: rows from the head's panels
+            self._native_head,
+            self.vocab_size,
             self._native_weights,
-            cos_table[fb.positions],  # [B, D]
-            sin_table[fb.positions],
+            cos_table,
+            sin_table,
+            fb.positions,
             [pool.flat(i, "k") for i in range(self.num_layers)],
             [pool.flat(i, "v") for i in range(self.num_layers)],
             fb.slot_mapping,
             fb.kv_pages,
             fb.kv_lens,
+            fb.logits_index,
+            self._native_norm,
             fb.page_size,
             self.H,
             self.Hkv,
             self.scale,
             self.eps,
-        )  # [B, E]
-        x = native_kernels.rms_norm(x[fb.logits_index], self.norm, self.eps)  # [N, E]
-        assert self._native_head is not None
-        return native_kernels.packed_linear(x, self._native_head, self.lm_head.shape[0])  # [N, vocab]
+        )  # [N, vocab] float32
+
+    def _rope_tables_f32(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_rope_tables in float32 whatever the model's dtype (the native step rotates in float32)."""
+        if self.dtype == torch.float32:
+            return self._rope_tables(num_positions)
+        if self._rope_f32 is None or self._rope_f32[0].shape[0] < num_positions:
+            n = max(64, 1 << (num_positions - 1).bit_length())
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
+            cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+            self._rope_f32 = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [n, D] each
+        return self._rope_f32
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -52,7 +52,8 @@ class LoadedModel:
 
     def kv_layout(self, page_size: int, dtype: torch.dtype | None = None) -> KVLayout:
         """This model's KV layout at `page_size` (KV dtype defaults to the weights' dtype)."""
-        return type(self.model).kv_layout(self.hf_config, page_size, dtype or self.dtype)
+        model_class: Any = type(self.model)  # a registry class: kv_layout is a classmethod of each
+        return model_class.kv_layout(self.hf_config, page_size, dtype or self.dtype)
 
 
 def _read_config(model_dir: Path) -> tuple[str, Any]:
@@ -156,14 +157,14 @@ def _stream(plan: list[tuple[Path, list[str]]], progress: bool) -> Iterator[tupl
     total = sum(len(names) for _, names in plan)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress) as bar:
         for path, names in plan:
-            with _open(path) as f:
-                for name in names:
+            for name in names:  # the file mapped for one tensor at a time: its pages do not stay resident
+                with _open(path) as f:
                     try:
                         tensor = f.get_tensor(name)
                     except Exception as e:
                         raise ModelLoadError(f"corrupt safetensors file {path}: tensor {name!r}: {e}") from e
-                    yield name, tensor
-                    bar.update(1)
+                yield name, tensor
+                bar.update(1)
 
 
 def context_length_of(hf_config: Any) -> int:
@@ -188,14 +189,75 @@ def context_length_source(hf_config: Any) -> str:
     return "max_position_embeddings in config.json"
 
 
+PANELS_FORMAT = 1  # bump when native_kernels.pack_panels' layout changes: shared panel files are keyed by it
+
+
+def _panels_file_name(files: list[Path], dtype: torch.dtype) -> str:
+    """The shared panel file's name for these weight files (path, size, mtime) in `dtype`."""
+    import hashlib
+
+    parts = [f"v{PANELS_FORMAT}", str(dtype)]
+    for f in files:
+        st = f.stat()
+        parts += [str(f.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return f"{files[0].parent.name}-{key}.{str(dtype).removeprefix('torch.')}.panels"
+
+
+def _panel_file_family(path: Path) -> tuple[str, str]:
+    """(model directory name, dtype) of a `_panels_file_name` name."""
+    stem, dtype = path.name.removesuffix(".panels").rsplit(".", 1)
+    return stem.rsplit("-", 1)[0], dtype
+
+
+def _drop_older_panel_files(path: Path) -> None:
+    """Remove the panel files of earlier versions of the same model directory and dtype beside `path` (one file
+    per model and dtype stays; a process still mapping a removed file keeps its mapping)."""
+    import glob
+
+    family = _panel_file_family(path)
+    for old in path.parent.glob(f"{glob.escape(family[0])}-*.panels"):
+        if old != path and _panel_file_family(old) == family:
+            old.unlink(missing_ok=True)
+
+
+def release_freed_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    Weights freed after loading (the [out, in] originals once their panels exist, the file's float32 tensors
+    after a bfloat16 cast) are mostly below glibc's mmap threshold, so their pages stay in the heap and
+    count as resident until trimmed: about 100 MiB on the 100M preset.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
 def load_model(
     model_dir: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    panels: bool = False,
+    shared_panels_dir: Path | None = None,
 ) -> LoadedModel:
-    """Read, check and load the model in `model_dir` (see module docstring)."""
+    """Read, check and load the model in `model_dir` (see module docstring).
+
+    `panels`: for the native kernels (the engine's kernels "native"), a model that can (Llama family, CPU)
+    holds its weights as native panels only, made right after loading (`hold_panels`); otherwise a CPU
+    Llama-family model gets oneDNN-blocked copies of its projections for torch's kernels. `shared_panels_dir`:
+    the panels then live in a file there, named after the weight files and dtype, that every process loading
+    the same model maps (one copy in the page cache for a host's workers)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -222,8 +284,18 @@ def load_model(
     loaded = model.load_weights(_stream(plan, progress))
     assert loaded == set(model.weight_shapes()), "checked plan and loaded tensors disagree"
     model = model.to(device).eval()
-    if torch.device(device).type != "cpu" and hasattr(model, "pack_weights"):
+    on_cpu = torch.device(device).type == "cpu"
+    if hasattr(model, "hold_panels"):
+        if panels and on_cpu:
+            shared = None if shared_panels_dir is None else Path(shared_panels_dir) / _panels_file_name(files, dtype)
+            if shared is not None and not shared.exists():
+                _drop_older_panel_files(shared)
+            model.hold_panels(True, shared)  # one copy of the weights, as the native kernels read them
+        else:
+            model.pack_weights(on_cpu)  # oneDNN copies serve CPU products only
+    elif not on_cpu and hasattr(model, "pack_weights"):
         model.pack_weights(False)  # oneDNN copies serve CPU products only: free the host memory
+    release_freed_heap()
     return LoadedModel(
         model=model,
         hf_config=hf_config,

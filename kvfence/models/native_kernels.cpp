@@ -1,19 +1,30 @@
-// kvfence's opt-in CPU kernels (float32), built on first use by models/native_kernels.py.
+// kvfence's opt-in CPU kernels (float32, and bfloat16 weights and KV with float32 arithmetic), built on first
+// use by models/native_kernels.py.
 //
-// What it knows: RMSNorm rows; decode attention reading the paged KV pool in place; projections (y = x W^T)
-// from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU has it); SiLU and
+// What it knows: RMSNorm rows; decode attention reading the paged KV pool in place (float32 or bfloat16 pools);
+// projections (y = x W^T) from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU
+// has it; bfloat16 panels through AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs
+// where it does not); SiLU and
 // softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
 // built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
 // depend on which other sequences share its step.
 //
-// What it does not know: prefill, dtypes other than float32, devices other than the CPU, or model
+// bfloat16: weights and the KV pool hold bfloat16; activations, the residual stream, norms, RoPE, softmax and
+// every accumulation stay float32; a projection's input row is rounded to bfloat16 (as a bfloat16 model's
+// activations are) and each product pair summed into a float32 accumulator (VDPBF16PS's order: the odd
+// element's product, then the even one's); K/V are rounded to bfloat16 (nearest even, as torch) when stored.
+//
+// What it does not know: prefill, float16, devices other than the CPU, or model
 // variants beyond the Llama-family switches the Python side passes (q/k/v, o, MLP biases; Qwen3's q/k norms).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -22,16 +33,40 @@
 
 namespace {
 
+using bf16_t = uint16_t;  // a bfloat16's bits (torch's at::BFloat16 layout)
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16_t v) {
+  const uint32_t u = uint32_t{v} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// float -> bfloat16, round to nearest even; a NaN stays a (quiet) NaN: torch's rounding
+inline bf16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<bf16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
+inline void store_row(const float* src, int64_t n, bf16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+}
+
 // sum over d of a[d] * b[d]; 16 independent partial sums so the compiler vectorises without reassociating
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   float acc[16] = {0};
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += a[d + j] * b[d + j];
+    for (int j = 0; j < 16; ++j) acc[j] += a[d + j] * to_f32(b[d + j]);
   }
   float s = 0.f;
   for (int j = 0; j < 16; ++j) s += acc[j];
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d < n; ++d) s += a[d] * to_f32(b[d]);
   return s;
 }
 
@@ -59,6 +94,13 @@ inline __m512 exp16(__m512 x) {
 }
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// 16 floats from memory, or 16 bfloat16s widened exactly to floats
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 
 // s[i] = exp(s[i] - m) for i < n; returns their sum (in lane order, then across lanes: the same for any caller)
@@ -130,28 +172,106 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
 #endif
 }
 
-// y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as packed panels (pack_panels); split over panels
+// bfloat16 panels: [ceil(N / kPanel), Kp / 2, kPanel, 2] (Kp = K rounded up to even, zero-padded), i.e. for each
+// pair of k the kPanel columns' two weights side by side: one 64-byte load is 16 columns' pairs, the operand
+// layout of VDPBF16PS. x: R rows of Kp bfloat16s. Each output is one chain over the k pairs in order, adding
+// the odd k's product then the even k's (products of two bfloat16s are exact in float32).
+template <int R>
+inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy) {
+#ifdef KVF_AVX512
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < Kp / 2; ++j) {
+    const __m512i w0 = _mm512_loadu_si512(panel + j * 2 * kPanel), w1 = _mm512_loadu_si512(panel + j * 2 * kPanel + 32);
+#if defined(__AVX512BF16__)
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * Kp + 2 * j, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, (__m512bh)w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, (__m512bh)w1);
+    }
+#else
+    const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));
+    const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(to_f32(x[r * Kp + 2 * j])), xo = _mm512_set1_ps(to_f32(x[r * Kp + 2 * j + 1]));
+      acc[r][0] = _mm512_fmadd_ps(xe, w0e, _mm512_fmadd_ps(xo, w0o, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(xe, w1e, _mm512_fmadd_ps(xo, w1o, acc[r][1]));
+    }
+#endif
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, tail_mask(cols), acc[r][0]);
+    if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
+  }
+#else
+  float acc[R][kPanel] = {};
+  for (int64_t j = 0; j < Kp / 2; ++j)
+    for (int r = 0; r < R; ++r) {
+      const float xe = to_f32(x[r * Kp + 2 * j]), xo = to_f32(x[r * Kp + 2 * j + 1]);
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const bf16_t* w = panel + (j * kPanel + c) * 2;
+        acc[r][c] = std::fma(xe, to_f32(w[0]), std::fma(xo, to_f32(w[1]), acc[r][c]));
+      }
+    }
+  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + cols, y + r * ldy);
+#endif
+}
+
+// One panel of output columns for every row of the batch: rows in groups of 8, 4, 2, 1 (the same chain per
+// output whatever the group), then bias and residual
+template <typename XT, typename WT, typename Rows8, typename Rows4, typename Rows2, typename Rows1>
+inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, int64_t n0, int64_t cols, int64_t N,
+                           const float* bias, const float* residual, float* y, Rows8 r8, Rows4 r4, Rows2 r2, Rows1 r1) {
+  int64_t b = 0;
+  for (; b + 8 <= B; b += 8) r8(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
+  for (; b + 4 <= B; b += 4) r4(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
+  for (; b + 2 <= B; b += 2) r2(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
+  for (; b < B; ++b) r1(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
+  for (int64_t r = 0; r < B; ++r) {
+    float* yr = y + r * N;
+    if (bias != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
+    if (residual != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
+  }
+}
+
+inline int64_t panel_grain(int64_t B, int64_t K) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, B * K * kPanel));
+}
+
+// y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as float32 packed panels (pack_panels); split over panels
 void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packed, int64_t N, const float* bias,
                         const float* residual, float* y) {
-  TORCH_CHECK(residual != y, "packed_linear_into: the residual must not be the output");
+  TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
+  if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, B * K * kPanel));
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = packed + p * K * kPanel;
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      int64_t b = 0;
-      for (; b + 8 <= B; b += 8) panel_rows<8>(x + b * K, K, panel, cols, y + b * N + n0, N);
-      for (; b + 4 <= B; b += 4) panel_rows<4>(x + b * K, K, panel, cols, y + b * N + n0, N);
-      for (; b + 2 <= B; b += 2) panel_rows<2>(x + b * K, K, panel, cols, y + b * N + n0, N);
-      for (; b < B; ++b) panel_rows<1>(x + b * K, K, panel, cols, y + b * N + n0, N);
-      for (int64_t r = 0; r < B; ++r) {
-        float* yr = y + r * N;
-        if (bias != nullptr)
-          for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
-        if (residual != nullptr)
-          for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
-      }
+      const int64_t n0 = p * kPanel;
+      panel_all_rows(x, B, K, packed + p * K * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
+                     panel_rows<8>, panel_rows<4>, panel_rows<2>, panel_rows<1>);
+    }
+  });
+}
+
+// The same with bfloat16 panels (pack_panels of a bfloat16 weight): x rounded to bfloat16 first, zero-padded
+// to an even K
+void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* packed, int64_t N, const float* bias,
+                        const float* residual, float* y) {
+  TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
+  if (B == 0) return;
+  const int64_t Kp = K + (K & 1), panels = (N + kPanel - 1) / kPanel;
+  std::vector<bf16_t> xb(B * Kp, 0);
+  for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * Kp);
+  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
+                     panel_rows_bf16<8>, panel_rows_bf16<4>, panel_rows_bf16<2>, panel_rows_bf16<1>);
     }
   });
 }
@@ -175,10 +295,11 @@ void rms_norm_into(const float* x, int64_t T, int64_t E, const float* w, float e
 
 // One (sequence, KV head) unit: the G query heads that read KV head hk, against the sequence's L keys and
 // values read page by page from the pool (no contiguous copy); an exact two-pass softmax in float32.
+template <typename T>
 struct Unit {
   const float* q;         // [G, D]
-  const float* k;         // the pool: [S, Hkv, D]
-  const float* v;         // [S, Hkv, Dv]
+  const T* k;             // the pool: [S, Hkv, D] (float32 or bfloat16)
+  const T* v;             // [S, Hkv, Dv]
   const int64_t* pages;   // the sequence's page table
   int64_t L, page_size, Hkv, hk;
   float scale;
@@ -198,26 +319,27 @@ inline void softmax_rows(float* s, int64_t G, int64_t L) {
 
 // f(t, row) for each of the unit's tokens t = 0..L-1, row = its (slot, KV head) row of the pool; page by page,
 // so no division per token
-template <typename F>
-inline void for_each_token(const Unit& u, F&& f) {
+template <typename T, typename F>
+inline void for_each_token(const Unit<T>& u, F&& f) {
   for (int64_t t0 = 0; t0 < u.L; t0 += u.page_size) {
     const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, u.L - t0);
     for (int64_t i = 0; i < n; ++i) f(t0 + i, (first + i) * u.Hkv + u.hk);
   }
 }
 
-void attend_generic(const Unit& u, int64_t G, int64_t D, int64_t Dv, float* s, float* acc) {
+template <typename T>
+void attend_generic(const Unit<T>& u, int64_t G, int64_t D, int64_t Dv, float* s, float* acc) {
   for_each_token(u, [&](int64_t t, int64_t row) {
     for (int64_t g = 0; g < G; ++g) s[g * u.L + t] = dot(u.q + g * D, u.k + row * D, D) * u.scale;
   });
   softmax_rows(s, G, u.L);
   std::fill(acc, acc + G * Dv, 0.f);
   for_each_token(u, [&](int64_t t, int64_t row) {
-    const float* vt = u.v + row * Dv;
+    const T* vt = u.v + row * Dv;
     for (int64_t g = 0; g < G; ++g) {
       const float w = s[g * u.L + t];
       float* a = acc + g * Dv;
-      for (int64_t d = 0; d < Dv; ++d) a[d] += w * vt[d];
+      for (int64_t d = 0; d < Dv; ++d) a[d] += w * to_f32(vt[d]);
     }
   });
   std::copy(acc, acc + G * Dv, u.out);
@@ -226,15 +348,15 @@ void attend_generic(const Unit& u, int64_t G, int64_t D, int64_t Dv, float* s, f
 #ifdef KVF_AVX512
 // The same unit with D = Dv = 16 * NV and the G queries and G output rows held in registers: a key or value
 // row is loaded once for all G heads.
-template <int NV, int G>
-void attend_avx512(const Unit& u, float* s) {
+template <typename T, int NV, int G>
+void attend_avx512(const Unit<T>& u, float* s) {
   constexpr int64_t D = 16 * NV;
   __m512 q[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) q[g][j] = _mm512_loadu_ps(u.q + g * D + 16 * j);
   for_each_token(u, [&](int64_t t, int64_t row) {
     __m512 k[NV];
-    for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(u.k + row * D + 16 * j);
+    for (int j = 0; j < NV; ++j) k[j] = load16(u.k + row * D + 16 * j);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
       for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
@@ -247,7 +369,7 @@ void attend_avx512(const Unit& u, float* s) {
     for (int j = 0; j < NV; ++j) a[g][j] = _mm512_setzero_ps();
   for_each_token(u, [&](int64_t t, int64_t row) {
     __m512 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(u.v + row * D + 16 * j);
+    for (int j = 0; j < NV; ++j) v[j] = load16(u.v + row * D + 16 * j);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(s[g * u.L + t]);
       for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
@@ -257,24 +379,26 @@ void attend_avx512(const Unit& u, float* s) {
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(u.out + g * D + 16 * j, a[g][j]);
 }
 
-using AttendFn = void (*)(const Unit&, float*);
+template <typename T>
+using AttendFn = void (*)(const Unit<T>&, float*);
 
 // the register-held variant for this head shape, or nullptr (then the generic loops): up to 16 zmm of
 // queries and as many of outputs
-AttendFn attend_kernel(int64_t D, int64_t Dv, int64_t G) {
+template <typename T>
+AttendFn<T> attend_kernel(int64_t D, int64_t Dv, int64_t G) {
   if (D != Dv) return nullptr;
   if (D == 64) {
     switch (G) {
-      case 1: return attend_avx512<4, 1>;
-      case 2: return attend_avx512<4, 2>;
-      case 3: return attend_avx512<4, 3>;
-      case 4: return attend_avx512<4, 4>;
+      case 1: return attend_avx512<T, 4, 1>;
+      case 2: return attend_avx512<T, 4, 2>;
+      case 3: return attend_avx512<T, 4, 3>;
+      case 4: return attend_avx512<T, 4, 4>;
     }
   }
   if (D == 128) {
     switch (G) {
-      case 1: return attend_avx512<8, 1>;
-      case 2: return attend_avx512<8, 2>;
+      case 1: return attend_avx512<T, 8, 1>;
+      case 2: return attend_avx512<T, 8, 2>;
     }
   }
   return nullptr;
@@ -282,19 +406,20 @@ AttendFn attend_kernel(int64_t D, int64_t Dv, int64_t G) {
 #endif
 
 // q [B, H, D]; k_pool [S, Hkv, D]; v_pool [S, Hkv, Dv]; pages [B, P]; lens [B] -> out [B, H, Dv]
-void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, const float* kp, const float* vp,
+template <typename T>
+void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, const T* kp, const T* vp,
                           int64_t Hkv, int64_t Dv, const int64_t* pg, int64_t P, const int64_t* ln,
                           int64_t page_size, float sc, float* op) {
   const int64_t G = H / Hkv;
 #ifdef KVF_AVX512
-  const AttendFn fast = attend_kernel(D, Dv, G);
+  const AttendFn<T> fast = attend_kernel<T>(D, Dv, G);
 #endif
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
-      const Unit u{qp + (b * H + hk * G) * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, hk, sc,
+      const Unit<T> u{qp + (b * H + hk * G) * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, hk, sc,
                    op + (b * H + hk * G) * Dv};
       scores.resize(G * u.L);
 #ifdef KVF_AVX512
@@ -315,20 +440,53 @@ void check_f32(const torch::Tensor& t, const char* what) {
               what, " must be a contiguous float32 CPU tensor");
 }
 
+// a contiguous CPU tensor of element type T (float: float32, bf16_t: bfloat16)
+template <typename T>
+T* data_as(const torch::Tensor& t, const char* what) {
+  constexpr bool f32 = std::is_same<T, float>::value;
+  TORCH_CHECK(t.dtype() == (f32 ? torch::kFloat32 : torch::kBFloat16) && t.device().is_cpu() && t.is_contiguous(),
+              what, f32 ? " must be a contiguous float32 CPU tensor" : " must be a contiguous bfloat16 CPU tensor");
+  return static_cast<T*>(t.data_ptr());
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+// the panel tensor's shape for a weight [N, K] of element type T (see pack_panels)
+template <typename T>
+bool packed_as(const torch::Tensor& w, int64_t N, int64_t K) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  if (std::is_same<T, float>::value)
+    return w.dim() == 3 && w.size(0) == panels && w.size(1) == K && w.size(2) == kPanel;
+  return w.dim() == 4 && w.size(0) == panels && w.size(1) == (K + 1) / 2 && w.size(2) == kPanel && w.size(3) == 2;
+}
+
+template <typename T>
+void paged_attention_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                              const torch::Tensor& pages, const int64_t* ln, int64_t page_size, float sc,
+                              torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  paged_attention_into<T>(q.data_ptr<float>(), B, H, D, data_as<T>(k_pool, "k pool"), data_as<T>(v_pool, "v pool"),
+                          k_pool.size(1), v_pool.size(2), pages.data_ptr<int64_t>(), pages.size(1), ln, page_size, sc,
+                          out.data_ptr<float>());
+}
+
 }  // namespace
 
-// q: [B, H, D]; k_pool: [S, Hkv, D]; v_pool: [S, Hkv, Dv]; pages: [B, P] int64; lens: [B] int64 -> [B, H, Dv]
+// q: [B, H, D] (float32 or bfloat16); k_pool: [S, Hkv, D]; v_pool: [S, Hkv, Dv], both float32 or both bfloat16;
+// pages: [B, P] int64; lens: [B] int64 -> [B, H, Dv] in q's dtype (float32 arithmetic throughout)
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      torch::Tensor pages, torch::Tensor lens, int64_t page_size, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_pool.dtype() == torch::kFloat32 && v_pool.dtype() == torch::kFloat32,
-              "native decode attention runs on float32");
+  TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && (k_pool.dtype() == torch::kFloat32 || is_bf16(k_pool)) &&
+                  (q.dtype() == torch::kFloat32 || is_bf16(q)),
+              "native decode attention runs on float32 or bfloat16 pools");
   TORCH_CHECK(pages.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "pages and lens must be int64");
-  q = q.contiguous();
+  const auto out_dtype = q.scalar_type();
+  q = q.to(torch::kFloat32).contiguous();
   k_pool = k_pool.contiguous();
   v_pool = v_pool.contiguous();
   pages = pages.contiguous();
   lens = lens.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), H = q.size(1);
   const int64_t Hkv = k_pool.size(1), Dv = v_pool.size(2), P = pages.size(1);
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   const int64_t* ln = lens.data_ptr<int64_t>();
@@ -336,9 +494,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
     TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
   }
   auto out = torch::empty({B, H, Dv}, q.options());
-  paged_attention_into(q.data_ptr<float>(), B, H, D, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), Hkv, Dv,
-                       pages.data_ptr<int64_t>(), P, ln, page_size, static_cast<float>(scale), out.data_ptr<float>());
-  return out;
+  if (is_bf16(k_pool))
+    paged_attention_dispatch<bf16_t>(q, k_pool, v_pool, pages, ln, page_size, static_cast<float>(scale), out);
+  else
+    paged_attention_dispatch<float>(q, k_pool, v_pool, pages, ln, page_size, static_cast<float>(scale), out);
+  return out.to(out_dtype);
 }
 
 // RMSNorm of each row of x [T, E] (float32): w * (x * rsqrt(mean(x^2) + eps)), in one pass over the row
@@ -358,92 +518,89 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// w [N, K] -> [ceil(N / kPanel), K, kPanel]: kPanel output columns per panel, k-major, zero past N
+// w [N, K] -> float32: [ceil(N / kPanel), K, kPanel], kPanel output columns per panel, k-major, zero past N;
+// bfloat16: [ceil(N / kPanel), ceil(K / 2), kPanel, 2], the columns' k pairs side by side, zero past N and K
 torch::Tensor pack_panels(torch::Tensor w) {
-  check_f32(w, "w");
-  TORCH_CHECK(w.dim() == 2, "pack_panels: w [N, K]");
+  TORCH_CHECK((w.dtype() == torch::kFloat32 || is_bf16(w)) && w.device().is_cpu() && w.dim() == 2,
+              "pack_panels: w [N, K], float32 or bfloat16, on the CPU");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();  // [panels, K, kPanel]
+  if (!is_bf16(w)) {
+    auto padded = torch::zeros({panels * kPanel, K}, w.options());
+    padded.narrow(0, 0, N).copy_(w);
+    return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();  // [panels, K, kPanel]
+  }
+  const int64_t Kp = K + (K & 1);
+  auto padded = torch::zeros({panels * kPanel, Kp}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({panels, kPanel, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // [panels, Kp / 2, kPanel, 2]
 }
 
-// x [B, K] @ w^T (+ bias [N], empty for none) -> [B, N], w given as pack_panels(w) with N rows
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
-  x = x.contiguous();
-  check_f32(x, "x");
-  check_f32(packed, "packed weight");
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kPanel &&
-                  packed.size(0) == (N + kPanel - 1) / kPanel,
-              "packed_linear: x [B, K], packed [ceil(N / 32), K, 32]");
+// x [B, K] (float32 or bfloat16) @ w^T (+ bias [N]) (+ residual [B, N]; empty tensors for none) -> [B, N] in x's
+// dtype, w given as pack_panels(w) with N rows (float32 or bfloat16 panels); float32 accumulation
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+                            torch::Tensor residual) {
+  TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || is_bf16(x)), "packed_linear: x [B, K] float32 or bf16");
+  const auto out_dtype = x.scalar_type();
+  x = x.to(torch::kFloat32).contiguous();
+  bias = bias.to(torch::kFloat32).contiguous();
+  const int64_t B = x.size(0), K = x.size(1);
+  const bool bf = is_bf16(packed);
+  TORCH_CHECK(bf ? packed_as<bf16_t>(packed, N, K) : packed_as<float>(packed, N, K),
+              "packed_linear: packed must be pack_panels of a [N, K] weight");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "packed_linear: bias size");
-  auto y = torch::empty({x.size(0), N}, x.options());
-  packed_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), packed.data_ptr<float>(), N, opt_ptr(bias), nullptr,
-                     y.data_ptr<float>());
-  return y;
+  const float* rp = nullptr;
+  if (residual.numel() != 0) {
+    residual = residual.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(residual.dim() == 2 && residual.size(0) == B && residual.size(1) == N, "packed_linear: residual [B, N]");
+    rp = residual.data_ptr<float>();
+  }
+  auto y = torch::empty({B, N}, x.options());
+  if (bf)
+    packed_linear_into(x.data_ptr<float>(), B, K, data_as<bf16_t>(packed, "packed weight"), N, opt_ptr(bias), rp,
+                       y.data_ptr<float>());
+  else
+    packed_linear_into(x.data_ptr<float>(), B, K, data_as<float>(packed, "packed weight"), N, opt_ptr(bias), rp,
+                       y.data_ptr<float>());
+  return y.to(out_dtype);
 }
 
-// One decode step of a Llama-family model through every layer: x [B, E] (embedded tokens) -> [B, E] after the
-// last layer (before the final norm). Per layer, `layer_weights` holds 12 tensors in this order (empty
-// tensors for what the model lacks): input_norm, qkv_w, qkv_b, o_w, o_b, q_norm, k_norm, post_norm,
-// gate_up_w, gate_up_b, down_w, down_b; the four *_w projections packed by pack_panels. cos/sin: [B, D] (sin with its first half negated); k_pools/v_pools:
-// per layer, the flat [S, Hkv, D] pool views; slots [B]: where this step's K/V go; pages [B, P], lens [B]
-// (lens include this step's token).
-torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_weights, torch::Tensor cos,
-                                  torch::Tensor sin, std::vector<torch::Tensor> k_pools,
-                                  std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor pages,
-                                  torch::Tensor lens, int64_t page_size, int64_t H, int64_t Hkv, double scale,
-                                  double eps) {
+namespace {
+
+// llama_decode_layers for weights and pools of element type T (float: float32, bf16_t: bfloat16)
+template <typename T>
+void decode_layers(float* xp, int64_t B, int64_t E, const std::vector<torch::Tensor>& layer_weights,
+                   const float* cp, const float* sp, int64_t D, std::vector<torch::Tensor>& k_pools,
+                   std::vector<torch::Tensor>& v_pools, const int64_t* sl, const int64_t* pg, int64_t P,
+                   const int64_t* ln, int64_t page_size, int64_t H, int64_t Hkv, float sc, float e) {
   constexpr int64_t kFields = 12;
   const int64_t L = static_cast<int64_t>(k_pools.size());
-  TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == L * kFields && static_cast<int64_t>(v_pools.size()) == L,
-              "llama_decode_layers: 12 weights and two pool views per layer");
-  x = x.contiguous().clone();
-  check_f32(x, "x");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && pages.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
-              "slots, pages and lens must be int64");
-  slots = slots.contiguous();
-  pages = pages.contiguous();
-  lens = lens.contiguous();
-  const int64_t B = x.size(0), E = x.size(1), D = cos.size(1), P = pages.size(1);
   const int64_t Hq = H + Hkv, QKV = (H + 2 * Hkv) * D;
-  TORCH_CHECK(H % Hkv == 0 && D % 2 == 0 && cos.size(0) == B && sin.size(0) == B, "llama_decode_layers: shapes");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* ln = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
-  }
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
-  const int64_t I = layer_weights[10].size(1);  // down_w, packed: [ceil(E / 32), I, 32]
+  const torch::Tensor& down0 = layer_weights[10];
+  const int64_t I = std::is_same<T, float>::value ? down0.size(1) : 2 * down0.size(1);  // down_w: K = I (rounded up to even in bf16)
   std::vector<float> h(B * std::max(E, I)), qkv(B * QKV), rot(B * Hq * D), q(B * H * D), attn(B * H * D),
       gu(B * 2 * I), res(B * E);
-  float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* W = layer_weights.data() + l * kFields;
-    for (int64_t i : {0, 1, 3, 7, 8, 10}) check_f32(W[i], "a layer weight");
-    auto packed_as = [](const torch::Tensor& w, int64_t N, int64_t K) {
-      return w.dim() == 3 && w.size(0) == (N + kPanel - 1) / kPanel && w.size(1) == K && w.size(2) == kPanel;
-    };
-    TORCH_CHECK(packed_as(W[1], QKV, E) && packed_as(W[3], E, H * D) && packed_as(W[8], 2 * I, E) &&
-                    packed_as(W[10], E, I),
-                "llama_decode_layers: projections must be packed (pack_panels) to their shapes");
-    torch::Tensor& kpool = k_pools[l];
-    torch::Tensor& vpool = v_pools[l];
-    check_f32(kpool, "k pool");
-    check_f32(vpool, "v pool");
-    TORCH_CHECK(kpool.size(1) == Hkv && kpool.size(2) == D && vpool.size(2) == D, "pool view shape");
-    float* kp = kpool.data_ptr<float>();
-    float* vp = vpool.data_ptr<float>();
-    const int64_t S = kpool.size(0);
+    for (int64_t i : {0, 7}) check_f32(W[i], "a layer's norm weight");
+    for (int64_t i : {2, 4, 5, 6, 9, 11}) TORCH_CHECK(W[i].numel() == 0 || W[i].dtype() == torch::kFloat32 && W[i].is_contiguous(), "biases and q/k norms must be float32");
+    TORCH_CHECK(packed_as<T>(W[1], QKV, E) && packed_as<T>(W[3], E, H * D) && packed_as<T>(W[8], 2 * I, E) &&
+                    packed_as<T>(W[10], E, I),
+                "llama_decode_layers: projections must be packed (pack_panels) to their shapes, in the pools' dtype");
+    T* kp = data_as<T>(k_pools[l], "k pool");
+    T* vp = data_as<T>(v_pools[l], "v pool");
+    TORCH_CHECK(k_pools[l].size(1) == Hkv && k_pools[l].size(2) == D && v_pools[l].size(2) == D &&
+                    v_pools[l].size(0) == k_pools[l].size(0),
+                "pool view shape");
+    const int64_t S = k_pools[l].size(0);
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < S, "slot outside the pool");
+    const T* w_qkv = data_as<T>(W[1], "qkv_w");
+    const T* w_o = data_as<T>(W[3], "o_w");
+    const T* w_gu = data_as<T>(W[8], "gate_up_w");
+    const T* w_down = data_as<T>(W[10], "down_w");
 
     // attention: norm, q/k/v, (q/k norms), RoPE, store K/V, attend, o + residual
     rms_norm_into(xp, B, E, W[0].data_ptr<float>(), e, h.data());
-    packed_linear_into(h.data(), B, E, W[1].data_ptr<float>(), QKV, opt_ptr(W[2]), nullptr, qkv.data());
+    packed_linear_into(h.data(), B, E, w_qkv, QKV, opt_ptr(W[2]), nullptr, qkv.data());
     const float* qn = opt_ptr(W[5]);
     const float* kn = opt_ptr(W[6]);
     for (int64_t b = 0; b < B; ++b) {
@@ -457,23 +614,164 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
         for (int64_t d = 0; d < D / 2; ++d) dst[d] = src[d] * c[d] + src[d + D / 2] * s[d];
         for (int64_t d = D / 2; d < D; ++d) dst[d] = src[d] * c[d] + src[d - D / 2] * s[d];
       }
-      std::copy(rot.data() + (b * Hq + H) * D, rot.data() + (b * Hq + Hq) * D, kp + sl[b] * Hkv * D);
-      const float* v = qkv.data() + b * QKV + Hq * D;
-      std::copy(v, v + Hkv * D, vp + sl[b] * Hkv * D);
+      store_row(rot.data() + (b * Hq + H) * D, Hkv * D, kp + sl[b] * Hkv * D);
+      store_row(qkv.data() + b * QKV + Hq * D, Hkv * D, vp + sl[b] * Hkv * D);
     }
     // queries: the first H heads of each row of rot, which is [B, Hq, D]; gather them to [B, H, D]
     for (int64_t b = 0; b < B; ++b) std::copy(rot.data() + b * Hq * D, rot.data() + (b * Hq + H) * D, q.data() + b * H * D);
-    paged_attention_into(q.data(), B, H, D, kp, vp, Hkv, D, pages.data_ptr<int64_t>(), P, ln, page_size, sc,
-                         attn.data());
+    paged_attention_into<T>(q.data(), B, H, D, kp, vp, Hkv, D, pg, P, ln, page_size, sc, attn.data());
     std::copy(xp, xp + B * E, res.data());
-    packed_linear_into(attn.data(), B, H * D, W[3].data_ptr<float>(), E, opt_ptr(W[4]), res.data(), xp);
+    packed_linear_into(attn.data(), B, H * D, w_o, E, opt_ptr(W[4]), res.data(), xp);
 
     // MLP: norm, gate/up, SiLU(gate) * up, down + residual
     rms_norm_into(xp, B, E, W[7].data_ptr<float>(), e, h.data());
-    packed_linear_into(h.data(), B, E, W[8].data_ptr<float>(), 2 * I, opt_ptr(W[9]), nullptr, gu.data());
+    packed_linear_into(h.data(), B, E, w_gu, 2 * I, opt_ptr(W[9]), nullptr, gu.data());
     for (int64_t b = 0; b < B; ++b) silu_mul(gu.data() + b * 2 * I, gu.data() + b * 2 * I + I, h.data() + b * I, I);
     std::copy(xp, xp + B * E, res.data());
-    packed_linear_into(h.data(), B, I, W[10].data_ptr<float>(), E, opt_ptr(W[11]), res.data(), xp);
+    packed_linear_into(h.data(), B, I, w_down, E, opt_ptr(W[11]), res.data(), xp);
   }
+}
+
+}  // namespace
+
+// One decode step of a Llama-family model through every layer: x [B, E] float32 (embedded tokens) -> [B, E]
+// float32 after the last layer (before the final norm). Per layer, `layer_weights` holds 12 tensors in this
+// order (empty tensors for what the model lacks): input_norm, qkv_w, qkv_b, o_w, o_b, q_norm, k_norm,
+// post_norm, gate_up_w, gate_up_b, down_w, down_b; the four *_w projections packed by pack_panels (float32
+// or bfloat16 panels, the pools' dtype), the rest float32. cos/sin: [B, D] float32 (sin with its first half
+// negated); k_pools/v_pools: per layer, the flat [S, Hkv, D] pool views; slots [B]: where this step's K/V go;
+// pages [B, P], lens [B] (lens include this step's token).
+torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> layer_weights, torch::Tensor cos,
+                                  torch::Tensor sin, std::vector<torch::Tensor> k_pools,
+                                  std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor pages,
+                                  torch::Tensor lens, int64_t page_size, int64_t H, int64_t Hkv, double scale,
+                                  double eps) {
+  constexpr int64_t kFields = 12;
+  const int64_t L = static_cast<int64_t>(k_pools.size());
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(layer_weights.size()) == L * kFields &&
+                  static_cast<int64_t>(v_pools.size()) == L,
+              "llama_decode_layers: 12 weights and two pool views per layer");
+  x = x.contiguous().clone();
+  check_f32(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && pages.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
+              "slots, pages and lens must be int64");
+  slots = slots.contiguous();
+  pages = pages.contiguous();
+  lens = lens.contiguous();
+  const int64_t B = x.size(0), E = x.size(1), D = cos.size(1), P = pages.size(1);
+  TORCH_CHECK(H % Hkv == 0 && D % 2 == 0 && cos.size(0) == B && sin.size(0) == B, "llama_decode_layers: shapes");
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
+  }
+  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
+  if (is_bf16(k_pools[0]))
+    decode_layers<bf16_t>(x.data_ptr<float>(), B, E, layer_weights, cos.data_ptr<float>(), sin.data_ptr<float>(), D,
+                          k_pools, v_pools, slots.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), P, ln, page_size,
+                          H, Hkv, sc, e);
+  else
+    decode_layers<float>(x.data_ptr<float>(), B, E, layer_weights, cos.data_ptr<float>(), sin.data_ptr<float>(), D,
+                         k_pools, v_pools, slots.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), P, ln, page_size, H,
+                         Hkv, sc, e);
   return x;
+}
+
+namespace {
+
+// row v of the weight [V, E] that `panels` packs (float32 [P, E, kPanel] or bfloat16 [P, E/2, kPanel, 2]), as floats
+template <typename T>
+void panel_row(const T* panels, int64_t v, int64_t E, float* out) {
+  const int64_t p = v / kPanel, c = v % kPanel;
+  if (std::is_same<T, float>::value) {
+    for (int64_t e = 0; e < E; ++e) out[e] = to_f32(panels[(p * E + e) * kPanel + c]);
+  } else {
+    const int64_t E2 = (E + 1) / 2;
+    for (int64_t e = 0; e < E; ++e) out[e] = to_f32(panels[((p * E2 + e / 2) * kPanel + c) * 2 + e % 2]);
+  }
+}
+
+template <typename T>
+torch::Tensor decode_step(const torch::Tensor& ids, const torch::Tensor& embed, const torch::Tensor& head,
+                          int64_t V, const std::vector<torch::Tensor>& layer_weights, const torch::Tensor& cos_table,
+                          const torch::Tensor& sin_table, const torch::Tensor& positions,
+                          std::vector<torch::Tensor>& k_pools, std::vector<torch::Tensor>& v_pools,
+                          const torch::Tensor& slots, const torch::Tensor& pages, const torch::Tensor& lens,
+                          const torch::Tensor& logits_index, const torch::Tensor& norm, int64_t page_size, int64_t H,
+                          int64_t Hkv, float sc, float e) {
+  const int64_t B = ids.size(0), E = norm.size(0), D = cos_table.size(1), n_pos = cos_table.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(packed_as<T>(head, V, E), "llama_decode_step: head must be pack_panels of a [V, E] weight");
+  auto x = torch::empty({B, E}, cos_table.options());
+  auto cos = torch::empty({B, D}, cos_table.options());
+  auto sin = torch::empty({B, D}, cos_table.options());
+  float* xp = x.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(idp[b] >= 0 && idp[b] < V, "token id outside the vocabulary");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < n_pos, "position outside the RoPE tables");
+    if (embed.numel() == 0) {  // tied: the embedding is the head's weight
+      panel_row(data_as<T>(head, "head"), idp[b], E, xp + b * E);
+    } else {
+      const T* row = data_as<T>(embed, "embedding") + idp[b] * E;
+      for (int64_t i = 0; i < E; ++i) xp[b * E + i] = to_f32(row[i]);
+    }
+    std::copy_n(cos_table.data_ptr<float>() + pos[b] * D, D, cos.data_ptr<float>() + b * D);
+    std::copy_n(sin_table.data_ptr<float>() + pos[b] * D, D, sin.data_ptr<float>() + b * D);
+  }
+  decode_layers<T>(xp, B, E, layer_weights, cos.data_ptr<float>(), sin.data_ptr<float>(), D, k_pools, v_pools,
+                   slots.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), pages.size(1), lens.data_ptr<int64_t>(),
+                   page_size, H, Hkv, sc, e);
+  const int64_t N = logits_index.size(0);
+  const int64_t* li = logits_index.data_ptr<int64_t>();
+  std::vector<float> h(N * E);
+  for (int64_t r = 0; r < N; ++r) {
+    TORCH_CHECK(li[r] >= 0 && li[r] < B, "logits row outside the batch");
+    rms_norm_into(xp + li[r] * E, 1, E, norm.data_ptr<float>(), e, h.data() + r * E);
+  }
+  auto logits = torch::empty({N, V}, cos_table.options());
+  packed_linear_into(h.data(), N, E, data_as<T>(head, "head"), V, nullptr, nullptr, logits.data_ptr<float>());
+  return logits;
+}
+
+}  // namespace
+
+// A whole decode step in one call: token ids [B] -> float32 logits [N, V] of the rows `logits_index` [N].
+// Embeds each token (from `embed` [V, E], or, when `embed` is empty, from the tied head's panels), gathers its
+// RoPE row from cos_table/sin_table [n, D] (float32) at `positions` [B], runs llama_decode_layers, the final
+// RMSNorm (`norm` [E] float32) of the wanted rows and the head (`head`: pack_panels of the [V, E] lm_head).
+// Weights, embed and pools in one dtype (float32 or bfloat16); the same arithmetic as the separate calls.
+torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::Tensor head, int64_t V,
+                                std::vector<torch::Tensor> layer_weights, torch::Tensor cos_table,
+                                torch::Tensor sin_table, torch::Tensor positions, std::vector<torch::Tensor> k_pools,
+                                std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor pages,
+                                torch::Tensor lens, torch::Tensor logits_index, torch::Tensor norm, int64_t page_size,
+                                int64_t H, int64_t Hkv, double scale, double eps) {
+  constexpr int64_t kFields = 12;
+  const int64_t L = static_cast<int64_t>(k_pools.size());
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(layer_weights.size()) == L * kFields &&
+                  static_cast<int64_t>(v_pools.size()) == L,
+              "llama_decode_step: 12 weights and two pool views per layer");
+  for (torch::Tensor* t : {&ids, &positions, &slots, &pages, &lens, &logits_index}) {
+    TORCH_CHECK(t->dtype() == torch::kInt64, "ids, positions, slots, pages, lens and logits_index must be int64");
+    *t = t->contiguous();
+  }
+  check_f32(cos_table, "cos_table");
+  check_f32(sin_table, "sin_table");
+  check_f32(norm, "norm");
+  const int64_t B = ids.size(0), P = pages.size(1);
+  TORCH_CHECK(B >= 1 && positions.size(0) == B && slots.size(0) == B && lens.size(0) == B && pages.size(0) == B &&
+                  sin_table.sizes() == cos_table.sizes() && cos_table.size(1) % 2 == 0 && H % Hkv == 0,
+              "llama_decode_step: shapes");
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
+  }
+  const float sc = static_cast<float>(scale), e = static_cast<float>(eps);
+  if (is_bf16(k_pools[0]))
+    return decode_step<bf16_t>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
+                               slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
+  return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
+                            slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
 }

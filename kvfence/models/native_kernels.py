@@ -1,5 +1,6 @@
-"""The C++ kernels (CPU, float32), from native_kernels.cpp: RMSNorm, decode attention that reads the
-paged KV pool in place, small-batch projections, and a whole Llama-family decode step in one call.
+"""The C++ kernels (CPU; float32, or bfloat16 weights and KV), from native_kernels.cpp: RMSNorm, decode
+attention that reads the paged KV pool in place, small-batch projections, and a whole Llama-family decode
+step in one call.
 
 What it knows: RMSNorm of each row in one pass (weight * (x * rsqrt(mean(x^2) + eps)), the order
 transformers uses; one call instead of the ~9 ops torch's CPU rms_norm dispatches). Decode attention:
@@ -23,12 +24,18 @@ native step do not depend on the batch it shares.
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
 needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
 the source). Engines take them by default where they apply (`ModelConfig.kernels = "auto"`: CPU,
-float32, the build succeeds, and their packed copy of the projections, as large again as the weights,
-takes at most a quarter of the memory available; otherwise the torch kernels, with a warning saying why);
-`python -m kvfence.models.native_kernels` builds them ahead of time.
+float32 or bfloat16, the build succeeds; otherwise the torch kernels, with a warning saying why); a model
+running them holds its projections as these panels only (models.llama, `hold_panels`), and its torch
+forward (prefill) runs `packed_linear` on them. `python -m kvfence.models.native_kernels` builds them
+ahead of time.
 
-What it does not know: prefill, masks other than "the first kv_len keys", dtypes other than float32,
-or devices other than the CPU; callers keep the torch path for those.
+bfloat16: `pack_panels` of a bfloat16 weight makes bfloat16 panels (pairs of k side by side), read by
+AVX512_BF16's VDPBF16PS where the CPU has it and by float FMAs in the same order where it does not (the
+same bits: products of bfloat16s are exact in float32); the input rows are rounded to bfloat16, sums stay
+float32. Decode attention and the decode step read and write bfloat16 pools, computing in float32.
+
+What it does not know: prefill attention, masks other than "the first kv_len keys", float16, or devices
+other than the CPU; callers keep the torch path for those.
 """
 
 from __future__ import annotations
@@ -70,7 +77,14 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=["paged_decode_attention", "rms_norm", "pack_panels", "packed_linear", "llama_decode_layers"],
+            functions=[
+                "paged_decode_attention",
+                "rms_norm",
+                "pack_panels",
+                "packed_linear",
+                "llama_decode_layers",
+                "llama_decode_step",
+            ],  # fmt: skip
             # at::parallel_for is OpenMP: serial without -fopenmp
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
@@ -101,19 +115,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N (what
-    `packed_linear` and `llama_decode_layers` read; a copy, made once per weight)."""
+    """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N; bfloat16 ->
+    [ceil(N / 32), ceil(K / 2), 32, 2]: per pair of k, each column's two weights side by side (the operand of
+    AVX512_BF16's dot product), zero past N and K. What `packed_linear` and `llama_decode_layers` read."""
     return load().pack_panels(w.contiguous())
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [B, K] float32; packed: pack_panels(w) of a w [n, K]; b: [n] or None -> x @ w^T + b [B, n], each
-    output one FMA chain over k in order, so a row's result does not depend on the rest of the batch."""
-    return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b)
+def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_panels' inverse: panels of a weight [n, k] -> that weight [n, k] (a new tensor, same dtype)."""
+    if panels.dim() == 3:  # float32 [P, K, 32]
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n].clone()
+    w = panels.permute(0, 2, 1, 3).reshape(-1, 2 * panels.shape[1])  # bfloat16 [P, K/2, 32, 2]: a copy
+    return w if w.shape == (n, k) else w[:n, :k].clone()
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` [T] of the weight [n, k] that `panels` packs -> [T, k] (a tied embedding read from its head's
+    panels: the model keeps one copy)."""
+    cols = ids % PANEL
+    if panels.dim() == 3:  # float32 [P, K, 32]
+        return panels[ids // PANEL, :, cols]  # [T, K]
+    return panels[ids // PANEL, :, cols].reshape(ids.shape[0], -1)[:, :k]  # [T, K/2, 2] -> [T, K]
+
+
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [B, K] float32 or bfloat16; packed: pack_panels(w) of a w [n, K] (float32 or bfloat16); b: [n] or None;
+    residual: [B, n] or None -> residual + x @ w^T + b [B, n] in x's dtype, float32 sums; each output one chain
+    over k in order, so a row's result does not depend on the rest of the batch."""
+    return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b, _EMPTY if residual is None else residual)
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [B, K] float32; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N] (packs w first: for one-off calls)."""
+    """x: [B, K]; w: [N, K]; b: [N] or None -> x @ w^T + b [B, N] (packs w first: for one-off calls)."""
     return packed_linear(x, pack_panels(w), w.shape[0], b)
 
 
@@ -135,13 +174,50 @@ def llama_decode_layers(
 ) -> torch.Tensor:
     """Every layer of a Llama-family decode step in one call (see native_kernels.cpp, llama_decode_layers).
 
-    x: [B, E] embedded tokens; layer_weights: 12 per layer (LAYER_FIELDS order, empty tensors for what a
-    model lacks; the PACKED_FIELDS packed by `pack_panels`); cos/sin: [B, D]; k_pools/v_pools: per layer
-    [S, Hkv, D]; slots: [B]; kv_pages: [B, P]; kv_lens: [B] -> [B, E], and this step's K/V written at `slots`.
+    x: [B, E] float32 embedded tokens; layer_weights: 12 per layer (LAYER_FIELDS order, empty tensors for what a
+    model lacks; the PACKED_FIELDS packed by `pack_panels` in the pools' dtype, the others float32); cos/sin:
+    [B, D] float32; k_pools/v_pools: per layer [S, Hkv, D], float32 or bfloat16; slots: [B]; kv_pages: [B, P];
+    kv_lens: [B] -> [B, E] float32, and this step's K/V written at `slots`.
     """
     return load().llama_decode_layers(
         x, layer_weights, cos, sin, k_pools, v_pools, slots, kv_pages, kv_lens, int(page_size),
         int(num_heads), int(num_kv_heads), float(scale), float(eps),
+    )  # fmt: skip
+
+
+def llama_decode_step(
+    ids: torch.Tensor,
+    embed: torch.Tensor | None,
+    head: torch.Tensor,
+    vocab_size: int,
+    layer_weights: list[torch.Tensor],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    slots: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    logits_index: torch.Tensor,
+    norm: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """A whole decode step in one call (native_kernels.cpp, llama_decode_step): ids [B] -> float32 logits [N,
+    vocab] of the rows logits_index [N]; the embedding, the RoPE gathers, llama_decode_layers, the final norm and
+    the head, with no torch op between them (each costs microseconds at batch 1).
+
+    embed: [vocab, E] or None when tied (rows read from `head`, pack_panels of the lm_head); cos_table/sin_table:
+    [n, D] float32 (n > every position); norm: [E] float32; the rest as in llama_decode_layers.
+    """
+    return load().llama_decode_step(
+        ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
+        positions, k_pools, v_pools, slots, kv_pages, kv_lens, logits_index, norm, int(page_size), int(num_heads),
+        int(num_kv_heads), float(scale), float(eps),
     )  # fmt: skip
 
 
@@ -152,6 +228,8 @@ LAYER_FIELDS = (
     "gate_up_w", "gate_up_b", "down_w", "down_b",
 )  # fmt: skip
 _EMPTY = torch.empty(0)
+PANEL = 32  # output columns per panel (kPanel in the C++)
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernels hold weights and KV in
 
 
 if __name__ == "__main__":  # build (or find) the extension ahead of first use, e.g. in CI before the tests

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from kvfence.config import engine_config_from_args
 from kvfence.errors import KvfenceError
 from kvfence.models.tokenizer import Tokenizer, read_eos_token_ids
+from kvfence.roles import WORKER_ROLES
 
 
 def chat_template_from(value: str | None) -> str | None:
@@ -77,12 +78,25 @@ def build_role_engine(args: argparse.Namespace, model_dir: str, role: str) -> Ro
     import torch
 
     from kvfence.engine.admission import role_capacity
-    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.llm_engine import LLMEngine, resolve_kernels
     from kvfence.models.loader import load_model
 
     config = engine_config_from_args(args, model_dir, seed=args.seed)
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.model.dtype]
-    loaded = load_model(model_dir, dtype=dtype, device=config.model.device, progress=sys.stderr.isatty())
+    native = resolve_kernels(config) == "native"  # then the model holds the native panels only, from load
+    shared = None
+    if role in WORKER_ROLES:  # a host's workers map one file of panels: one copy of the weights between them
+        from kvfence.models.default import cache_dir
+
+        shared = cache_dir() / "panels"
+    loaded = load_model(
+        model_dir,
+        dtype=dtype,
+        device=config.model.device,
+        progress=sys.stderr.isatty(),
+        panels=native,
+        shared_panels_dir=shared,
+    )
     if getattr(args, "tokenizer", None) or getattr(args, "chat_template", None):
         tokenizer = load_tokenizer(args, model_dir)
         if tokenizer.vocab_size > int(loaded.hf_config.vocab_size):

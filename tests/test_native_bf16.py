@@ -1,0 +1,133 @@
+"""bfloat16 on the native path: projections from bfloat16 panels (float32 sums of exact products, the inputs
+rounded to bfloat16) against a float64 product of the same rounded values, the same bits on every build (AVX512_BF16,
+AVX-512F without it, no AVX-512), decode attention over bfloat16 pools against torch, and a whole bfloat16
+decode step against the bfloat16 torch forward and the float32 one.
+
+Building the kernels takes a minute or more on two cores, so these tests are slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.native import PAGE, attention_case, decode_batch, reference_attention
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K", [256, 21, 1])  # whole pairs, an odd K (zero-padded), one element
+def test_bf16_projection_matches_a_float64_product_of_the_rounded_values(K: int) -> None:
+    from kvfence.models import native_kernels as nk
+
+    g = torch.Generator().manual_seed(K)
+    w, b, x = torch.randn(37, K, generator=g).bfloat16(), torch.randn(37, generator=g), torch.randn(19, K, generator=g)
+    packed = nk.pack_panels(w)
+    assert packed.dtype == torch.bfloat16 and torch.equal(nk.unpack_panels(packed, 37, K), w)
+    got = nk.packed_linear(x, packed, 37, b)  # float32 x: rounded to bfloat16 inside, float32 out
+    want = torch.nn.functional.linear(x.bfloat16().double(), w.double(), b.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K**0.5)
+    for rows in (1, 2, 3, 5, 8, 13):
+        assert torch.equal(nk.packed_linear(x[:rows], packed, 37, b), got[:rows])  # bitwise, whatever shares it
+    res = torch.randn(19, 37, generator=g).bfloat16()
+    with_res = nk.packed_linear(x.bfloat16(), packed, 37, b, res)  # bfloat16 in: bfloat16 out
+    assert with_res.dtype == torch.bfloat16
+    torch.testing.assert_close(with_res, (got + res.float()).bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_bf16_projection_gives_the_same_bits_with_and_without_avx512_bf16() -> None:
+    """VDPBF16PS adds the odd element's product, then the even one's, into float32; the builds without it
+    (AVX-512F FMAs, plain C++) do the same sums, and products of bfloat16s are exact: the same bits."""
+    from kvfence.models import native_kernels as nk
+
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(70, 300, generator=g).bfloat16(), torch.randn(11, 300, generator=g)
+    packed = nk.pack_panels(w)
+    fast = nk.packed_linear(x, packed, 70)
+    for flags in (("-mno-avx512bf16",), ("-mno-avx512f",)):
+        assert torch.equal(nk.load(flags).packed_linear(x, packed, 70, torch.empty(0), torch.empty(0)), fast), flags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 32), (8, 2, 64), (2, 1, 128)])  # generic; register-held
+def test_bf16_attention_over_bf16_pools_matches_torch(H: int, Hkv: int, D: int) -> None:
+    from kvfence.models.native_kernels import paged_decode_attention
+
+    q, k, v, pages, lens = attention_case([1, 7, 8, 9, 40, 23], H=H, Hkv=Hkv, D=D)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    got = paged_decode_attention(q, kb, vb, pages, lens, PAGE, D**-0.5)
+    assert got.dtype == torch.float32 and not got.isnan().any()
+    want = reference_attention(
+        q.double(), kb.double(), vb.double(), pages, lens
+    )  # float32 math over the bfloat16 values
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _lm(make_model: Callable[..., Path], dtype: torch.dtype, **overrides: Any) -> Any:
+    from kvfence.models.loader import load_model
+
+    return load_model(make_model("Qwen3ForCausalLM", seed=3, **overrides), dtype=dtype, progress=False)
+
+
+@pytest.mark.slow
+def test_bf16_native_decode_step_is_close_to_the_torch_forward_and_stores_bf16_kv(
+    make_model: Callable[..., Path],
+) -> None:
+    """The native bfloat16 step keeps float32 activations, so it sits nearer the float32 forward of the same
+    (bfloat16-valued) weights than torch's bfloat16 forward does; both are within bfloat16's reach of it."""
+    lm = _lm(make_model, torch.bfloat16, tie_word_embeddings=True)
+    ref = _lm(make_model, torch.float32, tie_word_embeddings=True)
+    ref.model.load_state_dict({k: v.float() for k, v in lm.model.state_dict().items()})  # same values in fp32
+    ref.model.pack_weights()
+    pool32, fb = decode_batch(ref, [1, 15, 16, 40], seed=1)
+    for i in range(pool32.layout.num_layers):
+        for name in ("k", "v"):
+            pool32.flat(i, name).copy_(pool32.flat(i, name).bfloat16().float())  # the context bf16 holds
+    pool = type(pool32)(lm.model.kv_layout(lm.hf_config, PAGE, torch.bfloat16), pool32.num_pages)
+    other = copy.deepcopy(pool)
+    for i in range(pool.layout.num_layers):
+        for name in ("k", "v"):
+            pool.flat(i, name).copy_(pool32.flat(i, name))
+            other.flat(i, name).copy_(pool32.flat(i, name))
+    with torch.inference_mode():
+        exact = ref.model.forward(fb, pool32)  # [B, vocab] float32
+        torch_bf16 = lm.model.forward(fb, pool)
+        lm.model.use_native_kernels(True)
+        native = lm.model.forward(dataclasses.replace(fb, native_decode=True), other)
+    assert lm.model._native_step_applies(dataclasses.replace(fb, native_decode=True))
+    err_native = (native - exact).abs().max().item()
+    err_torch = (torch_bf16 - exact).abs().max().item()
+    print(f"max |logit error| vs float32: native bf16 {err_native:.4f}, torch bf16 {err_torch:.4f}")
+    assert err_native < 0.05 * exact.abs().max().item() and err_native <= err_torch, (err_native, err_torch)
+    for i in range(pool.layout.num_layers):  # this step's K/V went to the same slots, as bfloat16
+        for name in ("k", "v"):
+            got, want = other.flat(i, name)[fb.slot_mapping], pool.flat(i, name)[fb.slot_mapping]
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_len", [20, 140])  # below and above BF16_GEMM_MIN_ROWS: panels, then F.linear
+def test_bf16_prefill_from_panels_matches_the_plain_bf16_forward(
+    make_model: Callable[..., Path], prompt_len: int
+) -> None:
+    from kvfence.kv.pool import KVPool
+    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
+
+    lm = _lm(make_model, torch.bfloat16)
+    ids = torch.randint(0, 2000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    fb = build_forward_batch([SeqChunk(ids, 0, list(range(-(-prompt_len // PAGE))), "last")], PAGE)
+    layout = lm.model.kv_layout(lm.hf_config, PAGE, torch.bfloat16)
+    with torch.inference_mode():
+        plain = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
+        lm.model.use_native_kernels(True)
+        panels = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
+    assert lm.model.panels
+    torch.testing.assert_close(panels, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())
