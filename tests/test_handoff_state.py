@@ -24,7 +24,7 @@ from kvfence.integrity.verify import Expectation
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.transfer.base import SendStatus, fill_from_bytes
+from kvfence.transfer.base import SendHandle, SendStatus, fill_from_bytes
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from tests.helpers.auth import cap, plane_auth, sealed
 
@@ -272,4 +272,41 @@ def test_the_receiver_notifies_decode_whenever_a_transfer_moves_on() -> None:
     core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r"), "pages": 2})
     assert calls == ["receiving", "complete"]  # manifest accepted, sender done: each wakes the worker
     assert dec.poll() == DecodeState.VERIFIED
+    receiver.close()
+
+
+class _VerdictBetweenReads(SendHandle):
+    """A send handle whose status a transport thread moves on right after the first time prefill reads it: the
+    first read sees SENDING, every later one VERIFIED (what a verdict landing between two reads looks like)."""
+
+    def __init__(self, manifest) -> None:
+        super().__init__(manifest)
+        self.sender_done = True
+        self._reads = 0
+
+    @property  # type: ignore[override]
+    def status(self) -> SendStatus:
+        self._reads += 1
+        return SendStatus.SENDING if self._reads == 1 else SendStatus.VERIFIED
+
+    @status.setter
+    def status(self, value: SendStatus) -> None:
+        pass
+
+
+class _OneHandleSender:
+    def send(self, address, manifest, pages):
+        return _VerdictBetweenReads(manifest)
+
+
+def test_a_verdict_landing_between_two_reads_of_the_send_status_is_not_a_failure() -> None:
+    _, _, p_pool, receiver, _, config = setup()
+    p_alloc = PageAllocator(N)
+    p_alloc.allocate("r", 3)
+    pre = PrefillHandoff("r", list(range(10)), p_alloc, p_pool, _OneHandleSender(), "d", config, transfer_id=cap("r"))
+    pre.send()
+    pre.poll()
+    assert pre.outcome == "verified", pre.reason  # it was "failed" with the reason "verified: " under load
+    assert pre.state == PrefillState.FINISHED and pre.released and p_alloc.num_free == N
+    p_alloc.check()
     receiver.close()

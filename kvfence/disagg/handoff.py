@@ -419,20 +419,25 @@ class PrefillHandoff:
 
     def poll(self) -> PrefillState:
         h, now = self.handle, self.clock()
+        # The handle's status moves on in transport threads while we read it: read `finished` first, since a
+        # final status never changes, so what is read after it agrees with it (read the other way round, a
+        # verdict landing between two reads looked like a failure whose reason was "verified").
         if h is not None and self.state == _P.SENDING and self.outcome is None:
+            finished = h.finished
             if h.done_sent:
                 self._m.advance(_P.AWAITING_VERDICT)
                 self._verdict_deadline = now + self.config.verdict_timeout_s
-            elif h.finished:
+            elif finished:
                 self._fail(f"{h.status.value}: {h.reason}")
             elif now > self._send_deadline:
                 h.abort("send deadline passed")
                 what = "transfer not done" if h.ready else "decode never accepted the manifest (it reserved no pages)"
                 self._fail(f"{what} within {self.config.transfer_timeout_s:g}s")
         if h is not None and self.state == _P.AWAITING_VERDICT and self.outcome is None:
+            finished = h.finished
             if h.verified:
                 self.outcome = "verified"
-            elif h.finished:
+            elif finished:
                 self._fail(f"{h.status.value}: {h.reason}")
             elif self._verdict_deadline is not None and now > self._verdict_deadline:
                 self._fail(f"no verdict from decode within {self.config.verdict_timeout_s}s")
