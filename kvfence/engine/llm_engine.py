@@ -39,7 +39,9 @@ from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Scheduler, SchedulerOutput
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
+from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.kv.pool import KVPool
 from kvfence.models.tokenizer import StreamDecoder
 
@@ -92,6 +94,10 @@ class EngineStats:
     num_used_pages: int
     num_quarantined_pages: int
     num_preemptions: int
+    num_cached_pages: int = 0  # prefix-cache pages (read by requests or evictable)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's meaning)
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+    prefix_cache_corrupt: int = 0  # cached pages whose digest no longer matched when reused (dropped, recomputed)
 
 
 def _memory_available() -> int | None:
@@ -191,7 +197,15 @@ class LLMEngine:
             kernels=kernels,
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
-        self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
+        self.prefix_cache: PrefixCache | None = None
+        if config.cache.enable_prefix_caching:
+            pool, algorithm = self.pool, digest_algorithm_for(self.pool)
+            self.prefix_cache = PrefixCache(
+                self.allocator, page_size, lambda pages: page_digests(pool, pages, algorithm)
+            )
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, page_size, context_length, eos, prefix_cache=self.prefix_cache
+        )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
@@ -554,7 +568,7 @@ class LLMEngine:
 
     # -- numbers for metrics --------------------------------------------------
     def stats(self) -> EngineStats:
-        a, s = self.allocator, self.scheduler
+        a, s, pc = self.allocator, self.scheduler, self.prefix_cache
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -565,4 +579,8 @@ class LLMEngine:
             num_used_pages=a.num_used,
             num_quarantined_pages=a.num_quarantined,
             num_preemptions=s.num_preemptions,
+            num_cached_pages=pc.num_cached if pc is not None else 0,
+            prefix_cache_queries=pc.num_queries if pc is not None else 0,
+            prefix_cache_hits=pc.num_hits if pc is not None else 0,
+            prefix_cache_corrupt=pc.num_corrupt if pc is not None else 0,
         )
