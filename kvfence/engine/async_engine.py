@@ -243,6 +243,12 @@ class AsyncLLMEngine:
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "num_preemptions": s.num_preemptions,
+            "prefix_cache": {
+                "queries": s.prefix_cache_queries,
+                "hits": s.prefix_cache_hits,
+                "corrupt_pages": s.prefix_cache_corrupt,
+                "pages": s.num_cached_pages,
+            },
             "num_steps": self._num_steps,
             "step_errors": self._step_errors,
             "last_error": self._last_error,
