@@ -13,8 +13,8 @@ engine resolves those), nor anything about HTTP, routing or transfers.
 
 from __future__ import annotations
 
-import re
 import argparse
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -86,7 +86,8 @@ def test_prefill_reuses_cached_pages_and_decode_verifies_them(loaded: Any) -> No
     assert stats.prefix_cache_hits == 2 * 3 * PAGE  # 48 shared tokens = 3 pages, for b and c
     for rid in PROMPTS:
         assert tokens(got[rid]) == want[rid]
-        assert got[rid][-1].integrity is not None and got[rid][-1].integrity["status"] == "verified"
+        record = got[rid][-1].integrity
+        assert record is not None and record["status"] == "verified"
 
 
 def test_a_corrupted_reused_page_in_flight_is_caught_and_the_cache_stays_good(loaded: Any) -> None:
@@ -97,7 +98,9 @@ def test_a_corrupted_reused_page_in_flight_is_caught_and_the_cache_stays_good(lo
         assert_pools(dep)
         stats = dep.prefill_engine.stats()
     assert faults.fired["corrupt_byte"] >= 1
-    assert got["b"][-1].finish_reason == "error" and got["b"][-1].integrity["status"] != "verified"
+    bad = got["b"][-1].integrity
+    assert got["b"][-1].finish_reason == "error" and bad is not None and bad["status"] != "verified"
     assert stats.prefix_cache_hits == 2 * 3 * PAGE and stats.prefix_cache_corrupt == 0
     for rid in ("a", "c"):  # c read the same cached pages after b's failed handoff: still right
-        assert tokens(got[rid]) == want[rid] and got[rid][-1].integrity["status"] == "verified"
+        record = got[rid][-1].integrity
+        assert tokens(got[rid]) == want[rid] and record is not None and record["status"] == "verified"

@@ -142,7 +142,9 @@ def build_requests(
     shared_prefix_fraction: the first round(fraction * input length) tokens (words) of every prompt are the same
     sequence, drawn once (a shared system prompt), the rest is drawn per prompt."""
     assert 1 <= num_prompts <= MAX_PROMPTS, num_prompts
-    assert 0.0 <= shared_prefix_fraction <= 1.0, f"--shared-prefix-fraction must be in [0, 1], got {shared_prefix_fraction}"
+    assert 0.0 <= shared_prefix_fraction <= 1.0, (
+        f"--shared-prefix-fraction must be in [0, 1], got {shared_prefix_fraction}"
+    )
     lengths, rng = random.Random(seed), random.Random(seed + 1)  # lengths do not depend on the contents
     shared_rng = random.Random(seed + 2)
     shared_ids: list[int] = []

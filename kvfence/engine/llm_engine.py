@@ -41,8 +41,8 @@ from kvfence.engine.scheduler import Scheduler, SchedulerOutput
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
 from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
-from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.kv.pool import KVPool
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _memory_available() -> int | None:
 
 
 def resolve_kernels(config: EngineConfig, weight_bytes: int = 0) -> str:
-    """"torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
+    """ "torch" or "native" for this engine. Native kernels run on CPU float32 pools only and need building
     (done here, once per machine): asked for by name they must, "auto" takes them where they can. Their
     packed copy of the projections costs about `weight_bytes` more memory, so "auto" also leaves them out
     when that is more than a quarter of the memory available now."""
@@ -296,7 +296,7 @@ class LLMEngine:
                 raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
             from kvfence.engine.structured_output import GrammarCompiler
 
-            eos = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         return self._grammar_compiler
 
@@ -521,21 +521,21 @@ class LLMEngine:
     ) -> list[Completion]:
         """Run prompts (text, or token id lists) to completion; results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+            prompts = [prompts]  # type: ignore[list-item,assignment]
+        prompt_list: list[Any] = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
+            if len(params_list) != len(prompt_list):
                 raise InvalidRequestError(
-                    f"{len(params_list)} sampling params for {len(prompts)} prompts", param="sampling_params"
+                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts", param="sampling_params"
                 )
         base = f"gen-{id(self):x}-{self._seed_rng.getrandbits(32):08x}"
-        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        ids = [f"{base}-{i}" for i in range(len(prompt_list))]
         results: dict[str, Completion] = {}
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
+            for rid, prompt, params in zip(ids, prompt_list, params_list, strict=True):
                 prompt_ids = self._tokenize(prompt, None) if isinstance(prompt, str) else self._tokenize(None, prompt)
                 self.add_request(rid, sampling_params=params, prompt_token_ids=prompt_ids)
                 results[rid] = Completion(rid, prompt_ids, [], "", "")

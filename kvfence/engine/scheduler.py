@@ -81,7 +81,12 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------
     def _check_new_id(self, request_id: str) -> None:
-        if request_id == CACHE_OWNER or request_id in self.requests or request_id in self.held or request_id in self.reserved:
+        if (
+            request_id == CACHE_OWNER
+            or request_id in self.requests
+            or request_id in self.held
+            or request_id in self.reserved
+        ):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     def add_request(self, request: Request) -> None:
