@@ -234,8 +234,8 @@ class AsyncLLMEngine:
             "roles": {
                 ROLE: {
                     "pages_total": s.num_pages,
-                    "pages_used": s.num_used_pages,
-                    "pages_free": s.num_free_pages,
+                    "pages_used": s.num_used_pages - s.num_evictable_pages,  # evictable cached pages count free
+                    "pages_free": s.num_free_pages + s.num_evictable_pages,
                     "pages_quarantined": s.num_quarantined_pages,
                     "page_size": self.engine.resolved.page_size,
                 }

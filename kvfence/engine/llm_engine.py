@@ -94,7 +94,8 @@ class EngineStats:
     num_used_pages: int
     num_quarantined_pages: int
     num_preemptions: int
-    num_cached_pages: int = 0  # prefix-cache pages (read by requests or evictable)
+    num_cached_pages: int = 0  # prefix-cache pages (read by requests or evictable); counted in num_used_pages
+    num_evictable_pages: int = 0  # of those, the ones no request reads: free for any allocation (vLLM counts them free)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's meaning)
     prefix_cache_hits: int = 0  # of those, tokens served from it
     prefix_cache_corrupt: int = 0  # cached pages whose digest no longer matched when reused (dropped, recomputed)
@@ -580,6 +581,7 @@ class LLMEngine:
             num_quarantined_pages=a.num_quarantined,
             num_preemptions=s.num_preemptions,
             num_cached_pages=pc.num_cached if pc is not None else 0,
+            num_evictable_pages=pc.num_evictable if pc is not None else 0,
             prefix_cache_queries=pc.num_queries if pc is not None else 0,
             prefix_cache_hits=pc.num_hits if pc is not None else 0,
             prefix_cache_corrupt=pc.num_corrupt if pc is not None else 0,
