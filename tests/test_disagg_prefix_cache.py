@@ -104,3 +104,23 @@ def test_a_corrupted_reused_page_in_flight_is_caught_and_the_cache_stays_good(lo
     for rid in ("a", "c"):  # c read the same cached pages after b's failed handoff: still right
         record = got[rid][-1].integrity
         assert tokens(got[rid]) == want[rid] and record is not None and record["status"] == "verified"
+
+
+def test_a_cached_page_corrupted_in_prefills_pool_is_not_served_and_outputs_stay_right(loaded: Any) -> None:
+    from kvfence.kv.prefix_cache import CACHE_OWNER
+
+    want = reference(loaded)
+    with deploy(loaded) as dep:
+        first = run_one(dep, "a", PROMPTS["a"], SP)
+        assert dep.wait_idle(15)
+        cached = dep.prefill_engine.allocator.pages_of(CACHE_OWNER)
+        assert cached
+        for p in cached:  # every cached page changes under the cache (a stray write, a bad DIMM)
+            dep.prefill_engine.pool.tensors[0]["k"][p].add_(0.5)
+        rest = {rid: run_one(dep, rid, PROMPTS[rid], SP) for rid in ("b", "c")}
+        assert_pools(dep)
+        stats = dep.prefill_engine.stats()
+    assert stats.prefix_cache_corrupt >= 1
+    for rid, chunks in {"a": first, **rest}.items():
+        record = chunks[-1].integrity
+        assert tokens(chunks) == want[rid] and record is not None and record["status"] == "verified"

@@ -180,3 +180,9 @@ def test_cache_salt_is_validated() -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(cache_salt="x" * 5000)
     assert SamplingParams.from_dict(SamplingParams(cache_salt="t").to_dict()).cache_salt == "t"
+
+
+def test_the_cache_owner_id_is_refused_as_a_request_id(loaded: Any) -> None:
+    engine = make_engine(loaded)
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(CACHE_OWNER, sampling_params=greedy(), prompt_token_ids=[1, 2, 3])
