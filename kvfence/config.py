@@ -13,6 +13,7 @@ engine resolves those), nor anything about HTTP, routing or transfers.
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,8 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None -> max(context length, 16384)
+    # reuse full KV pages of shared prefixes (per cache_salt, digest-checked); off by default, see docs/prefix_cache.md
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _positive("page_size (--page-size)", self.page_size)
@@ -191,6 +194,13 @@ def add_engine_arguments(parser: Any) -> None:
         help=f"KV pool capacity in tokens (default: max(context length, {DEFAULT_MIN_POOL_TOKENS}))",
     )
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig.enable_prefix_caching,
+        help="reuse the KV of full pages of a prompt prefix computed before, per tenant cache_salt, each page "
+        "digest-checked when reused (default: off; docs/prefix_cache.md says why)",
+    )
+    g.add_argument(
         "--context-length",
         "--max-model-len",
         dest="context_length",
@@ -232,7 +242,11 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
             device=args.device,
             kernels=getattr(args, "kernels", ModelConfig.kernels),
         ),
-        cache=CacheConfig(page_size=args.page_size, max_total_tokens=args.max_total_tokens),
+        cache=CacheConfig(
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", CacheConfig.enable_prefix_caching)),
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

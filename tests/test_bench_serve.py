@@ -235,3 +235,14 @@ def test_bench_serve_launches_each_kind(tiny_llama_dir: Path) -> None:
     table = bs.format_table(runs, skipped)
     for r in runs[1:]:
         assert f"{r.label}/{runs[0].label}" in table
+
+
+def test_shared_prefix_fraction_gives_every_prompt_the_same_leading_tokens() -> None:
+    from kvfence.bench.serve import LengthSpec, build_requests
+
+    reqs = build_requests(4, LengthSpec(50, 50), LengthSpec(4, 4), seed=1, vocab_size=1000, shared_prefix_fraction=0.9)
+    heads = {tuple(r.prompt[:45]) for r in reqs}  # type: ignore[index]
+    tails = {tuple(r.prompt[45:]) for r in reqs}  # type: ignore[index]
+    assert len(heads) == 1 and len(tails) == 4 and all(len(r.prompt) == 50 for r in reqs)
+    plain = build_requests(4, LengthSpec(50, 50), LengthSpec(4, 4), seed=1, vocab_size=1000)
+    assert len({tuple(r.prompt[:45]) for r in plain}) == 4  # type: ignore[index]

@@ -329,12 +329,15 @@ def test_kvfence_serve_forwards_every_engine_flag_to_every_worker() -> None:
     add_engine_arguments(engine_flags)
     # one name per flag (its first: --model-path and --max-model-len are spellings of --model and --context-length)
     flags = {a.option_strings[0] for a in engine_flags._actions if a.option_strings and a.option_strings[0] != "-h"}
-    assert flags == set(values), "a new engine flag: give it a value here so this test checks it is forwarded"
-    args = build_parser().parse_args(["serve", *[x for kv in values.items() for x in kv]])
+    prefill_only = {"--enable-prefix-caching"}  # decode never looks prompts up: its KV arrives by handoff
+    assert flags == set(values) | prefill_only, "a new engine flag: give it a value here so this test checks it"
+    args = build_parser().parse_args(["serve", *[x for kv in values.items() for x in kv], *prefill_only])
     common, prefill, decode = launch_command_args(args)
     for flag, value in values.items():
         for role_args in ((*common, *prefill), (*common, *decode)):
             assert flag in role_args and role_args[role_args.index(flag) + 1] == value, flag
+    for flag in prefill_only:
+        assert flag in prefill and flag not in (*common, *decode), flag
 
 
 def test_launcher_passes_each_role_its_ports_explicitly() -> None:

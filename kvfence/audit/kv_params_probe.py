@@ -32,6 +32,7 @@ from kvfence.audit.findings import Finding, Severity
 from kvfence.audit.probe import check_target
 from kvfence.errors import KvfenceError
 from kvfence.integrity.digest import token_hash
+from kvfence.math_utils import cdiv
 
 CONNECTORS = ("nixl", "mooncake", "kvfence")
 FAR_BLOCK = 10**7
@@ -105,7 +106,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def fabricated(connector: str, ids: list[int], case: str, block_size_guess: int = 16) -> dict[str, Any]:
     """Decode-side params naming a request no prefill holds (`case` "unknown" or "out-of-range" block ids)."""
     nonce = secrets.token_hex(8)
-    n_blocks = max(1, -(-len(ids) // block_size_guess))
+    n_blocks = max(1, cdiv(len(ids), block_size_guess))
     blocks = list(range(n_blocks)) if case == "unknown" else [FAR_BLOCK + i for i in range(n_blocks)]
     port = closed_port()
     if connector == "nixl":

@@ -135,23 +135,41 @@ def build_requests(
     vocab_size: int | None,
     dataset: str = "random-ids",
     exclude_ids: frozenset[int] = frozenset(),
+    shared_prefix_fraction: float = 0.0,
 ) -> list[BenchRequest]:
-    """The same list for every target of a run: lengths and contents depend only on the arguments."""
+    """The same list for every target of a run: lengths and contents depend only on the arguments.
+
+    shared_prefix_fraction: the first round(fraction * input length) tokens (words) of every prompt are the same
+    sequence, drawn once (a shared system prompt), the rest is drawn per prompt."""
     assert 1 <= num_prompts <= MAX_PROMPTS, num_prompts
+    assert 0.0 <= shared_prefix_fraction <= 1.0, (
+        f"--shared-prefix-fraction must be in [0, 1], got {shared_prefix_fraction}"
+    )
     lengths, rng = random.Random(seed), random.Random(seed + 1)  # lengths do not depend on the contents
+    shared_rng = random.Random(seed + 2)
+    shared_ids: list[int] = []
+    shared_words: list[str] = []
     out = []
     for _ in range(num_prompts):
         n_in, n_out = input_len.sample(lengths), output_len.sample(lengths)
+        n_shared = round(shared_prefix_fraction * n_in)
         if dataset == "random-ids":
             assert vocab_size and vocab_size > len(exclude_ids), "random-ids prompts need the vocabulary size"
-            ids: list[int] = []
+            while len(shared_ids) < n_shared:
+                t = shared_rng.randrange(vocab_size)
+                if t not in exclude_ids:
+                    shared_ids.append(t)
+            ids: list[int] = shared_ids[:n_shared]
             while len(ids) < n_in:
                 t = rng.randrange(vocab_size)
                 if t not in exclude_ids:
                     ids.append(t)
             out.append(BenchRequest(ids, n_in, n_out))
         elif dataset == "random-words":
-            out.append(BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(n_in)), n_in, n_out))
+            while len(shared_words) < n_shared:
+                shared_words.append(shared_rng.choice(_WORDS))
+            words = shared_words[:n_shared] + [rng.choice(_WORDS) for _ in range(n_in - n_shared)]
+            out.append(BenchRequest(" ".join(words), n_in, n_out))
         else:
             raise ValueError(f"unknown dataset {dataset!r}")
     return out
@@ -189,6 +207,7 @@ class BenchConfig:
     model: str | None = None  # served model name; else the first of /v1/models
     tokenizer_dir: str | None = None  # for the special ids random prompts leave out
     allow_remote: bool = False
+    shared_prefix_fraction: float = 0.0  # of each prompt, the leading part every prompt shares
 
     def __post_init__(self) -> None:
         assert 1 <= self.num_prompts <= MAX_PROMPTS, f"--num-prompts must be in [1, {MAX_PROMPTS}]"
@@ -196,6 +215,7 @@ class BenchConfig:
         assert self.request_rate > 0, "--request-rate must be > 0 (inf = all at once)"
         assert self.max_concurrency is None or self.max_concurrency >= 1
         assert self.dataset in ("random-ids", "random-words"), self.dataset
+        assert 0.0 <= self.shared_prefix_fraction <= 1.0, "--shared-prefix-fraction must be in [0, 1]"
 
 
 @dataclass
@@ -679,6 +699,7 @@ def _requests_for(cfg: BenchConfig, facts: ServerFacts, tokenizer_dir: str | Non
         vocab_size=vocab,
         dataset=dataset,
         exclude_ids=special_token_ids(tokenizer_dir),
+        shared_prefix_fraction=cfg.shared_prefix_fraction,
     )
 
 
@@ -723,6 +744,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=LengthSpec.parse, default=LengthSpec(32, 32), help="N or LOW:HIGH tokens")
     p.add_argument("--dataset", choices=["random-ids", "random-words"], default="random-ids")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shared-prefix-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="the first F of every prompt is one shared sequence (a system prompt; prefix caching), the rest "
+        "random per prompt (default: 0)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured")
@@ -764,6 +793,7 @@ def _run(args: argparse.Namespace) -> int:
             model=args.model_name,
             tokenizer_dir=args.tokenizer,
             allow_remote=args.allow_remote,
+            shared_prefix_fraction=args.shared_prefix_fraction,
         )
         urls = [_parse_url_arg(u, i) for i, u in enumerate(args.url)]
         for _, u in urls:

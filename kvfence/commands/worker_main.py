@@ -389,6 +389,8 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         prefill += ["--max-total-tokens", str(n)]
     if (n := args.decode_max_total_tokens or args.max_total_tokens) is not None:
         decode += ["--max-total-tokens", str(n)]
+    if getattr(args, "enable_prefix_caching", False):
+        prefill.append("--enable-prefix-caching")  # decode never matches: its prompts' KV arrives by handoff
     if args.no_verify:
         decode.append("--no-verify")
     if args.throttle_kv_send:

@@ -454,7 +454,7 @@ class PrefillHandoff:
             self.outcome, self.reason = "failed", reason
 
     def _release(self) -> None:
-        pages = self.allocator.pages_of(self.request_id)
+        pages = self.allocator.owned_pages_of(self.request_id)  # never the shared prefix-cache pages
         if self.config.strict and pages:
             self.pool.poison(pages)
         self.released_pages = self.allocator.free(self.request_id)

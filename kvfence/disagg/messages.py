@@ -224,8 +224,8 @@ def engine_pool_stats(engine: Any) -> dict[str, Any]:
     s = engine.stats()
     return {
         "pages_total": s.num_pages,
-        "pages_used": s.num_used_pages,
-        "pages_free": s.num_free_pages,
+        "pages_used": s.num_used_pages - s.num_evictable_pages,  # evictable cached pages count free (as vLLM)
+        "pages_free": s.num_free_pages + s.num_evictable_pages,
         "pages_quarantined": s.num_quarantined_pages,
         "page_size": engine.resolved.page_size,
         "num_running": s.num_running,

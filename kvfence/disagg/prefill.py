@@ -62,6 +62,11 @@ class _EnginePages:
         self.engine = engine
 
     def pages_of(self, request_id: str) -> list[int]:
+        """Every page the held request's prompt sits in, in order: its own and the prefix-cache pages it reads."""
+        return self.engine.held_pages(request_id)
+
+    def owned_pages_of(self, request_id: str) -> list[int]:
+        """The pages only this request holds (strict mode may poison these; shared cached pages never)."""
         return self.engine.allocator.pages_of(request_id)
 
     def free(self, request_id: str) -> list[int]:

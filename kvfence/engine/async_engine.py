@@ -234,8 +234,8 @@ class AsyncLLMEngine:
             "roles": {
                 ROLE: {
                     "pages_total": s.num_pages,
-                    "pages_used": s.num_used_pages,
-                    "pages_free": s.num_free_pages,
+                    "pages_used": s.num_used_pages - s.num_evictable_pages,  # evictable cached pages count free
+                    "pages_free": s.num_free_pages + s.num_evictable_pages,
                     "pages_quarantined": s.num_quarantined_pages,
                     "page_size": self.engine.resolved.page_size,
                 }
@@ -243,6 +243,12 @@ class AsyncLLMEngine:
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "num_preemptions": s.num_preemptions,
+            "prefix_cache": {
+                "queries": s.prefix_cache_queries,
+                "hits": s.prefix_cache_hits,
+                "corrupt_pages": s.prefix_cache_corrupt,
+                "pages": s.num_cached_pages,
+            },
             "num_steps": self._num_steps,
             "step_errors": self._step_errors,
             "last_error": self._last_error,

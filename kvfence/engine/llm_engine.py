@@ -39,8 +39,10 @@ from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Scheduler, SchedulerOutput
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
+from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -92,6 +94,11 @@ class EngineStats:
     num_used_pages: int
     num_quarantined_pages: int
     num_preemptions: int
+    num_cached_pages: int = 0  # prefix-cache pages (read by requests or evictable); counted in num_used_pages
+    num_evictable_pages: int = 0  # of those, the ones no request reads: free for any allocation (vLLM counts them free)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's meaning)
+    prefix_cache_hits: int = 0  # of those, tokens served from it
+    prefix_cache_corrupt: int = 0  # cached pages whose digest no longer matched when reused (dropped, recomputed)
 
 
 def resolve_kernels(config: EngineConfig) -> str:
@@ -176,7 +183,15 @@ class LLMEngine:
             kernels=kernels,
         )
         eos = list(getattr(self.tokenizer, "eos_token_ids", []) or [])
-        self.scheduler = Scheduler(config.scheduler, self.allocator, page_size, context_length, eos)
+        self.prefix_cache: PrefixCache | None = None
+        if config.cache.enable_prefix_caching:
+            pool, algorithm = self.pool, digest_algorithm_for(self.pool)
+            self.prefix_cache = PrefixCache(
+                self.allocator, page_size, lambda pages: page_digests(pool, pages, algorithm)
+            )
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, page_size, context_length, eos, prefix_cache=self.prefix_cache
+        )
         self.runner = ModelRunner(
             loaded.model,
             self.pool,
@@ -272,7 +287,7 @@ class LLMEngine:
                 raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
             from kvfence.engine.structured_output import GrammarCompiler
 
-            eos: frozenset[int] = getattr(self.tokenizer, "eos_token_ids", frozenset())
+            eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
         return self._grammar_compiler
 
@@ -543,7 +558,7 @@ class LLMEngine:
 
     # -- numbers for metrics --------------------------------------------------
     def stats(self) -> EngineStats:
-        a, s = self.allocator, self.scheduler
+        a, s, pc = self.allocator, self.scheduler, self.prefix_cache
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -554,4 +569,9 @@ class LLMEngine:
             num_used_pages=a.num_used,
             num_quarantined_pages=a.num_quarantined,
             num_preemptions=s.num_preemptions,
+            num_cached_pages=pc.num_cached if pc is not None else 0,
+            num_evictable_pages=pc.num_evictable if pc is not None else 0,
+            prefix_cache_queries=pc.num_queries if pc is not None else 0,
+            prefix_cache_hits=pc.num_hits if pc is not None else 0,
+            prefix_cache_corrupt=pc.num_corrupt if pc is not None else 0,
         )

@@ -58,6 +58,8 @@ class Request:
         "grammar",
         "logprobs",
         "prompt_logprobs",
+        "num_cached_pages",
+        "prefix_cacheable",
     )
 
     def __init__(
@@ -82,6 +84,8 @@ class Request:
         self.generator = generator  # None for greedy requests
         self.stop_reason: int | str | None = None  # the stop token or string that finished it
         self.num_preemptions = 0
+        self.num_cached_pages = 0  # leading pages of page_table already offered to the prefix cache
+        self.prefix_cacheable = sampling_params.prompt_logprobs is None  # prompt logprobs need every row computed
         self.grammar = grammar  # where the output stands in its response_format grammar
         self.logprobs: list[TokenLogprobs] = []  # one per output token, when sampling_params.logprobs is set
         # prompt tokens' entries (the first has none: nothing predicts it); None when not asked for

@@ -25,6 +25,7 @@ from typing import Any
 from kvfence.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default --max-logprobs, OpenAI's top_logprobs limit)
+MAX_CACHE_SALT = 1024  # longest cache_salt accepted (characters)
 MAX_LOGIT_BIAS = 100.0  # |bias| limit, as in the OpenAI API
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -103,6 +104,7 @@ class SamplingParams:
     logprobs_mode: str = "raw_logprobs"  # raw: the model's distribution; processed: the one sampled from
     structured_outputs: StructuredOutputs | None = None
     detokenize: bool = True  # produce text deltas (off for benchmarks on token ids)
+    cache_salt: str | None = None  # the tenant's prefix-cache salt: requests share cached KV only under the same one
 
     def __post_init__(self) -> None:
         # accept lists / a single string / a dict for convenience, store tuples (the object is frozen)
@@ -156,6 +158,10 @@ class SamplingParams:
             raise _bad("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise _bad("structured_outputs", f"must be StructuredOutputs, got {self.structured_outputs!r}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt or len(self.cache_salt) > MAX_CACHE_SALT
+        ):
+            raise _bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters")
         if self.structured_outputs is not None and self.ignore_eos:
             raise _bad("ignore_eos", "cannot be combined with a response_format: a finished grammar ends with eos")
 

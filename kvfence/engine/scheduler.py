@@ -15,6 +15,14 @@ so a prefill worker can send them; `reserve` sets pages aside for a prompt whose
 someone else will write, and `add_prefilled` admits that request for decoding as if
 it had prefilled here.
 
+With a `PrefixCache`, a request that starts (or restarts after preemption) first takes the longest cached
+prefix of its tokens under its `cache_salt` (digest-checked by the cache; at most up to its last token, which
+must run to give logits; none for a request that wants prompt logprobs), and after every forward its full,
+computed pages go into the cache. Cached pages are read by reference: a request stops reading them when it
+finishes, is preempted or released; the pool's unreferenced cached pages are evicted (LRU) when pages run short,
+before any running request is preempted. `check()` asserts the allocator's and the cache's conservation and
+that each cached page's refcount is the number of live requests whose page table holds it.
+
 What it does not know: the model, tensors or text.
 """
 
@@ -28,6 +36,7 @@ from kvfence.config import SchedulerConfig
 from kvfence.engine.request import Request, RequestStatus
 from kvfence.errors import InvalidRequestError
 from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.prefix_cache import CACHE_OWNER, PrefixCache
 from kvfence.math_utils import cdiv
 
 
@@ -55,6 +64,7 @@ class Scheduler:
         page_size: int,
         context_length: int,
         eos_token_ids: Iterable[int] = (),
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -68,10 +78,16 @@ class Scheduler:
         self.reserved: dict[str, int] = {}  # request id -> tokens its reserved pages cover
         self.requests: dict[str, Request] = {}  # every waiting or running request by id
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
 
     # -- admission ------------------------------------------------------------
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.requests or request_id in self.held or request_id in self.reserved:
+        if (
+            request_id == CACHE_OWNER
+            or request_id in self.requests
+            or request_id in self.held
+            or request_id in self.reserved
+        ):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     def add_request(self, request: Request) -> None:
@@ -85,7 +101,7 @@ class Scheduler:
         self._check_new_id(request_id)
         assert num_tokens > 0, num_tokens
         n = self.pages_for(num_tokens)
-        if not self.allocator.can_allocate(n):
+        if not self._make_room(n):
             return None
         pages = self.allocator.allocate(request_id, n)
         self.reserved[request_id] = num_tokens
@@ -108,6 +124,7 @@ class Scheduler:
                 param="prompt_token_ids",
             )
         del self.reserved[rid]
+        request.prefix_cacheable = False  # its KV came from elsewhere; only a prefilling engine shares prefixes
         request.page_table = self.allocator.pages_of(rid)
         request.num_computed_tokens = request.num_prompt_tokens
         request.token_ids.append(first_token)
@@ -127,14 +144,66 @@ class Scheduler:
         need = self.pages_for(num_tokens) - len(request.page_table)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if not self._make_room(need):
             return False
         request.page_table.extend(self.allocator.allocate(request.request_id, need))
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _make_room(self, num_pages: int) -> bool:
+        """Whether `num_pages` can be allocated now, evicting unreferenced cached pages if that makes it so."""
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None and self.prefix_cache.num_evictable >= short:
+            self.prefix_cache.evict(short)
+        return self.allocator.can_allocate(num_pages)
+
+    def _drop_pages(self, request: Request) -> None:
+        """The request stops reading its cached pages and gives back its own."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request.page_table)
         self.allocator.free(request.request_id)
         request.page_table = []
+        request.num_cached_pages = 0
+
+    def _uses_cache(self, request: Request) -> bool:
+        return self.prefix_cache is not None and request.prefix_cacheable
+
+    def _match_prefix(self, request: Request) -> int:
+        """Before a request's first chunk: take its cached prefix; returns the tokens it covers."""
+        if not self._uses_cache(request) or request.num_computed_tokens or request.page_table:
+            return 0
+        assert self.prefix_cache is not None
+        limit = (request.num_tokens - 1) // self.page_size  # the last token runs: its logits give the next one
+        m = self.prefix_cache.match(request.sampling_params.cache_salt, request.token_ids, limit)
+        request.page_table = list(m.pages)
+        request.num_cached_pages = len(m.pages)
+        request.num_computed_tokens = len(m.pages) * self.page_size
+        return request.num_computed_tokens
+
+    def _unmatch(self, request: Request) -> None:
+        """Undo `_match_prefix` for a request that could not be admitted after all."""
+        assert self.prefix_cache is not None and not self.allocator.pages_of(request.request_id)
+        self.prefix_cache.release(request.page_table)
+        request.page_table, request.num_cached_pages, request.num_computed_tokens = [], 0, 0
+
+    def _cache_pages(self, request: Request) -> None:
+        """Offer the request's full, computed pages to the prefix cache."""
+        if not self._uses_cache(request) or request.status is not RequestStatus.RUNNING:
+            return
+        assert self.prefix_cache is not None
+        num_full = request.num_computed_tokens // self.page_size
+        if num_full > request.num_cached_pages:
+            self.prefix_cache.insert(
+                request.request_id,
+                request.sampling_params.cache_salt,
+                request.token_ids,
+                request.page_table,
+                request.num_cached_pages,
+                num_full,
+            )
+            request.num_cached_pages = num_full
+
+    def _preempt(self, request: Request) -> None:
+        self._drop_pages(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -171,12 +240,20 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                hit = self._match_prefix(req)
                 n = req.num_uncomputed_tokens
                 if n > budget and self.config.chunked_prefill_size is None:
+                    if hit:
+                        self._unmatch(req)
                     break  # without chunking a prompt waits until it fits in one step
                 n = min(n, self.chunk_limit, budget)
                 if not self._ensure_pages(req, req.num_computed_tokens + n):
+                    if hit:
+                        self._unmatch(req)
                     break
+                if self._uses_cache(req) and req.num_preemptions == 0 and req.num_output_tokens == 0:
+                    assert self.prefix_cache is not None
+                    self.prefix_cache.record_query(req.num_prompt_tokens, hit)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -194,6 +271,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while its forward ran
             req.num_computed_tokens += chunk.num_tokens
+            self._cache_pages(req)
             if not chunk.sample:
                 continue
             assert token is not None and req.num_computed_tokens == req.num_tokens, (req, token)
@@ -231,8 +309,7 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED_PREFILL_DONE:
             self.held[req.request_id] = req  # pages stay with the request id until `release`
         else:
-            self.allocator.free(req.request_id)
-            req.page_table = []
+            self._drop_pages(req)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> bool:
         """Finish a waiting or running request from outside (stop string, abort); frees its pages."""
@@ -267,10 +344,28 @@ class Scheduler:
         if req is None and not was_reserved:
             return None
         if req is not None:
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(req.page_table)
             req.page_table = []
         if quarantine:
             return self.allocator.quarantine(request_id)
         return self.allocator.free(request_id)
+
+    # -- invariants -----------------------------------------------------------
+    def check(self) -> None:
+        """Conservation of the allocator and the prefix cache; each cached page's refcount is its readers."""
+        self.allocator.check()
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.check()
+        readers: dict[int, int] = {}
+        live = [*self.waiting, *self.running, *self.held.values()]
+        for req in live:
+            for p in req.page_table:
+                if self.prefix_cache.is_cached(p):
+                    readers[p] = readers.get(p, 0) + 1
+        for p in self.allocator.pages_of(CACHE_OWNER):
+            assert self.prefix_cache.refcount(p) == readers.get(p, 0), (p, self.prefix_cache.refcount(p), readers)
 
     # -- counters -------------------------------------------------------------
     def has_unfinished(self) -> bool:

@@ -5,7 +5,8 @@ none) and an epoch that is bumped on every allocation, so a stale reference to a
 page (owner, epoch) can be told from a current one. Pages can be set aside in
 quarantine (freed by their owner but not reusable until released, because a
 transfer may still write into them). Paired verbs: `can_allocate` / `allocate` /
-`free`; `check()` asserts conservation (free + used + quarantined == total, no
+`free`; `transfer` hands pages to another owner (the prefix cache) and `free_pages` frees some pages of an
+owner; `check()` asserts conservation (free + used + quarantined == total, no
 page owned twice) and is called by tests after every scenario.
 
 What it does not know: page contents (the pool), token positions (the request),
@@ -49,6 +50,10 @@ class PageAllocator:
 
     def pages_of(self, request_id: str) -> list[int]:
         return list(self._owned.get(request_id, ()))
+
+    def owned_pages_of(self, request_id: str) -> list[int]:
+        """The same as `pages_of` (a request's page table may also hold pages it reads but does not own)."""
+        return self.pages_of(request_id)
 
     def refs_of(self, request_id: str) -> list[PageRef]:
         return [PageRef(p, self.epoch[p]) for p in self._owned.get(request_id, ())]
@@ -97,6 +102,36 @@ class PageAllocator:
         if not pages:
             self._owned.pop(request_id, None)
         return tail
+
+    def transfer(self, request_id: str, pages: list[int], new_owner: str) -> None:
+        """Hand some pages of `request_id` to `new_owner` (same epoch: the content stays valid)."""
+        owned = self._owned.get(request_id, [])
+        moving = set(pages)
+        assert moving <= set(owned), (pages, owned)
+        kept = [p for p in owned if p not in moving]
+        if kept:
+            self._owned[request_id] = kept
+        else:
+            self._owned.pop(request_id, None)
+        for p in pages:
+            self.owner[p] = new_owner
+        if pages:
+            self._owned.setdefault(new_owner, []).extend(pages)
+
+    def free_pages(self, request_id: str, pages: list[int]) -> None:
+        """Return some pages of `request_id` to the free list."""
+        owned = self._owned.get(request_id, [])
+        gone = set(pages)
+        assert gone <= set(owned), (pages, owned)
+        kept = [p for p in owned if p not in gone]
+        if kept:
+            self._owned[request_id] = kept
+        else:
+            self._owned.pop(request_id, None)
+        for p in pages:
+            self.owner[p] = None
+            self._free.append(p)
+            self._free_set.add(p)
 
     def quarantine(self, request_id: str) -> list[int]:
         """Take all pages of `request_id` out of circulation until `release_quarantine`."""

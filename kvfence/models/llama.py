@@ -35,6 +35,7 @@ from torch import nn
 from kvfence.errors import UnsupportedArchitectureError
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
+from kvfence.math_utils import round_up
 from kvfence.models.attention import paged_attention, store_kv
 from kvfence.models.forward_batch import ForwardBatch
 from kvfence.models.linear import linear, linear_add, pack_weight
@@ -477,7 +478,7 @@ class LlamaForCausalLM(nn.Module):
         offsets, end = [], 0
         for t in panels:
             offsets.append(end)
-            end += -(-t.numel() * t.element_size() // 64) * 64
+            end += round_up(t.numel() * t.element_size(), 64)
         if not path.is_file() or path.stat().st_size != end:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

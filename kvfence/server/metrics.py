@@ -11,6 +11,7 @@ scrape time from `EngineClient.stats()`, whose shape is:
 
     {"roles": {role: {"pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size"}},
      "num_running": int, "num_waiting": int, "num_preemptions": int,  # preemptions since start
+     "prefix_cache": {"queries", "hits", "corrupt_pages", "pages"},  # aggregated; queries/hits in tokens
      "transfers": {result: count, ...},          # PD mode; e.g. {"ok": 12, "failed": 1}
      "workers": {worker_id: {"role", "up", "routed", "pages_free", "num_running", ...}},  # PD mode, per worker
      "worker_deaths": {role: count}}             # PD mode
@@ -20,7 +21,7 @@ Missing keys are simply not exported. Registries the EngineClient exposes (attri
 appended to the same page. The page has no `*_created` samples (prometheus_client adds one
 per counter and histogram; vLLM turns them off too), so every series is its family's own.
 What it does not know: where the numbers come from, or HTTP (the app serves `render()` at
-GET /metrics). There is no prefix-cache metric: kvfence has no prefix cache yet.
+GET /metrics).
 """
 
 from __future__ import annotations
@@ -103,11 +104,29 @@ class _EngineStatsCollector(Collector):
             )
             preemptions.add_metric([self._model], float(stats["num_preemptions"]))
             yield preemptions
+        yield from _prefix_cache_families(stats.get("prefix_cache"), self._model)
         transfers = CounterMetricFamily("kvfence_kv_transfers", "KV handoffs by result", labels=["result"])
         for result, count in (stats.get("transfers") or {}).items():
             transfers.add_metric([str(result)], float(count))
         yield transfers
         yield from _worker_families(stats)
+
+
+def _prefix_cache_families(numbers: dict[str, Any] | None, model: str) -> Iterator[Metric]:
+    """Prefix-cache counters with vLLM's meanings (queries and hits in prompt tokens), when the engine has numbers."""
+    if not numbers:
+        return
+    for key, name, help_text in (
+        ("queries", "kvfence_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        ("hits", "kvfence_prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+        ("corrupt_pages", "kvfence_prefix_cache_corrupt_pages", "Cached pages whose digest no longer matched"),
+    ):
+        family = CounterMetricFamily(name, help_text, labels=["model_name"])
+        family.add_metric([model], float(numbers.get(key, 0)))
+        yield family
+    pages = GaugeMetricFamily("kvfence_prefix_cache_pages", "KV pages held by the prefix cache", labels=["model_name"])
+    pages.add_metric([model], float(numbers.get("pages", 0)))
+    yield pages
 
 
 def _worker_families(stats: dict[str, Any]) -> Iterator[Metric]:

@@ -81,6 +81,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # prefix-cache tenant
     # vLLM extensions accepted only at their neutral value (kvfence does not implement them)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     use_beam_search: bool = False

@@ -91,6 +91,7 @@ def chat_request(req: ResponsesRequest) -> p.ChatCompletionRequest:
         "seed": req.seed,
         "parallel_tool_calls": req.parallel_tool_calls,
         "user": req.user,
+        "cache_salt": req.cache_salt,
     }
     if req.tools:
         body["tools"] = [

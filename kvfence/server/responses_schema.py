@@ -104,6 +104,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # accepted; nothing is stored
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)  # prefix-cache tenant (vLLM's)
     # refused at any other value: they need state (or features) a stateless server does not have
     previous_response_id: str | None = None
     background: bool = False

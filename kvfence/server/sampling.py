@@ -116,6 +116,7 @@ def params_for(
         seed=choice_seed(req.seed, index),
         stop=tuple(req.stop_list()),
         stop_token_ids=tuple(stop_ids),
+        cache_salt=req.cache_salt,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty,
