@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,9 +52,19 @@ class _Engine:
 
     name = ""
 
-    def compile(self) -> None: ...
+    def __init__(self, hf: Any, vocab: int, eos: list[int], schema: str) -> None:
+        raise NotImplementedError
 
-    def step(self, logits: torch.Tensor) -> tuple[int, bool]: ...
+    def compile(self) -> None:
+        raise NotImplementedError
+
+    def step(self, logits: torch.Tensor) -> tuple[int, bool]:
+        raise NotImplementedError
+
+    @staticmethod
+    def json_object() -> bool:
+        """Whether the engine takes a bare `{"type": "object"}` (what `response_format: json_object` asks)."""
+        raise NotImplementedError
 
 
 class _XGrammar(_Engine):
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = _decode_step_ms(model_dir, args.decode_steps)
     print(f"model {model_dir}: vocab {vocab}, decode step (batch 1, the baseline) {step_ms:.2f} ms")
     print(f"{'engine':<14} {'compile ms':>10} {'per token us':>12} {'tokens':>6} {'vs decode step':>14}  json_object")
-    engines: list[Callable[..., _Engine]] = [_XGrammar, _LLGuidance, _OutlinesCore]
+    engines: list[type[_Engine]] = [_XGrammar, _LLGuidance, _OutlinesCore]
     for make in engines:
         try:
             engine = make(hf, vocab, eos, schema)

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 us = _median_us(
                     {
-                        "aten": lambda x=x, w=w: F.linear(x, w),
-                        "onednn": lambda x=x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-                        "packed": lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                        "aten": partial(F.linear, x, w),
+                        "onednn": partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], ""),
+                        "packed": partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
                     },
                     calls,
                     evict,

@@ -98,7 +98,7 @@ def main() -> int:
         """Baseline: one raw TCP stream over loopback, same bytes, same receiving buffer."""
         t = time.perf_counter()
         with socket.create_connection(("127.0.0.1", hello["tcp_port"])) as s:
-            s.sendall(memoryview(src.numpy()).cast("B"))
+            s.sendall(src.numpy().data.cast("B"))
             assert s.recv(2) == b"ok"
         return time.perf_counter() - t
 
