@@ -143,10 +143,14 @@ def _run_logged(cmd: Sequence[str], log_path: Path, cwd: Path | None = None) -> 
 
 def setup(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Callable[[str], None] = _say) -> LlamaCppBuild:
     """Download, unpack and build llama.cpp (see the module docstring) unless it is already built."""
+    import importlib.util
+
     build = build_location(version)
     if build.is_built():
         say(f"llama.cpp {version} is already built in {build.root}")
         return build
+    if importlib.util.find_spec("sentencepiece") is None:  # checked before minutes of compiling, not after
+        raise RuntimeError("llama.cpp's GGUF converter needs sentencepiece: pip install 'kvfence[bench]'")
     build.root.mkdir(parents=True, exist_ok=True)
     log_path = build.root / "setup.log"
     if not build.converter.is_file():
@@ -158,8 +162,10 @@ def setup(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Callable[
                     "-m",
                     "pip",
                     "download",
+                    # only this package from source: its build dependencies (scikit-build-core, cmake, ...) come
+                    # as wheels for pip's metadata step (":all:" compiled those too: 8 min instead of ~1 on 2 cores)
                     "--no-binary",
-                    ":all:",
+                    "llama-cpp-python",
                     "--no-deps",
                     "--quiet",
                     f"llama-cpp-python=={version}",

@@ -593,7 +593,6 @@ def run_bench(
     runs: list[TargetRun] = []
     skipped: list[tuple[str, str]] = []
     requests: list[BenchRequest] | None = None
-    model = cfg.model
     tokenizer_dir = cfg.tokenizer_dir or model_dir
     for label, url, kind in targets:
         server: LaunchedServer | None = None
@@ -611,12 +610,11 @@ def run_bench(
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
                 server = launch_server(kind, model=model_dir, server_args=server_args, ready_timeout_s=ready_timeout_s)
                 url = server.url
-            facts = asyncio.run(_facts(url, model))
-            model = facts.model
+            facts = asyncio.run(_facts(url, cfg.model))  # each URL its own served name (unless --model-name)
             if requests is None:
                 requests = _requests_for(cfg, facts, tokenizer_dir, say)
-            say(f"[{label}] {len(requests)} requests to {url} (model {model}) ...")
-            run = asyncio.run(run_target(label, url, requests, cfg, model, kind))
+            say(f"[{label}] {len(requests)} requests to {url} (model {facts.model}) ...")
+            run = asyncio.run(run_target(label, url, requests, cfg, facts.model, kind))
             run.how = server.how if server is not None else ""
             runs.append(run)
         except (RuntimeError, httpx.HTTPError, ValueError) as e:
