@@ -326,9 +326,20 @@ def _numeric(cells: list[str]) -> bool:
 
 
 def batched_bench_command(
-    build: LlamaCppBuild, gguf: Path, num_prompts: int, input_len: int, decode_len: int, threads: int
+    build: LlamaCppBuild,
+    gguf: Path,
+    num_prompts: int,
+    input_len: int,
+    decode_len: int,
+    threads: int,
+    kv_type: str = "f16",
+    flash_attn: str = "auto",
 ) -> list[str]:
-    """llama-batched-bench for num_prompts separate prompts of input_len tokens, then decode_len decode steps."""
+    """llama-batched-bench for num_prompts separate prompts of input_len tokens, then decode_len decode steps.
+
+    kv_type / flash_attn: llama.cpp's defaults are f16 / auto (flash attention on here); f32 / off is the
+    setting that computes attention in fp32 like kvfence (its slowest at batch 8 and 32 on this box).
+    """
     # llama.cpp pads each sequence's context to a multiple of 256 and drops a shape that no longer fits
     # (exit 0, no row): give every sequence whole 256-token blocks, as many sequences as prompts
     ctx = num_prompts * (-(-(input_len + decode_len) // 256) * 256)
@@ -353,9 +364,11 @@ def batched_bench_command(
         "-tb",
         str(threads),
         "-ctk",
-        "f32",
+        kv_type,
         "-ctv",
-        "f32",
+        kv_type,
+        "-fa",
+        flash_attn,
         "--output-format",
         "jsonl",
     ]
@@ -369,8 +382,10 @@ def run_batched_bench(
     decode_len: int,
     threads: int,
     attempts: int = 3,
+    kv_type: str = "f16",
+    flash_attn: str = "auto",
 ) -> BatchedBenchRow:
-    cmd = batched_bench_command(build, gguf, num_prompts, input_len, decode_len, threads)
+    cmd = batched_bench_command(build, gguf, num_prompts, input_len, decode_len, threads, kv_type, flash_attn)
     # Seen here with a context sized as above: about one run in five exits 0 having printed nothing at all
     # (not even its own log lines), the next identical run prints its row. Such a run is retried, up to
     # `attempts` times in all; any other failure is not.

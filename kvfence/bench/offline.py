@@ -121,13 +121,25 @@ def run_kvfence_phased(engine: Any, prompts: list[list[int]], output_len: int) -
     return res
 
 
-def run_llama_cpp(build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int) -> Result:
-    """llama-batched-bench with this workload's shape (its own random prompts; the tokens are not kept)."""
+LLAMA_DEFAULTS = "llama.cpp defaults (fa on, F16 KV)"
+LLAMA_SAME_MATH = "llama.cpp same math (fa off, F32 KV)"
+
+
+def run_llama_cpp(
+    build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int, same_math: bool = False
+) -> Result:
+    """llama-batched-bench with this workload's shape (its own random prompts; the tokens are not kept).
+
+    same_math=False: llama.cpp's defaults (flash attention auto = on here, F16 K/V cache); True: -fa off with
+    an F32 K/V cache, attention in fp32 as in kvfence.
+    """
     from kvfence.bench.llama_cpp import run_batched_bench
 
     n, i = len(prompts), len(prompts[0])
-    row = run_batched_bench(build, gguf, n, i, output_len - 1, threads)
-    return Result("llama.cpp", row.t, n, n * i, n * output_len, [], prefill_seconds=row.t_pp)
+    kv, fa = ("f32", "off") if same_math else ("f16", "auto")
+    row = run_batched_bench(build, gguf, n, i, output_len - 1, threads, kv_type=kv, flash_attn=fa)
+    name = LLAMA_SAME_MATH if same_math else LLAMA_DEFAULTS
+    return Result(name, row.t, n, n * i, n * output_len, [], prefill_seconds=row.t_pp)
 
 
 def _llama_cpp_agreement(
@@ -303,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         systems.append(("transformers generate_batch", lambda: run_hf_generate_batch(hf_cb, prompts, o, pad_id)))
     if llama is not None:
         build, gguf = llama
-        systems.append(("llama.cpp", lambda: run_llama_cpp(build, gguf, prompts, o, threads)))
+        systems.append((LLAMA_DEFAULTS, lambda: run_llama_cpp(build, gguf, prompts, o, threads)))
+        systems.append((LLAMA_SAME_MATH, lambda: run_llama_cpp(build, gguf, prompts, o, threads, same_math=True)))
     vllm_workers: list[Any] = []
     if "vllm" in baselines:
         systems += _vllm_systems(args, model_dir, prompts, o, threads, vllm_workers, log)
@@ -318,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
                         with BusyLoad(load):
                             res = fn()
                     except RuntimeError as e:  # an external tool (llama.cpp) failing costs its repeat, not the run
-                        if name != "llama.cpp":
+                        if not name.startswith("llama.cpp"):
                             raise
                         print(f"{name}, repeat {r + 1}: {e}".replace("\n", " | "), flush=True)
                         continue
@@ -330,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
             w.close()
     results = [best[name] for name, _ in systems if name in best]
     ours = results[0]
-    if llama is not None and "llama.cpp" not in best:
+    if llama is not None and LLAMA_SAME_MATH not in best and LLAMA_DEFAULTS not in best:
         llama = None
     if llama is not None:
         log("greedy tokens from llama-server (-fa off: fp32 attention) for the agreement check")
@@ -338,12 +351,19 @@ def run(args: argparse.Namespace) -> int:
         try:
             if not llama[0].has("llama-server"):
                 raise RuntimeError(f"llama-server is not built yet (`{SETUP_COMMAND}`)")
-            best["llama.cpp"].same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
+            same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
         except RuntimeError as e:
-            best["llama.cpp"].same = "not checked"
+            same = "not checked"
             print(f"llama.cpp agreement not checked: {e}".splitlines()[0], flush=True)
+        for name in (LLAMA_SAME_MATH, LLAMA_DEFAULTS):
+            if name in best:  # the check runs llama-server -fa off: the same-math row's tokens
+                best[name].same = same if name == LLAMA_SAME_MATH else "(see fa off)"
     if llama is not None:
-        print("llama.cpp timed with its default flash attention (-fa auto: F16 K/V inside attention)", flush=True)
+        print(
+            "llama.cpp timed twice: its defaults (-fa auto = flash attention on, F16 K/V cache) and the setting "
+            "with kvfence's math (-fa off, F32 K/V cache)",
+            flush=True,
+        )
     print(format_table(results, ours))
     if llama is not None:
         print()
