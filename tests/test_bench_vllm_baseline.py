@@ -55,3 +55,19 @@ def test_contention_table_reports_each_systems_loss() -> None:
     table = format_contention(quiet, loaded)
     assert "4.00x" in table.splitlines()[2]  # kvfence: 100 -> 25 tok/s
     assert "2.00x" in table.splitlines()[3] and "1.00x" in table.splitlines()[3]  # vllm: 50 -> 25; ours/vllm loaded
+
+
+def test_cli_shortens_openmp_spinning_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence import cli
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.main([]) == 2  # no subcommand: help
+    assert os.environ["GOMP_SPINCOUNT"] == str(cli.SPINCOUNT)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    cli.main([])
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli.main([])
+    assert "GOMP_SPINCOUNT" not in os.environ
