@@ -71,3 +71,28 @@ def test_cli_shortens_openmp_spinning_unless_the_user_chose(monkeypatch: pytest.
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     cli.main([])
     assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_bench_serve_sends_each_url_its_own_model_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence.bench import serve as bs
+    from kvfence.bench.client import ServerFacts
+
+    names = {"http://127.0.0.1:1": "kvfence-tiny-llama", "http://127.0.0.1:2": "other-served-name"}
+    asked: list[str | None] = []
+    sent: list[tuple[str, str]] = []
+
+    async def facts(url: str, model: str | None) -> ServerFacts:
+        asked.append(model)
+        return ServerFacts(names[url], 4096, None, 1000, None)
+
+    async def run_target(label: str, url: str, requests: object, cfg: object, model: str, kind: str) -> object:
+        sent.append((url, model))
+        return bs.TargetRun(label, url, kind)
+
+    monkeypatch.setattr(bs, "_facts", facts)
+    monkeypatch.setattr(bs, "run_target", run_target)
+    cfg = bs.BenchConfig(num_prompts=1)
+    runs, skipped = bs.run_bench(cfg, urls=[("a", "http://127.0.0.1:1"), ("b", "http://127.0.0.1:2")], log=print)
+    assert not skipped and len(runs) == 2
+    assert asked == [None, None]  # no --model-name: each server is asked for its own
+    assert sent == list(names.items())
