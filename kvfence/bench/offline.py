@@ -44,7 +44,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +157,7 @@ def _llama_cpp_agreement(
     return f"{a.same}/{a.total}"
 
 
-def _aligned(rows: list[tuple[str, ...]] | list[list[str]]) -> str:
+def _aligned(rows: Sequence[Sequence[str]]) -> str:
     """Rows of cells as a text table: first column left-aligned, the rest right-aligned, a rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
