@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 
 from kvfence.errors import KvfenceError
@@ -56,7 +57,17 @@ def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     return message
 
 
+# How long an idle OpenMP thread spins at a barrier before it sleeps (GNU OpenMP, torch's runtime on Linux, read once
+# when torch loads it: so set before any subcommand module imports torch). libgomp's default, 300,000 iterations,
+# keeps threads spinning for a partner the OS has descheduled when other processes compete for the cores (issue
+# 26.5); 20,000 (the core board's value, disagg/launcher.BOARD_SPINCOUNT) sleeps soon after. $GOMP_SPINCOUNT or
+# $OMP_WAIT_POLICY set by the user win.
+SPINCOUNT = 20_000
+
+
 def main(argv: list[str] | None = None) -> int:
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPINCOUNT))
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:

@@ -56,14 +56,17 @@ def test_agreement_refuses_different_request_counts() -> None:
         lc.agreement([[1], [2]], [[1]], frozenset())
 
 
-def test_commands_use_fp32_kv_the_threads_and_the_workload_shape(tmp_path: Path) -> None:
+def test_commands_use_llama_cpp_defaults_or_fp32_kv_the_threads_and_the_workload_shape(tmp_path: Path) -> None:
     build = lc.build_location(cache=tmp_path)
     bench = lc.batched_bench_command(build, tmp_path / "m.gguf", 8, 128, 127, 2)
     flags = dict(zip(bench[1::2], bench[2::2], strict=False))
     assert bench[0].endswith("bin/llama-batched-bench")
     # 255 tokens a sequence, in whole 256-token blocks
     assert (flags["-npp"], flags["-ntg"], flags["-npl"], flags["-c"]) == ("128", "127", "8", str(8 * 256))
-    assert (flags["-t"], flags["-tb"], flags["-ctk"], flags["-ctv"]) == ("2", "2", "f32", "f32")
+    assert (flags["-t"], flags["-tb"], flags["-ctk"], flags["-ctv"], flags["-fa"]) == ("2", "2", "f16", "f16", "auto")
+    same = lc.batched_bench_command(build, tmp_path / "m.gguf", 8, 128, 127, 2, kv_type="f32", flash_attn="off")
+    same_flags = dict(zip(same[1::2], same[2::2], strict=False))
+    assert (same_flags["-ctk"], same_flags["-ctv"], same_flags["-fa"]) == ("f32", "f32", "off")
     server = lc.server_command(
         build, tmp_path / "m.gguf", host="127.0.0.1", port=1234, parallel=4, context_per_slot=300, threads=2
     )
@@ -176,7 +179,7 @@ def test_offline_reports_a_failed_llama_cpp_repeat_and_keeps_going(
         def has(self, target: str) -> bool:
             return False
 
-    def fails(*args: object) -> None:
+    def fails(*args: object, **kwargs: object) -> None:
         raise RuntimeError("llama-batched-bench exited 0 with 0 result rows:\nlast log line")
 
     monkeypatch.setattr(lc, "find_build", lambda **k: NoServer())
@@ -185,8 +188,8 @@ def test_offline_reports_a_failed_llama_cpp_repeat_and_keeps_going(
     argv = ["bench", "offline", "--model", str(tiny_llama_dir), "--num-prompts", "2", "--input-len", "4"]
     assert main([*argv, "--output-len", "3", "--repeats", "2", "--baselines", "llama.cpp"]) == 0
     out = capsys.readouterr().out
-    assert "llama.cpp, repeat 1: llama-batched-bench exited 0 with 0 result rows: | last log line" in out
-    assert "llama.cpp, repeat 2:" in out
+    assert f"{offline.LLAMA_DEFAULTS}, repeat 1: llama-batched-bench exited 0 with 0 result rows: | last log" in out
+    assert f"{offline.LLAMA_SAME_MATH}, repeat 2:" in out
     rows = [line.split()[0] for line in out.splitlines() if re.match(r"(kvfence|llama\.cpp)\s+\d", line)]
     assert rows == ["kvfence"]
 

@@ -37,7 +37,8 @@ def test_unpacked_baseline_is_our_engine_on_f_linear(tiny_llama_dir: Path, capsy
     "bad, message",
     [
         (["--num-prompts", "0"], "--num-prompts"),
-        (["--baselines", "vllm"], "unknown baseline"),
+        (["--baselines", "sglang"], "unknown baseline"),
+        (["--contention", "-1"], "--contention"),
         (["--repeats", "0"], "--repeats"),
     ],
 )

@@ -143,10 +143,14 @@ def _run_logged(cmd: Sequence[str], log_path: Path, cwd: Path | None = None) -> 
 
 def setup(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Callable[[str], None] = _say) -> LlamaCppBuild:
     """Download, unpack and build llama.cpp (see the module docstring) unless it is already built."""
+    import importlib.util
+
     build = build_location(version)
     if build.is_built():
         say(f"llama.cpp {version} is already built in {build.root}")
         return build
+    if importlib.util.find_spec("sentencepiece") is None:  # checked before minutes of compiling, not after
+        raise RuntimeError("llama.cpp's GGUF converter needs sentencepiece: pip install 'kvfence[bench]'")
     build.root.mkdir(parents=True, exist_ok=True)
     log_path = build.root / "setup.log"
     if not build.converter.is_file():
@@ -158,8 +162,10 @@ def setup(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, say: Callable[
                     "-m",
                     "pip",
                     "download",
+                    # only this package from source: its build dependencies (scikit-build-core, cmake, ...) come
+                    # as wheels for pip's metadata step (":all:" compiled those too: 8 min instead of ~1 on 2 cores)
                     "--no-binary",
-                    ":all:",
+                    "llama-cpp-python",
                     "--no-deps",
                     "--quiet",
                     f"llama-cpp-python=={version}",
@@ -320,9 +326,20 @@ def _numeric(cells: list[str]) -> bool:
 
 
 def batched_bench_command(
-    build: LlamaCppBuild, gguf: Path, num_prompts: int, input_len: int, decode_len: int, threads: int
+    build: LlamaCppBuild,
+    gguf: Path,
+    num_prompts: int,
+    input_len: int,
+    decode_len: int,
+    threads: int,
+    kv_type: str = "f16",
+    flash_attn: str = "auto",
 ) -> list[str]:
-    """llama-batched-bench for num_prompts separate prompts of input_len tokens, then decode_len decode steps."""
+    """llama-batched-bench for num_prompts separate prompts of input_len tokens, then decode_len decode steps.
+
+    kv_type / flash_attn: llama.cpp's defaults are f16 / auto (flash attention on here); f32 / off is the
+    setting that computes attention in fp32 like kvfence (its slowest at batch 8 and 32 on this box).
+    """
     # llama.cpp pads each sequence's context to a multiple of 256 and drops a shape that no longer fits
     # (exit 0, no row): give every sequence whole 256-token blocks, as many sequences as prompts
     ctx = num_prompts * (-(-(input_len + decode_len) // 256) * 256)
@@ -347,9 +364,11 @@ def batched_bench_command(
         "-tb",
         str(threads),
         "-ctk",
-        "f32",
+        kv_type,
         "-ctv",
-        "f32",
+        kv_type,
+        "-fa",
+        flash_attn,
         "--output-format",
         "jsonl",
     ]
@@ -363,8 +382,10 @@ def run_batched_bench(
     decode_len: int,
     threads: int,
     attempts: int = 3,
+    kv_type: str = "f16",
+    flash_attn: str = "auto",
 ) -> BatchedBenchRow:
-    cmd = batched_bench_command(build, gguf, num_prompts, input_len, decode_len, threads)
+    cmd = batched_bench_command(build, gguf, num_prompts, input_len, decode_len, threads, kv_type, flash_attn)
     # Seen here with a context sized as above: about one run in five exits 0 having printed nothing at all
     # (not even its own log lines), the next identical run prints its row. Such a run is retried, up to
     # `attempts` times in all; any other failure is not.

