@@ -314,7 +314,7 @@ async def read_server_facts(client: httpx.AsyncClient, base_url: str, model: str
         if not cards:
             raise ValueError(f"{base_url}/v1/models lists no model; pass --model-name")
         model = str(cards[0]["id"])
-    card = next((c for c in cards if c.get("id") == model), {})
+    card: dict[str, Any] = next((c for c in cards if c.get("id") == model), {})
     cap = (info or {}).get("capacity") or {}
     api = (info or {}).get("api") or {}
     context = cap.get("context_length") or card.get("max_model_len")

@@ -284,7 +284,10 @@ def run(args: argparse.Namespace) -> int:
     n, i, o = args.num_prompts, args.input_len, args.output_len
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     packs = hasattr(engine.runner.model, "pack_weights") and onednn_available(engine.runner.model.dtype)
-    kernel = "oneDNN, packed weights" if packs else "F.linear"
+    if getattr(engine.runner.model, "panels", False):  # the native kernels' panels are the only weights held
+        kernel = "the native panels"
+    else:
+        kernel = "oneDNN, packed weights" if packs else "F.linear"
     print(
         f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
         f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence kernels {engine.resolved.kernels} "
@@ -307,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
         if not packs:
             raise KvfenceError(f"--baselines unpacked: this model ({type(engine.runner.model).__name__}) runs unpacked")
         plain = LLMEngine(engine_config_from_args(args, model_dir, seed=args.seed))
-        plain.runner.model.pack_weights(False)
+        plain_model: Any = plain.runner.model  # a model with pack_weights (checked by `packs`)
+        plain_model.pack_weights(False)
         name = "kvfence, F.linear projections"
         systems.append((name, lambda: run_kvfence(plain, prompts, o, name)))
     if "generate_batch" in baselines:
