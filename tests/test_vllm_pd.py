@@ -189,7 +189,10 @@ FAULTS = [
 
 @pytest.mark.parametrize("fault,reason", FAULTS)
 def test_fault_fails_closed_and_innocents_are_exact(dep: Deployment, fault: str, reason: str) -> None:
-    bad_ids, innocent = _prompt(1, 150), [_prompt(2, 150), _prompt(3, 97)]
+    # a prompt of its own per fault: decode's blocks can still hold an earlier request's KV of the same prompt, and a
+    # stale page that happens to be the right page verifies (correctly), which would hide the stale_page fault
+    bad_ids = _prompt(200 + [f for f, _ in FAULTS].index(fault), 150)
+    innocent = [_prompt(2, 150), _prompt(3, 97)]
     solos = [_plain(dep.prefill, ids, 10) for ids in innocent]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         bad = pool.submit(_proxy, dep, bad_ids, 10, f"fault-{fault}-{secrets.token_hex(3)}")
