@@ -16,6 +16,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvfence.audit import exit_status as ex
 from kvfence.audit import findings as fnd
@@ -121,6 +122,22 @@ def _log_rules() -> list:
 def _ci_outputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sarif", metavar="FILE", help="also write the findings as SARIF 2.1.0 (e.g. for code scanning)")
     p.add_argument("--junit", metavar="FILE", help="also write one JUnit test case per rule checked")
+
+
+def _ci_and_json(args: argparse.Namespace, tool: str, rules: list, found: list, servers: dict[str, Any]) -> bool:
+    """Write the SARIF/JUnit files asked for; with --json print the document too and say so (the caller then
+    returns the exit code instead of printing its table)."""
+    _write_ci(args, tool, rules, found)
+    if not args.json:
+        return False
+    doc = {
+        "tool": tool,
+        "exit_code": fnd.exit_code(found),
+        "findings": [f.to_dict() for f in found],
+        "servers": servers,
+    }
+    print(fnd.dumps(doc))
+    return True
 
 
 def _write_ci(args: argparse.Namespace, tool: str, rules: list, found: list, error: str | None = None) -> None:
@@ -229,15 +246,8 @@ def run_sglang(args: argparse.Namespace) -> int:
         snaps[role] = snap
     found = fnd.sort_findings(sg.audit(snaps["prefill"], snaps["decode"]))
     code = fnd.exit_code(found)
-    _write_ci(args, "kvfence audit sglang", sg.RULES, found)
-    if args.json:
-        doc = {
-            "tool": "kvfence audit sglang",
-            "exit_code": code,
-            "findings": [f.to_dict() for f in found],
-            "servers": {r: srv.facts(s) for r, s in snaps.items() if s is not None},
-        }
-        print(fnd.dumps(doc))
+    servers = {r: srv.facts(s) for r, s in snaps.items() if s is not None}
+    if _ci_and_json(args, "kvfence audit sglang", sg.RULES, found, servers):
         return code
     rows = []
     for role, s in snaps.items():
@@ -297,15 +307,8 @@ def run_vllm(args: argparse.Namespace) -> int:
             _save_bundle(args, role, bundle)
     found = fnd.sort_findings(vl.audit(snaps["prefill"], snaps["decode"]))
     code = fnd.exit_code(found)
-    _write_ci(args, "kvfence audit vllm", vl.RULES, found)
-    if args.json:
-        doc = {
-            "tool": "kvfence audit vllm",
-            "exit_code": code,
-            "findings": [f.to_dict() for f in found],
-            "servers": {r: vl.facts(s) for r, s in snaps.items() if s is not None},
-        }
-        print(fnd.dumps(doc))
+    servers = {r: vl.facts(s) for r, s in snaps.items() if s is not None}
+    if _ci_and_json(args, "kvfence audit vllm", vl.RULES, found, servers):
         return code
     rows = []
     for role, s in snaps.items():
