@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -222,19 +223,33 @@ def _token_line(physical: list[str], start: int, token: str) -> int:
     return start
 
 
-def parse_launch_command(text: str, version: tuple[int, int, int] | None = None) -> LaunchCommand | None:
-    """The first SGLang launch in a command line or shell script; None when there is none."""
-    physical = text.splitlines()
-    env: dict[str, str] = {}
-    env_lines: dict[str, int] = {}
+def _shell_commands(text: str) -> Iterator[tuple[int, list[str]]]:
+    """(1-based first physical line, shell tokens) of each logical line that is not blank, not a comment and that
+    shlex can split (a line it cannot is skipped)."""
     for first, raw in _logical_lines(text):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         try:
-            tokens = shlex.split(line, comments=True)
+            yield first, shlex.split(line, comments=True)
         except ValueError:
             continue
+
+
+def _before_shell_stop(argv: list[str]) -> list[str]:
+    """The arguments up to the first shell operator (`&&`, `|`, `;`, a redirection...) that ends the command."""
+    for k, tok in enumerate(argv):
+        if _SHELL_STOP_RE.fullmatch(tok):
+            return argv[:k]
+    return argv
+
+
+def parse_launch_command(text: str, version: tuple[int, int, int] | None = None) -> LaunchCommand | None:
+    """The first SGLang launch in a command line or shell script; None when there is none."""
+    physical = text.splitlines()
+    env: dict[str, str] = {}
+    env_lines: dict[str, int] = {}
+    for first, tokens in _shell_commands(text):
         split = _split_launch(tokens)
         if split is None:
             if tokens and tokens[0] == "export":
@@ -249,10 +264,7 @@ def parse_launch_command(text: str, version: tuple[int, int, int] | None = None)
             if _ENV_RE.match(t):
                 key, val = t.split("=", 1)
                 env[key], env_lines[key] = val, first
-        for k, tok in enumerate(argv):
-            if _SHELL_STOP_RE.fullmatch(tok):
-                argv = argv[:k]
-                break
+        argv = _before_shell_stop(argv)
         index = version_index(version)
         parsed = parse_argv(argv, index, serve=serve)
         problems = parsed.problems

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvfence.audit.sglang_cli import _ENV_RE, _SHELL_STOP_RE, _logical_lines, _token_line
+from kvfence.audit.sglang_cli import _ENV_RE, _before_shell_stop, _shell_commands, _token_line
 from kvfence.errors import KvfenceError
 
 # vLLM 0.32.0 vllm/config/kv_transfer.py, class KVTransferConfig (checked against the wheel by
@@ -227,14 +226,7 @@ def from_launch(role: str, text: str, source: str) -> VllmSnapshot | None:
     """The first vLLM launch in a command line or script; None when there is none."""
     physical = text.splitlines()
     env: dict[str, str] = {}
-    for first, raw in _logical_lines(text):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            tokens = shlex.split(line, comments=True)
-        except ValueError:
-            continue
+    for first, tokens in _shell_commands(text):
         split = _split_launch(tokens)
         if split is None:
             for t in tokens[1:] if tokens and tokens[0] == "export" else tokens:
@@ -244,10 +236,7 @@ def from_launch(role: str, text: str, source: str) -> VllmSnapshot | None:
             continue
         before, argv = split
         env.update(t.split("=", 1) for t in before if _ENV_RE.match(t))  # type: ignore[misc]
-        for cut, tok in enumerate(argv):
-            if _SHELL_STOP_RE.fullmatch(tok):
-                argv = argv[:cut]
-                break
+        argv = _before_shell_stop(argv)
         args, kv, problems, given = parse_argv(argv)
         problems += config_problems(kv or {})
         if "config" in args:
