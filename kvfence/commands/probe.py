@@ -151,13 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     report = run_probe(cfg)
     code = fnd.exit_code(report.findings)
     doc = {"tool": "kvfence probe", "exit_code": code, **report.to_dict()}
-    if args.report:
-        try:
-            Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
-        except OSError as e:
-            raise KvfenceError(f"cannot write {args.report}: {e.strerror or e}") from e
-    if args.json:
-        print(fnd.dumps(doc))
+    if _report_and_json(args, doc):
         return code
     f = report.facts
     print(
@@ -181,6 +175,18 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
+def _report_and_json(args: argparse.Namespace, doc: dict) -> bool:
+    """Write --report; with --json print the document too and say so (the caller then prints no table)."""
+    if args.report:
+        try:
+            Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
+        except OSError as e:
+            raise KvfenceError(f"cannot write {args.report}: {e.strerror or e}") from e
+    if args.json:
+        print(fnd.dumps(doc))
+    return bool(args.json)
+
+
 def _run_kv_params(args: argparse.Namespace) -> int:
     from kvfence.audit.kv_params_probe import KvParamsProbeConfig, run_kv_params_probe
 
@@ -197,13 +203,7 @@ def _run_kv_params(args: argparse.Namespace) -> int:
     report = run_kv_params_probe(cfg)
     code = fnd.exit_code(report.findings)
     doc = {"tool": TOOL, "exit_code": code, **report.to_dict()}
-    if args.report:
-        try:
-            Path(args.report).write_text(fnd.dumps(doc), encoding="utf-8")
-        except OSError as e:
-            raise KvfenceError(f"cannot write {args.report}: {e.strerror or e}") from e
-    if args.json:
-        print(fnd.dumps(doc))
+    if _report_and_json(args, doc):
         return code
     print(f"target {report.url}: fabricated {report.connector} kv_transfer_params")
     print()
