@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvfence.math_utils import round_up
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TARGETS = ("llama-batched-bench", "llama-server")
 CMAKE_FLAGS = (
@@ -342,7 +344,7 @@ def batched_bench_command(
     """
     # llama.cpp pads each sequence's context to a multiple of 256 and drops a shape that no longer fits
     # (exit 0, no row): give every sequence whole 256-token blocks, as many sequences as prompts
-    ctx = num_prompts * (-(-(input_len + decode_len) // 256) * 256)
+    ctx = num_prompts * round_up(input_len + decode_len, 256)
     return [
         str(build.batched_bench),
         "-m",

@@ -54,6 +54,7 @@ from kvfence.bench.contention import BusyLoad
 from kvfence.bench.llama_cpp import SETUP_COMMAND
 from kvfence.config import add_engine_arguments, engine_config_from_args, resolve_model_dir
 from kvfence.errors import KvfenceError
+from kvfence.math_utils import cdiv
 from kvfence.models.linear import onednn_available
 
 BASELINES = ("generate", "generate_batch", "unpacked", "llama.cpp", "vllm")
@@ -219,7 +220,7 @@ def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int,
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # CPU memory-probe chatter
     block = 256
-    per_request = -(-(len(prompts[0]) + output_len) // block)
+    per_request = cdiv(len(prompts[0]) + output_len, block)
     cb = ContinuousBatchingConfig(
         page_size=block, num_blocks=len(prompts) * per_request + 4, max_batch_tokens=2048, use_cuda_graph=False
     )
