@@ -20,14 +20,17 @@ from kvfence.errors import KvfenceError
 _COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key", "proxy"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `kvfence` parser; with `only` (a subcommand's name) just that subcommand is registered, so running one
+    does not import the others' modules (`kvfence serve` and the processes it starts stay free of torch until a role
+    needs it; the benchmarks import torch and transformers)."""
     parser = argparse.ArgumentParser(
         prog="kvfence",
         description="LLM serving with disaggregated prefill/decode whose KV handoff is verified "
         "end to end, plus tools that audit SGLang deployments for cross-request KV leakage.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMANDS:
+    for name in [only] if only in _COMMANDS else _COMMANDS:
         try:
             module = importlib.import_module(f"kvfence.commands.{name.replace('-', '_')}")
         except ModuleNotFoundError as e:
@@ -68,7 +71,8 @@ SPINCOUNT = 20_000
 def main(argv: list[str] | None = None) -> int:
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", str(SPINCOUNT))
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args, extras = parser.parse_known_args(argv)
     if extras:
         _subcommand(parser, getattr(args, "command", None)).error(_unknown(_subcommand(parser, args.command), extras))

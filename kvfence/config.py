@@ -156,7 +156,7 @@ def add_engine_arguments(parser: Any) -> None:
     """Add --model, --dtype, --page-size, --max-total-tokens, ... to an argparse parser.
 
     Each default is the config dataclass's own (stated once, there)."""
-    from kvfence.models.native_kernels import NATIVE_BUILD_ESTIMATE
+    from kvfence.models.native_build import NATIVE_BUILD_ESTIMATE
 
     g = parser.add_argument_group("model and engine")
     g.add_argument(

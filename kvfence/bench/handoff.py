@@ -43,7 +43,7 @@ import torch
 from kvfence.auth.keys import ClusterKey
 from kvfence.auth.plane import PlaneAuth
 from kvfence.errors import KvfenceError
-from kvfence.integrity.device_digest import MLH_ALGORITHM
+from kvfence.integrity.algorithms import MLH_ALGORITHM
 from kvfence.integrity.digest import DIGEST_ALGORITHM, page_digests, token_hash
 from kvfence.integrity.manifest import HandoffManifest, build_manifest
 from kvfence.integrity.verify import Expectation, verify_handoff

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 
-from kvfence.disagg.decode import DecodeConfig
+from kvfence.disagg.decode_config import DecodeConfig
 from kvfence.disagg.launcher import LaunchConfig
 from kvfence.disagg.router import RouterConfig
 from kvfence.disagg.worker import RECONNECT_TIMEOUT_S
 from kvfence.engine.structured_output import GrammarBudget
 from kvfence.roles import ROLES
 from kvfence.server.tool_parsers import PARSERS
-from kvfence.transfer.base import TRANSFER_BACKENDS, TransferConfig
+from kvfence.transfer.transfer_config import TRANSFER_BACKENDS, TransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

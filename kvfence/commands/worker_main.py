@@ -188,11 +188,17 @@ def set_torch_threads(role: str, requested: int | None) -> None:
     """Apply --torch-threads, or the per-role default unless $OMP_NUM_THREADS already chose."""
     if requested is None and os.environ.get("OMP_NUM_THREADS"):
         return
-    import torch
-
     n = requested if requested is not None else torch_threads_for(role, len(os.sched_getaffinity(0)))
     if n < 1:
         raise KvfenceError(f"--torch-threads must be at least 1, got {n}")
+    if role == ROUTER and "torch" not in sys.modules:
+        # The router does no tensor work and does not load torch (about 200 MiB); should a grammar compile load it
+        # later (xgrammar imports it), torch reads its thread count from here.
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        logger.info("%s: %d torch thread(s) (torch not loaded)", role, n)
+        return
+    import torch
+
     torch.set_num_threads(n)
     logger.info("%s: %d torch thread(s)", role, n)
 

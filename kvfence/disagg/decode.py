@@ -20,48 +20,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfence.auth.plane import PlaneAuth
 from kvfence.disagg import messages as P
-from kvfence.disagg.config_checks import require_choice, require_positive
+from kvfence.disagg.decode_config import DecodeConfig
 from kvfence.disagg.grammars import GrammarWaits
 from kvfence.disagg.handoff import DecodeHandoff, DecodeState, HandoffConfig
 from kvfence.disagg.worker_engine import DecodeEngine
 from kvfence.engine.llm_engine import RequestOutput
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.engine.structured_output import GrammarBudget
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import KvfenceError
 from kvfence.faults import FaultInjector
 from kvfence.integrity.record import IntegrityMetrics
 from kvfence.integrity.verify import Expectation, Reason
 from kvfence.math_utils import cdiv
-from kvfence.transfer.base import TRANSFER_BACKENDS, Receiver, is_transfer_id
+from kvfence.transfer.base import Receiver, is_transfer_id
 
 if TYPE_CHECKING:
     from kvfence.disagg.worker import WorkerIdentity
 
 logger = logging.getLogger(__name__)
 _S = DecodeState
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    transport: str = "tcp"  # the transfer backend, one of TRANSFER_BACKENDS (field name kept: worker_main sets it)
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0  # the launcher passes a free port explicitly; 0 only in tests
-    deadline_s: float = 60.0  # waiting for pages, the transfer once it started, its quarantine (each)
-    verify: bool = True  # False ONLY to demonstrate what the checks protect against
-    strict: bool = False  # poison quarantined and released pages
-    io_timeout_s: float = 10.0  # a data connection that moves no byte this long in the middle of a frame is dropped
-    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # response_format compiles, off the loop
-
-    def __post_init__(self) -> None:
-        require_choice(self, "transport", TRANSFER_BACKENDS)
-        require_positive(self, "deadline_s")
-        require_positive(self, "io_timeout_s")
 
 
 class _EngineReservations:

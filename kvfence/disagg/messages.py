@@ -46,8 +46,8 @@ import msgspec
 from kvfence.auth.curve import CurveKeys, CurveServer, stop_monitor
 from kvfence.auth.curve import make_client as make_curve_client
 from kvfence.auth.events import SecurityEvent, SecurityEvents
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import KvfenceError
 
 MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped

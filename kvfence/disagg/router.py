@@ -59,10 +59,11 @@ from kvfence.engine.admission import admit
 from kvfence.engine.engine_client import Capacity, GenerationChunk
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError, ServiceUnavailableError
-from kvfence.integrity.digest import DIGEST_ALGORITHM, token_hash
+from kvfence.integrity.algorithms import DIGEST_ALGORITHM
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
-from kvfence.integrity.verify import Reason
-from kvfence.transfer.base import new_transfer_id
+from kvfence.integrity.token_hash import token_hash
+from kvfence.integrity.verdict import Reason
+from kvfence.transfer.transfer_id import new_transfer_id
 
 logger = logging.getLogger(__name__)
 integrity_logger = logging.getLogger("kvfence.integrity")

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvfence.config import ResolvedEngineConfig
     from kvfence.engine.llm_engine import EngineStats, RequestOutput
-    from kvfence.engine.sampler import TokenLogprobs
     from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.engine.token_logprobs import TokenLogprobs
     from kvfence.kv.allocator import PageAllocator
     from kvfence.kv.pool import KVPool
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kvfence.engine.sampler import TokenLogprobs
     from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.engine.token_logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from kvfence.config import (
 )
 from kvfence.engine.request import Request, RequestStatus
 from kvfence.engine.runner import ModelRunner, RunnerOutput
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Scheduler, SchedulerOutput
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import ContextLengthExceededError, InvalidRequestError, KvfenceError
 from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator

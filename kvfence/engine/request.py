@@ -21,8 +21,8 @@ import torch
 from kvfence.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvfence.engine.sampler import TokenLogprobs
     from kvfence.engine.structured_output import Grammar
+    from kvfence.engine.token_logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -21,8 +21,9 @@ from typing import NamedTuple
 import torch
 
 from kvfence.engine.request import Request
-from kvfence.engine.sampler import History, Sampler, SamplerOutput, TokenLogprobs, top_logprobs
+from kvfence.engine.sampler import History, Sampler, SamplerOutput, top_logprobs
 from kvfence.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.kv.pool import KVPool
 from kvfence.math_utils import round_up
 from kvfence.models.attention import gather_context

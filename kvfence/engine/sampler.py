@@ -26,14 +26,7 @@ from typing import NamedTuple
 import torch
 
 from kvfence.engine.sampling_params import SamplingParams
-
-
-class TokenLogprobs(NamedTuple):
-    """One position's scores: the token that is there, its logprob, and the most likely ones (best first)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the `n` most likely tokens; () when n == 0
+from kvfence.engine.token_logprobs import TokenLogprobs
 
 
 class History(NamedTuple):

@@ -34,12 +34,13 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvfence.engine.sampling_params import StructuredOutputs
 from kvfence.errors import InvalidRequestError, KvfenceError
+
+if TYPE_CHECKING:  # the router compiles grammars without torch; only the engine masks logits
+    import torch
 
 _LOOSE_STRING_CHAR = r"[^\"\\\r\n]"  # a string character as xgrammar bounds strings: control characters allowed
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped in a string

@@ -38,11 +38,10 @@ import numpy as np
 import torch
 
 from kvfence.errors import KvfenceError
+from kvfence.integrity.algorithms import MLH_ALGORITHM as MLH_ALGORITHM  # re-exported: named where torch is not needed
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.math_utils import cdiv
-
-MLH_ALGORITHM = "mlh62"
 
 BLOCK = 4096  # 16-bit units per inner block: |inner| < 2^15 * 2^24 * 2^12 = 2^51 < 2^53 (exact in float64)
 PRIME = (1 << 31) - 1

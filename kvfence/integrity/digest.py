@@ -15,7 +15,8 @@ Either side computes either algorithm for any pool (`page_digests(pool, pages, a
 with the algorithm its manifest names, so a CPU prefill and a GPU decode work together (at the cost of reading
 the pages to the host for xxh3_64, one group at a time).
 
-Also the one definition of the prompt token hash that the router computes and decode checks.
+The prompt token hash that the router computes and decode checks is `integrity.token_hash` (torch-free, for
+the router), re-exported here; the algorithm names are `integrity.algorithms`.
 
 What it does not know: which pages belong to which request, or what a mismatch
 means; `integrity.verify` decides that.
@@ -29,12 +30,12 @@ import numpy as np
 import torch
 import xxhash
 
-from kvfence.integrity.device_digest import MLH_ALGORITHM, bytes_digest_mlh, page_digests_torch
+from kvfence.integrity.algorithms import DIGEST_ALGORITHM, DIGEST_ALGORITHMS, MLH_ALGORITHM
+from kvfence.integrity.device_digest import bytes_digest_mlh, page_digests_torch
+from kvfence.integrity.token_hash import token_hash as token_hash  # re-exported: its home is torch-free
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
 
-DIGEST_ALGORITHM = "xxh3_64"  # host-visible pools (and the default the record shows before a manifest names one)
-DIGEST_ALGORITHMS = (DIGEST_ALGORITHM, MLH_ALGORITHM)  # what decode can verify; a manifest naming another is refused
 _HOST_GROUP_BYTES = 64 << 20  # xxh3_64 of a device pool's pages: bytes read to the host at a time
 
 
@@ -122,16 +123,3 @@ def bytes_digest(
     if algorithm != DIGEST_ALGORITHM:
         raise ValueError(f"unknown digest algorithm {algorithm!r}; known: {', '.join(DIGEST_ALGORITHMS)}")
     return xxhash.xxh3_64_intdigest(data)
-
-
-def token_hash(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> str:
-    """The prompt token hash: xxh3_64 over the ids as little-endian int64, as 16 hex digits.
-
-    Defined once here; the router computes it from its own tokenization and decode compares
-    it with the manifest's, so prefill cannot vouch for its own prompt.
-    """
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8"))
-    assert arr.ndim == 1, f"token ids must be 1-D, got shape {arr.shape}"
-    return xxhash.xxh3_64_hexdigest(arr.tobytes())

@@ -21,8 +21,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvfence.integrity.digest import DIGEST_ALGORITHM
-from kvfence.integrity.verify import VERIFY_REASONS, Reason, VerifyResult
+from kvfence.integrity.algorithms import DIGEST_ALGORITHM
+from kvfence.integrity.verdict import VERIFY_REASONS, Reason, VerifyResult
 
 STATUSES = ("verified", "rejected", "failed", "unverified", "local")
 LOCAL_DETAIL = "aggregated mode: the prompt's KV was computed in the process that decodes it; no handoff to verify"

@@ -18,8 +18,8 @@ decode's pool are the prompt the router asked for:
 
 The router's expectation is independent of prefill: a manifest that covers fewer
 tokens than the router says the prompt has is rejected at step 3 (the 2026 incident).
-Reason codes for transport-level endings (transfer_error, timeout, aborted) live
-here too so every ending has one code.
+The reason codes, transport-level endings (transfer_error, timeout, aborted) included so every ending has one
+code, and the result type are `integrity.verdict` (torch-free, for the router), re-exported here.
 
 What it does not know: how pages got there (transport) or what happens next (the
 handoff state machine quarantines and records).
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
@@ -37,38 +36,10 @@ import numpy as np
 from kvfence.integrity.canary import check_canaries
 from kvfence.integrity.digest import DIGEST_ALGORITHMS, page_digests
 from kvfence.integrity.manifest import HandoffManifest, pages_for_tokens
+from kvfence.integrity.verdict import VERIFY_REASONS as VERIFY_REASONS
+from kvfence.integrity.verdict import Reason, VerifyResult
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
-
-
-class Reason(str, Enum):
-    REQUEST_MISMATCH = "request_mismatch"
-    LAYOUT_MISMATCH = "layout_mismatch"
-    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
-    TOKEN_HASH_MISMATCH = "token_hash_mismatch"
-    PAGE_COUNT_MISMATCH = "page_count_mismatch"
-    COVERAGE_GAP = "coverage_gap"
-    DIGEST_MISMATCH = "digest_mismatch"
-    CANARY_MISMATCH = "canary_mismatch"
-    TRANSFER_ERROR = "transfer_error"
-    TIMEOUT = "timeout"
-    ABORTED = "aborted"
-
-
-# Reasons found by inspecting the landed pages/manifest (the request is "rejected");
-# the others mean the transfer itself did not complete (the request "failed").
-VERIFY_REASONS = frozenset(
-    {
-        Reason.REQUEST_MISMATCH,
-        Reason.LAYOUT_MISMATCH,
-        Reason.TOKEN_COUNT_MISMATCH,
-        Reason.TOKEN_HASH_MISMATCH,
-        Reason.PAGE_COUNT_MISMATCH,
-        Reason.COVERAGE_GAP,
-        Reason.DIGEST_MISMATCH,
-        Reason.CANARY_MISMATCH,
-    }
-)
 
 
 class Expectation(NamedTuple):
@@ -78,15 +49,6 @@ class Expectation(NamedTuple):
     tokens_expected: int  # the router's count of the prompt it admitted (the manifest's `num_tokens` is prefill's)
     token_hash: str
     transfer_id: str  # the capability the router issued for this handoff: the only transfer decode accepts
-
-
-class VerifyResult(NamedTuple):
-    ok: bool
-    reason: Reason | None
-    detail: str
-    pages_checked: int
-    tokens_covered: int
-    digest_algorithm: str | None = None  # the manifest's, once verification got as far as reading it
 
 
 class CoverageBitmap:

@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
+from kvfence.models.native_build import NATIVE_BUILD_ESTIMATE
+
 logger = logging.getLogger(__name__)
 _SOURCE_FILE = Path(__file__).with_name("native_kernels.cpp")  # the C++ (its header says what it knows)
-NATIVE_BUILD_ESTIMATE = "30-60 s on two idle cores, a few minutes on a busy machine"  # how long the first build takes
 
 
 class NativeKernelsUnavailable(RuntimeError):

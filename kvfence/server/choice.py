@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.engine.engine_client import GenerationChunk, RequestTimings
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.server import openai_schema as p
 from kvfence.server.http import ApiError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvfence.engine.sampler import TokenLogprobs
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.server import openai_schema as p
 
 NEG_INF_LOGPROB = -9999.0

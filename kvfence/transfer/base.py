@@ -63,13 +63,10 @@ the landed pages are right (`integrity.verify`), or what to do with an ending
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
@@ -87,44 +84,13 @@ Header = dict[str, Any]
 Payload = Sequence[bytes | bytearray | memoryview]
 
 
-TRANSFER_ID_HEX = 32  # 128 bits
-
-
-def new_transfer_id() -> str:
-    """A fresh transfer capability: 128 random bits, hex (only the router draws them)."""
-    return secrets.token_hex(TRANSFER_ID_HEX // 2)
-
-
-def is_transfer_id(value: object) -> bool:
-    """Whether `value` has the shape of a transfer capability (so a malformed one is refused before use)."""
-    return isinstance(value, str) and len(value) == TRANSFER_ID_HEX and all(c in "0123456789abcdef" for c in value)
-
-
-def transfer_ref(transfer_id: str) -> str:
-    """What records and logs show for a transfer: 16 hex characters of its id's SHA-256, never the id itself."""
-    return hashlib.sha256(transfer_id.encode()).hexdigest()[:16] if transfer_id else ""
-
-
-# The transfer backends (`--transfer-backend`): how page bytes reach decode. "local" is threads and queues in one
-# process (tests only, no flag).
-TRANSFER_BACKENDS = ("tcp", "mooncake", "local")
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """Sender-side bounds (invariant 7, docs/handoff.md) and deadlines."""
-
-    max_transfer_pages: int = 64  # pages per chunk frame
-    max_inflight_bytes: int = 64 << 20  # bytes sent but not yet acknowledged by the receiver
-    send_timeout_s: float = 30.0  # the whole send (manifest to last frame)
-    connect_timeout_s: float = 5.0
-    io_timeout_s: float = 10.0  # a socket that moves no byte for this long in the middle of a frame is dropped
-
-    def __post_init__(self) -> None:
-        for name in ("max_transfer_pages", "max_inflight_bytes", "send_timeout_s", "connect_timeout_s", "io_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:  # explicit, not assert: these come from CLI flags and `python -O` drops asserts
-                raise KvfenceError(f"transfer: {name} must be > 0, got {value!r}")
+# Transfer ids and the transfer config live in torch-free modules (the router and the flag tables import them).
+from kvfence.transfer.transfer_config import TRANSFER_BACKENDS as TRANSFER_BACKENDS  # noqa: E402
+from kvfence.transfer.transfer_config import TransferConfig  # noqa: E402
+from kvfence.transfer.transfer_id import TRANSFER_ID_HEX as TRANSFER_ID_HEX  # noqa: E402
+from kvfence.transfer.transfer_id import is_transfer_id as is_transfer_id  # noqa: E402
+from kvfence.transfer.transfer_id import new_transfer_id as new_transfer_id  # noqa: E402
+from kvfence.transfer.transfer_id import transfer_ref  # noqa: E402
 
 
 class Link(Protocol):

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvfence.engine.engine_client import Capacity, GenerationChunk
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.server.api import ApiSettings, build_app
 from kvfence.server.launch import ServerThread
 

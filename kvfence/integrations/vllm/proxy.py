@@ -36,8 +36,8 @@ import httpx
 
 from kvfence.auth.keys import ClusterKey
 from kvfence.engine.engine_client import Capacity, GenerationChunk
-from kvfence.engine.sampler import TokenLogprobs
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import KvfenceError
 from kvfence.integrations.vllm import control
 from kvfence.integrations.vllm.params import ConsumeParams, ParamsError, ProducedParams, ProduceParams
