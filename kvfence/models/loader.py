@@ -4,8 +4,9 @@ What it knows: the files of a model directory (config.json, model.safetensors or
 model.safetensors.index.json + shards, tokenizer files, generation_config.json),
 how to check them before trusting them (architecture served, every tensor present
 with the right shape) and how to stream tensors into the model, casting to the
-requested dtype. Every failure is a ModelLoadError / UnsupportedArchitectureError
-whose message names the file at fault.
+requested dtype. A Llama-family config.json is read by `llama_config` when it vouches for
+it (without importing transformers), otherwise by transformers' AutoConfig. Every failure
+is a ModelLoadError / UnsupportedArchitectureError whose message names the file at fault.
 
 What it does not know: serving. It never touches the network: configs are read
 from the directory with local_files_only, weights with safetensors.
@@ -25,6 +26,7 @@ from torch import nn
 
 from kvfence.errors import ModelLoadError, UnsupportedArchitectureError
 from kvfence.kv.layout import KVLayout
+from kvfence.models.llama_config import read_llama_family_config
 from kvfence.models.registry import resolve_architecture
 from kvfence.models.tokenizer import Tokenizer, read_eos_token_ids
 
@@ -37,7 +39,7 @@ class LoadedModel:
     """A model ready to run, and what the engine needs to know about it."""
 
     model: nn.Module  # follows the registry contract (forward(fb, pool) -> logits)
-    hf_config: Any  # transformers PretrainedConfig
+    hf_config: Any  # transformers PretrainedConfig, or for the Llama family `llama_config.LlamaFamilyConfig`
     architecture: str  # e.g. "LlamaForCausalLM"
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
@@ -76,6 +78,9 @@ def _read_config(model_dir: Path) -> tuple[str, Any]:
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(f"{path}: {e}") from e
 
+    light = read_llama_family_config(raw, architecture)  # the Llama family without importing transformers
+    if light is not None:
+        return architecture, light
     from transformers import AutoConfig
 
     try:
