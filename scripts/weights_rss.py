@@ -59,6 +59,7 @@ def main() -> None:
     prompts = [torch.randint(10, engine.vocab_size, (args.input_len,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     engine.generate(prompts, params)
+    time.sleep(1.0)  # an idle engine may hand its heap's free pages back on a thread of its own
     steady = _status_kib("VmRSS")
     print(
         json.dumps(

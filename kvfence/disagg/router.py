@@ -46,19 +46,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvfence.auth.events import SecurityEvents, SecurityEventsCollector
 from kvfence.disagg import messages as P
-from kvfence.disagg.config_checks import require_positive
 from kvfence.disagg.flight import Failure, Flight, FlightState, FromWorker
 from kvfence.disagg.registration import Registrar
+from kvfence.disagg.router_config import RouterConfig
 from kvfence.disagg.workers import ROLES, WorkerEntry, WorkerTable
 from kvfence.engine.admission import admit
 from kvfence.engine.engine_client import Capacity, GenerationChunk
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.errors import CapacityConfigError, InvalidRequestError, KvfenceError, ServiceUnavailableError
+from kvfence.errors import CapacityConfigError, InvalidRequestError, ServiceUnavailableError
 from kvfence.integrity.algorithms import DIGEST_ALGORITHM
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
 from kvfence.integrity.token_hash import token_hash
@@ -71,35 +70,6 @@ integrity_logger = logging.getLogger("kvfence.integrity")
 WORKER_LOST = P.WORKER_LOST
 MAX_BACKLOG = 1024  # messages handled per pass before deadlines and worker health are checked
 _F = FlightState
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    handoff_deadline_s: float = 60.0  # decode must have verified the KV this long after the order (flag)
-    request_timeout_s: float = 300.0  # a request with no news from any worker for this long is failed (flag)
-    register_timeout_s: float = 300.0  # how long to wait at start for the workers below
-    worker_timeout_s: float = 10.0  # a worker silent this long is declared dead (flag)
-    heartbeat_interval_s: float = 0.5  # router -> worker keepalive period
-    suspect_after_s: float = 1.0  # a worker silent this long is routed to only when no other can take the request
-    wait_prefill_workers: int = 1  # start serving once this many prefill workers registered (later ones join)
-    wait_decode_workers: int = 1  # ... and this many decode workers
-    allow_context_above_pool: bool = False
-    model_name: str | None = None  # name served to clients; default: the workers' model name
-    first_token_before_verdict: bool = True  # stream prefill's first token before decode's verdict (flag)
-
-    def __post_init__(self) -> None:
-        for name in ("handoff_deadline_s", "request_timeout_s", "register_timeout_s", "suspect_after_s"):
-            require_positive(self, name)
-        if not self.worker_timeout_s > self.heartbeat_interval_s > 0:
-            raise KvfenceError(
-                f"router: need worker_timeout_s ({self.worker_timeout_s}) > heartbeat_interval_s "
-                f"({self.heartbeat_interval_s}) > 0"
-            )
-        if self.wait_prefill_workers < 1 or self.wait_decode_workers < 1:
-            raise KvfenceError(
-                f"router: wait for at least one worker of each role (prefill {self.wait_prefill_workers}, "
-                f"decode {self.wait_decode_workers})"
-            )
 
 
 class Router:

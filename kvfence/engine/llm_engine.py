@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +44,7 @@ from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
+from kvfence.models.loader import release_freed_heap
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -203,14 +205,13 @@ class LLMEngine:
             was_native = getattr(loaded.model, "panels", False)
             loaded.model.use_native_kernels(kernels == "native")
             if was_native != (kernels == "native"):  # the weights changed layout: return what the old one held
-                from kvfence.models.loader import release_freed_heap
-
                 release_freed_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
+        self._trim_thread: threading.Thread | None = None  # the idle heap trim in flight, if any
 
     # -- requests -------------------------------------------------------------
     def _tokenize(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
@@ -411,7 +412,18 @@ class LLMEngine:
                 if req.grammar is not None and not req.grammar.accept(req.token_ids[-1]):
                     raise KvfenceError(f"request {req.request_id}: sampled a token its grammar does not allow")
             report += changed
+            if not self.scheduler.has_unfinished():
+                self._release_when_idle()
         return self._outputs_of(report)
+
+    def _release_when_idle(self) -> None:
+        """After a forward that left nothing to run: hand the heap's free pages (the steps' activations, which
+        glibc keeps once its mmap threshold has risen) back to the OS, on a thread of its own so that the last
+        tokens do not wait for it (malloc_trim takes a few ms and releases the GIL). One at a time."""
+        if self._trim_thread is not None and self._trim_thread.is_alive():
+            return
+        self._trim_thread = threading.Thread(target=release_freed_heap, name="kvfence-heap-trim", daemon=True)
+        self._trim_thread.start()
 
     @staticmethod
     def _keep_logprobs(sched: SchedulerOutput, result: RunnerOutput) -> None:
