@@ -19,8 +19,7 @@ import argparse
 
 from kvfence.disagg.decode_config import DecodeConfig
 from kvfence.disagg.launcher import LaunchConfig
-from kvfence.disagg.router_config import RouterConfig
-from kvfence.disagg.worker import RECONNECT_TIMEOUT_S
+from kvfence.disagg.router_config import RECONNECT_TIMEOUT_S, RouterConfig
 from kvfence.engine.structured_output import GrammarBudget
 from kvfence.roles import ROLES
 from kvfence.server.tool_parsers import PARSERS

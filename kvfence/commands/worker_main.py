@@ -23,16 +23,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvfence.auth.curve import for_key as curve_keys
-from kvfence.auth.events import SecurityEvents
 from kvfence.auth.keys import ENV_KEY, ENV_KEY_FILE, INSECURE_WARNING, ClusterKey, load_cluster_key
-from kvfence.auth.plane import PlaneAuth
-from kvfence.disagg import messages as P
-from kvfence.disagg.worker import Worker, WorkerIdentity, model_fingerprint, register, run_worker
 from kvfence.errors import KvfenceError
 from kvfence.roles import DECODE, PREFILL, ROUTER
+
+if TYPE_CHECKING:  # each role imports what it runs: the launcher (`--disagg`) stays a small process
+    from kvfence.auth.plane import PlaneAuth
+    from kvfence.disagg.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +79,12 @@ def parse_faults(value: str | None) -> Any:
 
 def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> Worker:
     """The prefill or decode worker the flags describe (engine with its own pool, transport, faults, keys)."""
+    from kvfence.auth.events import SecurityEvents
+    from kvfence.auth.plane import PlaneAuth
     from kvfence.commands.args import grammar_budget
     from kvfence.disagg.decode import DecodeConfig, DecodeWorker
     from kvfence.disagg.prefill import PrefillConfig, PrefillWorker
+    from kvfence.disagg.worker import WorkerIdentity, model_fingerprint
     from kvfence.server.role_engine import build_role_engine
     from kvfence.transfer.base import TransferConfig
 
@@ -217,9 +219,12 @@ def _exit_with_parent() -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    from kvfence.auth.curve import for_key as curve_keys
+    from kvfence.auth.events import SecurityEvents
     from kvfence.auth.keys import api_key_from
     from kvfence.commands.args import flag_values, grammar_budget
     from kvfence.config import resolve_model_dir
+    from kvfence.disagg import messages as P
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.server.api import ApiSettings, build_app
     from kvfence.server.launch import check_free, listen, run_server
@@ -286,7 +291,10 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_worker_role(args: argparse.Namespace) -> int:
+    from kvfence.auth.curve import for_key as curve_keys
     from kvfence.config import resolve_model_dir
+    from kvfence.disagg import messages as P
+    from kvfence.disagg.worker import register, run_worker
 
     if not args.router_address:
         raise KvfenceError(f"{args.role}: --router-address is required (the router's tcp://host:port)")

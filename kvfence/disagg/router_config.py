@@ -3,8 +3,9 @@
 What it knows: the router's deadlines and timeouts (handoff, request, registration, worker liveness, heartbeat),
 how many workers of each role it waits for, the context rule, the served model name and whether prefill's first
 token streams before decode's verdict, with their defaults (which `kvfence.commands.args` shows as the flags'
-defaults). Plain Python, so the flag tables import it without the router's own dependencies. What it does not
-know: what the router does with them (`kvfence.disagg.router`).
+defaults), and how long a worker that lost its router tries to register again. Plain Python, so the flag tables
+import it without the router's own dependencies. What it does not know: what the router does with them
+(`kvfence.disagg.router`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 from kvfence.disagg.config_checks import require_positive
 from kvfence.errors import KvfenceError
+
+RECONNECT_TIMEOUT_S = 60.0  # how long a worker that lost its router tries to register again (--reconnect-timeout-s)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfence.disagg import messages as P
+from kvfence.disagg.router_config import RECONNECT_TIMEOUT_S
 from kvfence.errors import CapacityConfigError, KvfenceError
 
 if TYPE_CHECKING:
     from kvfence.disagg.core_board import CoreBoard
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_TIMEOUT_S = 60.0  # how long a worker that lost its router tries to register again (--reconnect-timeout-s)
 
 
 class Worker(Protocol):

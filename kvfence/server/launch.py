@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-import uvicorn
+from typing import TYPE_CHECKING, Any
 
 from kvfence.errors import KvfenceError
+
+if TYPE_CHECKING:  # imported where a server starts: a worker checks its ports here without loading uvicorn
+    import uvicorn
 
 _GRACEFUL_SHUTDOWN_S = 3
 
@@ -57,7 +58,15 @@ def check_free(host: str, port: int, flag: str) -> None:
         listen(host, port, flag).close()
 
 
+def _server(app: Any, log_level: str) -> uvicorn.Server:
+    import uvicorn
+
+    return uvicorn.Server(_config(app, log_level))
+
+
 def _config(app: Any, log_level: str) -> uvicorn.Config:
+    import uvicorn
+
     return uvicorn.Config(
         app,
         log_level=log_level.lower(),
@@ -86,7 +95,7 @@ def run_server(
     url = url_of(host, sock.getsockname()[1])
     print(banner(url) if banner is not None else f"kvfence: serving {url}", file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+        _server(app, log_level).run(sockets=[sock])
     finally:
         sock.close()
 
@@ -102,7 +111,7 @@ class ServerThread:
         self.app, self.host, self.log_level = app, host, log_level
         self._sock = bind_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(_config(app, log_level))
+        self._server = _server(app, log_level)
         self._thread = threading.Thread(target=self._run, name=f"uvicorn:{self.port}", daemon=True)
         self._error: BaseException | None = None
 
