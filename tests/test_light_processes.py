@@ -37,7 +37,7 @@ import kvfence.commands.worker_main as w
 args = w.build_parser().parse_args(["--role", "router", "--control-port", "1"])
 w.set_torch_threads("router", args.torch_threads)
 import kvfence.disagg.router, kvfence.server.api, kvfence.server.role_engine, kvfence.server.startup
-import kvfence.server.tool_parsers, kvfence.auth.keys
+import kvfence.server.tool_parsers, kvfence.auth.keys, kvfence.models.heap, kvfence.disagg.messages, kvfence.auth.curve
 """
 
 _REPORT = """

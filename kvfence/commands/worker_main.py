@@ -226,6 +226,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvfence.config import resolve_model_dir
     from kvfence.disagg import messages as P
     from kvfence.disagg.router import Router, RouterConfig
+    from kvfence.models.heap import release_freed_heap
     from kvfence.server.api import ApiSettings, build_app
     from kvfence.server.launch import check_free, listen, run_server
     from kvfence.server.role_engine import load_tokenizer
@@ -260,6 +261,7 @@ def run_router(args: argparse.Namespace) -> int:
         router.wait_for_workers()
         router.start()
         tokenizer = load_tokenizer(args, model_dir)
+        release_freed_heap()  # what parsing tokenizer.json and the imports freed (~8 MiB)
         settings = ApiSettings(
             served_model_name=router.model_name,
             max_body_bytes=args.max_body_bytes,

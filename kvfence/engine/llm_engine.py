@@ -44,7 +44,7 @@ from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
-from kvfence.models.loader import release_freed_heap
+from kvfence.models.heap import release_freed_heap
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:

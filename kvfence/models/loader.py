@@ -14,7 +14,6 @@ from the directory with local_files_only, weights with safetensors.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from torch import nn
 
 from kvfence.errors import ModelLoadError, UnsupportedArchitectureError
 from kvfence.kv.layout import KVLayout
+from kvfence.models.heap import release_freed_heap
 from kvfence.models.llama_config import read_llama_family_config
 from kvfence.models.registry import resolve_architecture
 from kvfence.models.tokenizer import Tokenizer, read_eos_token_ids
@@ -225,34 +225,6 @@ def _drop_older_panel_files(path: Path) -> None:
     for old in path.parent.glob(f"{glob.escape(family[0])}-*.panels"):
         if old != path and _panel_file_family(old) == family:
             old.unlink(missing_ok=True)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, or None where the C library is not glibc (looked up once: find_library runs ldconfig)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_freed_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
-
-    Weights freed after loading (the [out, in] originals once their panels exist, the file's float32 tensors
-    after a bfloat16 cast) are mostly below glibc's mmap threshold, so their pages stay in the heap and
-    count as resident until trimmed: about 100 MiB on the 100M preset. So do a step's activations once glibc has
-    raised its threshold (it does after the first large free): the engine calls this when it goes idle.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def load_model(
