@@ -162,7 +162,7 @@ def decode_to_sender(data: bytes | bytearray | memoryview) -> ToSender:
 
 def _refused(error: msgspec.MsgspecError, whose: str) -> FrameError:
     """Why a header did not decode, in words."""
-    if isinstance(error, msgspec.DecodeError):
+    if not isinstance(error, msgspec.ValidationError):  # (a ValidationError is a DecodeError too)
         return FrameError(f"{whose} frame header is not JSON: {error}")
     text = str(error)
     if text.startswith("Invalid value") and text.endswith("at `$.t`"):
