@@ -20,6 +20,8 @@ What it does not know: payloads (a frame's payload travels after its header, raw
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvfence.errors import KvfenceError
@@ -144,20 +146,21 @@ def encode(frame: Frame) -> bytes:
 
 def decode_to_receiver(data: bytes | bytearray | memoryview) -> ToReceiver:
     """The sender's frame `data` encodes; anything else raises `FrameError`."""
-    try:
-        frame: ToReceiver = _TO_RECEIVER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise _refused(e, "sender's") from None
+    frame: ToReceiver = _decode(_TO_RECEIVER, data, "sender's")
     return frame
 
 
 def decode_to_sender(data: bytes | bytearray | memoryview) -> ToSender:
     """The receiver's frame `data` encodes; anything else raises `FrameError`."""
-    try:
-        frame: ToSender = _TO_SENDER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise _refused(e, "receiver's") from None
+    frame: ToSender = _decode(_TO_SENDER, data, "receiver's")
     return frame
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], data: bytes | bytearray | memoryview, whose: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _refused(e, whose) from None
 
 
 def _refused(error: msgspec.MsgspecError, whose: str) -> FrameError:
