@@ -1,10 +1,12 @@
-"""The vLLM connector's control messages: each kind round-trips through its codec, and a pull that is not a
-well-formed `Pull` is refused by prefill with its reason (over the real, keyed control channel), moving nothing."""
+"""The vLLM connector's control messages: each kind round-trips through its codec, and a request that is not a
+well-formed `Pull` is refused by prefill with its reason (over the real, keyed control channel) and counted."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from kvfence.auth.keys import ClusterKey
 from kvfence.integrations.vllm import control
 from kvfence.integrations.vllm.control_messages import (
     Hello,
@@ -18,7 +20,7 @@ from kvfence.integrations.vllm.control_messages import (
     request_from,
     to_header,
 )
-from tests.test_vllm_handoff import Pair
+from kvfence.integrations.vllm.handoff import HandoffConfig, ProducerHandoff, VllmBlockPool, vllm_layout
 
 MESSAGES = [
     (Pull("req", "a" * 32, "tcp://127.0.0.1:9"), request_from),
@@ -49,9 +51,12 @@ def test_a_header_that_is_not_a_request_names_what_is_wrong() -> None:
 
 
 @pytest.fixture
-def pair():
-    p = Pair()
-    yield p
+def producer():
+    tensors = [torch.zeros(4, 2, 4, 8, dtype=torch.bfloat16)]  # one layer of 4 vLLM CPU blocks
+    pool = VllmBlockPool(vllm_layout("LlamaForCausalLM", "cpu", tensors[0].shape[1:], torch.bfloat16, 4, 1), tensors)
+    key = ClusterKey.generate()
+    p = ProducerHandoff(pool, HandoffConfig(), key)
+    yield p, control.control_key(key)
     p.close()
 
 
@@ -59,14 +64,12 @@ def pair():
     ("header", "reason"),
     [
         ({"t": "pull", "rid": "req"}, "malformed request: Object missing required field `xid`"),
-        ({"t": "record", "xid": "X", "vllm_id": "v", "record": {}}, "a 'record' request is not served here"),
-        ({"t": "push", "rid": "req", "xid": "X"}, "a request of an unknown kind: 'push'"),
+        ({"t": "record", "xid": "x", "vllm_id": "v", "record": {}}, "a 'record' request is not served here"),
+        ({"t": "push", "rid": "req", "xid": "x"}, "a request of an unknown kind: 'push'"),
     ],
 )
-def test_prefill_refuses_a_request_that_is_not_a_pull_and_moves_nothing(pair: Pair, header, reason: str) -> None:
-    xid = pair.produce(list(range(8)), [1, 2])
-    header = {k: (xid if v == "X" else v) for k, v in header.items()}
-    reply = control.request(pair.producer.pull_address, header, control.control_key(pair.key))
+def test_prefill_refuses_a_request_that_is_not_a_pull_with_its_reason(producer, header, reason: str) -> None:
+    p, key = producer
+    reply = control.request(p.pull_address, header, key)
     assert reply == {"t": "refused", "reason": reason}
-    stats = pair.producer.stats()
-    assert stats.held == 1 and stats.pulls_refused == 1  # still held: a well-formed pull can still take it
+    assert p.stats().pulls_refused == 1
