@@ -25,6 +25,7 @@ from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import SendHandle, SendStatus, fill_from_bytes
+from kvfence.transfer.frames import Abort, Done, Error, Fenced, Frame, Manifest, Ready
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from tests.helpers.auth import cap, plane_auth, sealed
 
@@ -36,7 +37,7 @@ N = 16
 
 class FakeLink:
     def __init__(self) -> None:
-        self.sent: list[dict] = []
+        self.sent: list[Frame] = []
 
     def send(self, header, payload=()) -> None:
         self.sent.append(header)
@@ -156,7 +157,7 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
     core, link = receiver.core, FakeLink()
     core.on_frame(
         link,
-        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        Manifest("r", cap("r")),
         sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
     assert dec.poll() == DecodeState.RECEIVING
@@ -169,10 +170,10 @@ def test_one_sided_quarantine_outlives_its_deadline_until_the_sender_fences() ->
     other = d_alloc.allocate("other", N - 3)
     assert not set(other) & set(dec.quarantined)
     d_alloc.free("other")
-    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": "y"})  # another transfer's fence: not ours
+    core.on_frame(FakeLink(), Fenced("r", "y"))  # another transfer's fence: not ours
     dec.poll()
     assert not dec.released
-    core.on_frame(FakeLink(), {"t": "fenced", "rid": "r", "xid": cap("r")})  # on a new connection
+    core.on_frame(FakeLink(), Fenced("r", cap("r")))  # on a new connection
     assert dec.poll() == DecodeState.FINISHED
     assert dec.released and d_alloc.num_quarantined == 0 and d_alloc.num_free == N
     d_alloc.check()
@@ -188,12 +189,12 @@ def test_sender_abort_frame_ends_decode_as_aborted_and_settles_the_slot() -> Non
     core, link = receiver.core, FakeLink()
     core.on_frame(
         link,
-        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        Manifest("r", cap("r")),
         sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1, 2]), AUTH),
     )
     core.receive_page("r", cap("r"), 0, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(0)))
     assert dec.poll() == DecodeState.RECEIVING
-    core.on_frame(link, {"t": "abort", "rid": "r", "xid": cap("r"), "reason": "prefill OOM"})
+    core.on_frame(link, Abort("r", cap("r"), "prefill OOM"))
     assert dec.poll() == DecodeState.FINISHED and dec.ok is False
     assert dec.record.reason == "aborted" and "prefill OOM" in dec.record.detail
     assert dec.released and d_alloc.num_free == N
@@ -204,17 +205,17 @@ def test_an_early_manifest_waits_for_decode_to_reserve_and_a_second_one_is_refus
     _, d_pool, p_pool, receiver, sender, config = setup()
     core, link = receiver.core, FakeLink()
     m = build_manifest("r", cap("r"), [1, 2, 3], p_pool, [0])
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
+    core.on_frame(link, Manifest("r", cap("r")), sealed(m, AUTH))
     assert link.sent == []  # parked: no `ready`, so the sender moves no page yet
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
-    assert link.sent[-1]["t"] == "error" and "second manifest" in link.sent[-1]["reason"]
+    core.on_frame(link, Manifest("r", cap("r")), sealed(m, AUTH))
+    assert isinstance(link.sent[-1], Error) and "second manifest" in link.sent[-1].reason
     core.expect("r", [5], cap("r"))  # decode reserves: the parked manifest is taken up
-    assert link.sent[-1] == {"t": "ready", "rid": "r", "xid": cap("r")} and core.slot("r").manifest == m
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
-    assert link.sent[-1]["t"] == "error" and "second manifest" in link.sent[-1]["reason"]
+    assert link.sent[-1] == Ready("r", cap("r")) and core.slot("r").manifest == m
+    core.on_frame(link, Manifest("r", cap("r")), sealed(m, AUTH))
+    assert isinstance(link.sent[-1], Error) and "second manifest" in link.sent[-1].reason
     other = build_manifest("r", "0" * 32, [1, 2, 3], p_pool, [0])
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": "0" * 32}, sealed(other, AUTH))
-    assert link.sent[-1]["t"] == "error" and "expects another transfer" in link.sent[-1]["reason"]
+    core.on_frame(link, Manifest("r", "0" * 32), sealed(other, AUTH))
+    assert isinstance(link.sent[-1], Error) and "expects another transfer" in link.sent[-1].reason
     assert core.slot("r").manifest == m  # the first (right) manifest still holds
     receiver.close()
 
@@ -264,12 +265,12 @@ def test_the_receiver_notifies_decode_whenever_a_transfer_moves_on() -> None:
     core, link = receiver.core, FakeLink()
     core.on_frame(
         link,
-        {"t": "manifest", "rid": "r", "xid": cap("r")},
+        Manifest("r", cap("r")),
         sealed(build_manifest("r", cap("r"), ids, p_pool, [0, 1]), AUTH),
     )
     for i in range(2):
         core.receive_page("r", cap("r"), i, LAYOUT.bytes_per_page, fill_from_bytes(p_pool.read_page(i)), link)
-    core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r"), "pages": 2})
+    core.on_frame(link, Done("r", cap("r"), 2))
     assert calls == ["receiving", "complete"]  # manifest accepted, sender done: each wakes the worker
     assert dec.poll() == DecodeState.VERIFIED
     receiver.close()

@@ -13,6 +13,7 @@ from kvfence.integrity.verify import Expectation, Reason, verify_handoff
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
 from kvfence.transfer.base import ReceiverCore, SlotStatus, fill_from_bytes
+from kvfence.transfer.frames import Done, Manifest
 from tests.helpers.auth import cap, plane_auth, sealed
 
 AUTH = plane_auth()  # one cluster key for every sender and receiver of this module
@@ -62,12 +63,12 @@ def test_verification_passes_iff_every_page_landed_exactly_once(num_tokens: int,
     core = ReceiverCore(dst, AUTH)
     slot = core.expect("r", dst_pages, cap("r"))
     link = _Link()  # every frame of a transfer comes on the connection its manifest came on
-    core.on_frame(link, {"t": "manifest", "rid": "r", "xid": cap("r")}, sealed(m, AUTH))
+    core.on_frame(link, Manifest("r", cap("r")), sealed(m, AUTH))
     payload = {i: SRC.read_page(p) for i, p in enumerate(src_pages)}
     payload[num_pages] = SRC.read_page(src_pages[0])
     for i in sends:
         core.receive_page("r", cap("r"), i, LAYOUT.bytes_per_page, fill_from_bytes(payload[i]))
-    core.on_frame(link, {"t": "done", "rid": "r", "xid": cap("r")})
+    core.on_frame(link, Done("r", cap("r"), len(sends)))
     assert slot.status == SlotStatus.COMPLETE and slot.settled
 
     res = verify_handoff(

@@ -1,10 +1,11 @@
-"""The exit status of the operator tools (`kvfence audit sglang`, `kvfence audit logs`, `kvfence probe`).
+"""The exit status of the operator tools (`kvfence audit sglang|vllm|logs`, `kvfence probe`).
 
 What it knows: the codes, so that a CI job can tell "dangerous" from "could not check":
 0 clean, 1 warnings, 2 critical (the worst finding of a tool that ran to the end), 3 could not check (an input
-that cannot be read or reached, a server that is down or is not SGLang, a target the probe refuses), 4 usage (the
-command line is wrong); that a tool error is one line on stderr (`kvfence <tool>: error: ...`), never a traceback;
-and an argument parser whose usage errors exit with 4 instead of argparse's 2 (which would read as critical).
+that cannot be read or reached, a server that is down or is not the engine the tool checks, a target the probe
+refuses), 4 usage (the command line is wrong); that a tool error is one line on stderr
+(`kvfence <tool>: error: ...`), never a traceback; and an argument parser whose usage errors exit with 4
+instead of argparse's 2 (which would read as critical).
 What it does not know: any finding or rule (kvfence.audit.findings), nor what each tool reads.
 """
 
@@ -24,7 +25,8 @@ USAGE = 4
 
 HELP = (
     "Exit status: 0 clean, 1 warnings, 2 critical finding(s); 3 could not check (an input unreadable or "
-    "missing, a server down or not SGLang, a refused target); 4 usage error. A tool error is one line on stderr."
+    "missing, a server down or not the SGLang/vLLM the tool expects, a refused target); 4 usage error. "
+    "A tool error is one line on stderr."
 )
 
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvfence.audit import sglang_releases as rel
+from kvfence.audit.live_server import LiveServer
 from kvfence.audit.metrics import MetricsSnapshot, parse_metrics
 from kvfence.audit.sglang_cli import parse_argv, parse_launch_command, version_index
 from kvfence.errors import KvfenceError
@@ -335,36 +336,15 @@ def _looks_like_metrics(text: str) -> bool:
 
 def fetch_live(url: str, timeout: float = 10.0) -> dict[str, Any]:
     """GET the SGLang info endpoints (and /metrics when served) of one server; returns a bundle dict."""
-    import httpx
-
-    base = url.rstrip("/")
     bundle: dict[str, Any] = {}
-    with httpx.Client(timeout=timeout) as client:
-
-        def get(path: str) -> httpx.Response | None:
-            try:
-                r = client.get(base + path)
-            except httpx.HTTPError as e:
-                raise KvfenceError(f"cannot reach {base}{path}: {e}") from e
-            return r if r.status_code == 200 else None
-
-        def get_json(paths: Sequence[str]) -> dict[str, Any] | None:
-            for p in paths:
-                r = get(p)
-                if r is not None:
-                    try:
-                        return r.json()
-                    except ValueError:
-                        return None
-            return None
-
-        server_info = get_json(["/server_info", "/get_server_info"])
+    with LiveServer(url, timeout) as live:
+        server_info = live.get_json("/server_info", "/get_server_info")
         if server_info is None:
-            raise KvfenceError(f"{base} answered neither /server_info nor /get_server_info with JSON")
+            raise KvfenceError(f"{live.base} answered neither /server_info nor /get_server_info with JSON")
         bundle["server_info"] = server_info
-        bundle["model_info"] = get_json(["/model_info", "/get_model_info"]) or {}
-        bundle["v1_models"] = get_json(["/v1/models"]) or {}
-        r = get("/metrics")
+        bundle["model_info"] = live.get_json("/model_info", "/get_model_info") or {}
+        bundle["v1_models"] = live.get_json("/v1/models") or {}
+        r = live.get("/metrics")
         if r is not None and _looks_like_metrics(r.text):
             bundle["metrics"] = r.text
     return bundle

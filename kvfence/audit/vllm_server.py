@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvfence.audit.live_server import LiveServer
 from kvfence.audit.sglang_cli import _ENV_RE, _before_shell_stop, _shell_commands, _token_line
 from kvfence.errors import KvfenceError
 
@@ -317,32 +318,18 @@ def from_bundle(role: str, source: str, doc: dict[str, Any]) -> VllmSnapshot:
 
 def fetch_live(url: str, timeout: float = 10.0) -> dict[str, Any]:
     """GET what a vLLM instance tells about itself; a bundle for `from_bundle` (and --save-bundle)."""
-    import httpx
-
-    base = url.rstrip("/")
     bundle: dict[str, Any] = {}
-    with httpx.Client(timeout=timeout) as client:
-
-        def get(path: str) -> httpx.Response | None:
-            try:
-                r = client.get(base + path)
-            except httpx.HTTPError as e:
-                raise KvfenceError(f"cannot reach {base}{path}: {e}") from e
-            return r if r.status_code == 200 else None
-
+    with LiveServer(url, timeout) as live:
         for key, path in (("version", "/version"), ("v1_models", "/v1/models"),
                           ("server_info", "/server_info?config_format=json")):  # fmt: skip
-            r = get(path)
-            if r is not None:
-                try:
-                    bundle[key] = r.json()
-                except ValueError:
-                    pass
-        r = get("/metrics")
+            value = live.get_json(path)
+            if value is not None:
+                bundle[key] = value
+        r = live.get("/metrics")
         if r is not None:
             bundle["metrics"] = r.text
     if "v1_models" not in bundle:
-        raise KvfenceError(f"{base} answered no /v1/models: not a vLLM OpenAI server")
+        raise KvfenceError(f"{live.base} answered no /v1/models: not a vLLM OpenAI server")
     return bundle
 
 

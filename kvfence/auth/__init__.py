@@ -9,6 +9,7 @@ What lives where:
 * `events`: the security events a process counts and logs (a refused handshake, a frame whose MAC
   fails, a manifest that does not authenticate, a transfer id that is not the one issued);
 * `handshake`: the data plane's challenge-response on connect and the per-frame MAC that follows;
+* `plane`: what one data-plane endpoint holds to authenticate (`PlaneAuth`: its derived keys, limits and events);
 * `curve`: the control plane's ZeroMQ CURVE keys and the authenticator that admits only key holders.
 
 The trust model (docs/handoff.md, "Trust model"): a process that holds the key is part of the

@@ -28,7 +28,7 @@ logger = logging.getLogger("kvfence.security")
 class SecurityEvent(str, Enum):
     HANDSHAKE_FAILED = "handshake_failed"  # a data connection that did not prove it holds the key
     FRAME_MAC_INVALID = "frame_mac_invalid"  # a frame of an authenticated connection whose MAC fails
-    FRAME_MALFORMED = "frame_malformed"  # a frame that is not a JSON object with a kind, or a bad page frame
+    FRAME_MALFORMED = "frame_malformed"  # a header that is not a frame of its direction (transfer.frames), bad pages
     HEADER_TOO_LARGE = "header_too_large"  # a frame header over the limit (refused before allocating it)
     PAYLOAD_TOO_LARGE = "payload_too_large"  # a control payload over the limit
     MANIFEST_UNAUTHENTICATED = "manifest_unauthenticated"  # a manifest whose MAC does not verify

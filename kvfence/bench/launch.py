@@ -4,7 +4,7 @@ What it knows: the deployment kinds a benchmark can launch (`LAUNCH_ARGS`: agg i
 `kvfence serve --role aggregated`, disagg is plain `kvfence serve`, a router plus one
 prefill and one decode worker; disagg-noverify adds `--no-verify`; disagg-PxD runs P
 prefill and D decode workers), how to start one on a free loopback port with its log in a
-file and wait for /health, how to stop it (its whole process group), the resident memory
+file and wait for /health, how to stop it (its whole process group; both `server_process`), the resident memory
 of its processes (from /proc), the flags both benchmarks share for launching (--model,
 --server-args, --launch-timeout, --model-name, --i-am-authorised), and the vocabulary size
 a local model directory declares.
@@ -18,18 +18,15 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from kvfence.disagg.launcher import free_port
+from kvfence.server_process import ServerProcess
 
 # `kvfence serve` flags per launch kind: `--role aggregated` is one process; plain `kvfence serve` is a router plus
 # one prefill and one decode worker on loopback; `--no-verify` has decode admit handoffs without checking them;
@@ -81,7 +78,7 @@ def rss_bytes(pids: Sequence[int]) -> int | None:
 
 
 @dataclass
-class LaunchedServer:
+class LaunchedServer(ServerProcess):
     """A `kvfence serve` this tool started: its URL, its process (disagg: the parent of three), and its log."""
 
     label: str
@@ -95,45 +92,9 @@ class LaunchedServer:
     def pids(self) -> list[int]:
         return [self.proc.pid]
 
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        """Wait until /health answers 200; stop the server and raise RuntimeError if it exits or times out first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"{self.label}: server exited with code {self.proc.returncode} before it was ready\n"
-                    f"--- {self.log_path} ---\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.label}: {self.url}/health not ready within {timeout:.0f} s\n{self.log_tail()}")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's process group (a disagg parent stops its workers), SIGKILL after `grace_s`."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is not None:
-                return
-            try:
-                os.killpg(self.proc.pid, sig)  # the server leads its own session (start_new_session)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    @property
+    def title(self) -> str:
+        return f"{self.label}: server"
 
     def __enter__(self) -> LaunchedServer:
         return self

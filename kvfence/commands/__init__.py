@@ -8,6 +8,7 @@ What lives where:
 - `worker_main`: the entry of one disaggregated process (`python -m kvfence.commands.worker_main --role ...`): it
   builds a router, a prefill or a decode worker from the flags and runs it.
 
-Layers, bottom up (tests/test_import_cycles.py keeps every arrow pointing down): errors, roles, auth -> kv,
-integrity -> models -> engine, transfer -> disagg, server, integrations, audit, bench -> commands, cli.
+Layers, bottom up (tests/test_import_cycles.py keeps every arrow pointing down): errors, roles, math_utils,
+server_process, auth -> kv, integrity -> models -> engine, transfer -> disagg, server, integrations, audit, bench ->
+commands, cli.
 """

@@ -147,6 +147,7 @@ def build_worker(args: argparse.Namespace, model_dir: str, key: ClusterKey) -> W
 def throttled_sender(pool: Any, args: argparse.Namespace, auth: PlaneAuth) -> Any:
     """A TCP sender that sends one page per frame and sleeps before each page frame (`--throttle-kv-send`)."""
     from kvfence.transfer.base import TransferConfig
+    from kvfence.transfer.frames import Frame, Pages
     from kvfence.transfer.tcp import TcpSender
 
     delay_text, _, prefix = args.throttle_kv_send.partition("@")
@@ -160,10 +161,10 @@ def throttled_sender(pool: Any, args: argparse.Namespace, auth: PlaneAuth) -> An
             if not getattr(conn, "throttled", False):
                 plain = conn.send
 
-                def send(header: dict[str, Any], payload: Any = ()) -> None:
-                    if header.get("t") == "pages" and str(header.get("rid", "")).startswith(prefix):
+                def send(frame: Frame, payload: Any = ()) -> None:
+                    if isinstance(frame, Pages) and frame.rid.startswith(prefix):
                         time.sleep(delay_s)
-                    plain(header, payload)
+                    plain(frame, payload)
 
                 conn.send, conn.throttled = send, True  # type: ignore[method-assign,attr-defined]
             return conn

@@ -1,22 +1,23 @@
 """The data plane of a KV handoff: what every transport does, whatever carries the bytes.
 
-What it knows: the frames a sender and a receiver exchange, the two cores and the send
-loop (`run_send`) that every transport (local threads, TCP, Mooncake) shares, so the
-protocol and its safety rules live in one place; a transport supplies only how bytes
-move (`PageMover`) and how frames travel (`Link`):
+What it knows: the sequence of frames a sender and a receiver exchange, the two cores and
+the send loop (`run_send`) that every transport (local threads, TCP, Mooncake) shares, so
+the protocol and its safety rules live in one place; a transport supplies only how bytes
+move (`PageMover`) and how frames travel (`Link`). The frames are typed structs
+(`transfer.frames`, kind `t` on the wire); the cores dispatch on their class:
 
-    sender -> receiver   manifest  {rid, xid}              payload: manifest bytes
-                         pages     {rid, xid, seq, idx[], nb[]}  payload: the pages, in idx order
-                         done      {rid, xid, pages}       last frame of a complete transfer
-                         abort     {rid, xid, reason}      last frame of a transfer prefill gave up
-                         aborted   {rid, xid}              last frame after decode asked to abort
-                         fenced    {rid, xid}              on any connection: the transfer's writer is gone
+    sender -> receiver   Manifest  {rid, xid}              payload: manifest bytes
+                         Pages     {rid, xid, seq, idx[], nb[]}  payload: the pages, in idx order
+                         Done      {rid, xid, pages}       last frame of a complete transfer
+                         Abort     {rid, xid, reason}      last frame of a transfer prefill gave up
+                         Aborted   {rid, xid}              last frame after decode asked to abort
+                         Fenced    {rid, xid}              on any connection: the transfer's writer is gone
                                                            (a one-sided sender whose last frame was lost)
-    receiver -> sender   ready     {rid, xid}              the manifest is accepted: send the pages
-                         chunk_ack {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
-                         verdict   {rid, xid, ok, reason}  decode verified (or rejected) the pages
-                         abort     {rid, xid, reason}      decode gave up: stop sending
-                         error     {rid, xid, reason}      unknown request, bad manifest, ...
+    receiver -> sender   Ready     {rid, xid}              the manifest is accepted: send the pages
+                         ChunkAck  {rid, xid, seq, n}      n bytes of chunk seq landed (flow control)
+                         Verdict   {rid, xid, ok, reason}  decode verified (or rejected) the pages
+                         Abort     {rid, xid, reason}      decode gave up: stop sending
+                         Error     {rid, xid, reason}      unknown request, bad manifest, ...
 
 - Prefill sends its manifest as soon as its prompt is computed, to the decode address in its
   order; decode may not have reserved the request's pages yet (it reserves at its own pace,
@@ -56,7 +57,7 @@ move (`PageMover`) and how frames travel (`Link`):
   out by anybody else's frame. Records and logs show `transfer_ref`, a hash of the id, never the
   id itself.
 
-What it does not know: sockets (`transfer.tcp`) or queues (`transfer.local`), whether
+What it does not know: frame bytes (`transfer.frames`), sockets (`transfer.tcp`) or queues (`transfer.local`), whether
 the landed pages are right (`integrity.verify`), or what to do with an ending
 (`disagg.handoff`).
 """
@@ -68,7 +69,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from kvfence.auth.events import SecurityEvent
 from kvfence.auth.plane import PlaneAuth
@@ -78,9 +79,24 @@ from kvfence.integrity.digest import PageBytes
 from kvfence.integrity.manifest import HandoffManifest, ManifestAuthError, ManifestError, seal, unseal
 from kvfence.integrity.verify import CoverageBitmap
 from kvfence.kv.pool import KVPool
+from kvfence.transfer.frames import (
+    Abort,
+    Aborted,
+    ChunkAck,
+    Done,
+    Error,
+    Fenced,
+    Frame,
+    Manifest,
+    Pages,
+    Ready,
+    ToReceiver,
+    ToSender,
+    TransferFrame,
+    Verdict,
+)
 from kvfence.transfer.staging import HostStaging, PageLanding, StagedPages, landing_rows
 
-Header = dict[str, Any]
 Payload = Sequence[bytes | bytearray | memoryview]
 
 
@@ -99,7 +115,7 @@ class Link(Protocol):
     A link may also have `sever()`: shut the connection down at once, from any thread, so that a
     read or write blocked on it fails (TCP). `ReceiverCore.sever` and `SendHandle.sever` use it."""
 
-    def send(self, header: Header, payload: Payload = ()) -> None: ...
+    def send(self, frame: Frame, payload: Payload = ()) -> None: ...
 
 
 def sever_link(link: object) -> bool:
@@ -240,7 +256,7 @@ class ReceiverCore:
             for rid, _ in old:
                 del self._pending[rid]
         for rid, p in old:
-            _reply(p.link, {"t": "error", "rid": rid, "xid": p.xid, "reason": f"decode never reserved request {rid}"})
+            _reply(p.link, Error(rid, p.xid, f"decode never reserved request {rid}"))
 
     def abort(self, request_id: str, reason: str) -> None:
         """Decode gives up on `request_id`: stop writes, tell the sender to stop (also one whose manifest is parked
@@ -250,12 +266,12 @@ class ReceiverCore:
             if request_id not in self._slots:
                 self._end(request_id)
         if parked is not None:
-            _reply(parked.link, {"t": "abort", "rid": request_id, "xid": parked.xid, "reason": reason})
-        self._close(request_id, {"t": "abort", "reason": reason})
+            _reply(parked.link, Abort(request_id, parked.xid, reason))
+        self._close(request_id, lambda rid, xid: Abort(rid, xid, reason))
 
     def verdict(self, request_id: str, ok: bool, reason: str = "") -> None:
         """Tell the sender how verification ended (it may release its source pages)."""
-        self._close(request_id, {"t": "verdict", "ok": ok, "reason": reason})
+        self._close(request_id, lambda rid, xid: Verdict(rid, xid, ok, reason))
 
     def forget(self, request_id: str) -> None:
         """Drop the slot; later frames for it are discarded as unknown."""
@@ -282,7 +298,8 @@ class ReceiverCore:
             return False
         return sever_link(slot.link)
 
-    def _close(self, request_id: str, header: Header) -> None:
+    def _close(self, request_id: str, last_word: Callable[[str, str], ToSender]) -> None:
+        """Close `request_id`'s slot to writes and tell its sender `last_word(rid, xid)` (once)."""
         slot = self._slots.get(request_id)
         if slot is None:
             return
@@ -292,21 +309,21 @@ class ReceiverCore:
             link = slot.link
         if link is not None and not already and not slot.link_closed:
             try:
-                link.send({**header, "rid": request_id, "xid": slot.transfer_id})
+                link.send(last_word(request_id, slot.transfer_id))
             except OSError:
                 pass  # the connection is gone; `link_closed` will settle the slot
 
     # -- transport-side API ----------------------------------------------------------------------------------
-    def on_frame(self, link: Link, header: Header, payload: bytes | bytearray | memoryview = b"") -> None:
-        """Every non-page frame from a sender."""
-        kind, rid, xid = header.get("t"), str(header.get("rid")), str(header.get("xid"))
+    def on_frame(self, link: Link, frame: ToReceiver, payload: bytes | bytearray | memoryview = b"") -> None:
+        """Every non-page frame from a sender (decoded by the transport, `frames.decode_to_receiver`)."""
+        rid, xid = frame.rid, frame.xid
         slot = self._slots.get(rid)
-        if kind == "manifest":
+        if isinstance(frame, Manifest):
             self._on_manifest(link, slot, rid, xid, payload)
             return
         if slot is None or slot.transfer_id != xid:
             return
-        if kind == "fenced":  # the sender's writer for this transfer is gone (sent on any connection)
+        if isinstance(frame, Fenced):  # the sender's writer for this transfer is gone (sent on any connection)
             with slot.lock:
                 slot.sender_final = True
                 if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
@@ -317,17 +334,17 @@ class ReceiverCore:
         if link is not slot.link:  # the transfer's frames come on the connection its manifest came on
             return
         with slot.lock:
-            if kind == "done":
+            if isinstance(frame, Done):
                 slot.sender_final = True
                 if slot.status == SlotStatus.RECEIVING:
                     slot.status = SlotStatus.COMPLETE
                     slot.complete_at = time.monotonic()
-            elif kind == "abort":
+            elif isinstance(frame, Abort):
                 slot.sender_final = True
                 if slot.status in (SlotStatus.WAITING, SlotStatus.RECEIVING):
                     slot.status = SlotStatus.SENDER_ABORTED
-                    slot.error = str(header.get("reason", "sender aborted"))
-            elif kind == "aborted":
+                    slot.error = frame.reason
+            elif isinstance(frame, Aborted):
                 slot.sender_final = True
         self.changed()
 
@@ -341,7 +358,7 @@ class ReceiverCore:
             data = unseal(payload, self.auth.manifest_key)
         except ManifestAuthError as e:
             events.record(SecurityEvent.MANIFEST_UNAUTHENTICATED, f"manifest for request {rid!r}: {e}")
-            link.send({"t": "error", "rid": rid, "xid": xid, "reason": "manifest does not authenticate"})
+            link.send(Error(rid, xid, "manifest does not authenticate"))
             return
         if slot is None:  # decode has not reserved the request yet: park it until `expect`
             self._park(link, rid, xid, payload)
@@ -351,7 +368,7 @@ class ReceiverCore:
                 SecurityEvent.CAPABILITY_MISMATCH,
                 f"manifest for request {rid!r} names transfer {transfer_ref(xid)}, not the one the router issued",
             )
-            link.send({"t": "error", "rid": rid, "xid": xid, "reason": f"request {rid} expects another transfer"})
+            link.send(Error(rid, xid, f"request {rid} expects another transfer"))
             return
         try:
             manifest = HandoffManifest.from_bytes(data)
@@ -363,29 +380,28 @@ class ReceiverCore:
                 SecurityEvent.CAPABILITY_MISMATCH,
                 f"manifest names request {manifest.request_id!r} in a frame for {rid!r}",
             )
-            link.send({"t": "error", "rid": rid, "xid": xid, "reason": "manifest does not match its frame"})
+            link.send(Error(rid, xid, "manifest does not match its frame"))
             return
+        reply: ToSender
         with slot.lock:
             if slot.manifest is not None or slot.status != SlotStatus.WAITING:
-                reply = {"t": "error", "rid": rid, "xid": xid, "reason": f"second manifest for request {rid}"}
+                reply = Error(rid, xid, f"second manifest for request {rid}")
             else:
                 slot.link = link
                 slot.first_frame_at = time.monotonic()
-                reply = None
                 if slot.closed:
-                    reply = {"t": "abort", "rid": rid, "xid": xid, "reason": "decode aborted the request"}
+                    reply = Abort(rid, xid, "decode aborted the request")
                 elif manifest is None:
                     slot.status, slot.error, slot.closed = SlotStatus.ERROR, parse_error, True
-                    reply = {"t": "error", "rid": rid, "xid": xid, "reason": parse_error}
+                    reply = Error(rid, xid, parse_error)
                 else:
                     slot.manifest = manifest
                     slot.status = SlotStatus.RECEIVING
-                    reply = {"t": "ready", "rid": rid, "xid": xid}
+                    reply = Ready(rid, xid)
         self.changed()
-        if reply is not None and reply["t"] == "ready" and self.accepted is not None:
+        if isinstance(reply, Ready) and self.accepted is not None:
             self.accepted(link, slot)
-        if reply is not None:
-            _reply(link, reply)
+        _reply(link, reply)
 
     def _park(self, link: Link, rid: str, xid: str, payload: bytes | bytearray | memoryview) -> None:
         """Keep an authenticated manifest for a request decode has not reserved yet (the first one per request; at
@@ -411,7 +427,7 @@ class ReceiverCore:
             self._on_manifest(link, slot, rid, xid, payload)
             return
         for r, p, why in refused:
-            _reply(p.link, {"t": "error", "rid": r, "xid": p.xid, "reason": why})
+            _reply(p.link, Error(r, p.xid, why))
 
     def landing(self) -> PageLanding | None:
         """A connection's landing for a device pool (None: pages are written in place); the transport calls its
@@ -507,10 +523,10 @@ class _Parked(NamedTuple):
     at: float
 
 
-def _reply(link: Link, header: Header) -> None:
+def _reply(link: Link, frame: ToSender) -> None:
     """Send a frame back to a sender, whose connection may already be gone."""
     try:
-        link.send(header)
+        link.send(frame)
     except OSError:
         pass
 
@@ -622,25 +638,23 @@ class SendHandle:
                 self.status, self.reason = status, reason
             self._cond.notify_all()
 
-    def on_frame(self, header: Header) -> None:
-        kind = header.get("t")
+    def on_frame(self, frame: ToSender) -> None:
         with self._cond:
-            if kind == "ready":
+            if isinstance(frame, Ready):
                 self.ready = True
-            elif kind == "chunk_ack":
-                self.inflight_bytes -= int(header.get("n", 0))
-            elif kind == "verdict":
-                ok = bool(header.get("ok"))
+            elif isinstance(frame, ChunkAck):
+                self.inflight_bytes -= frame.n
+            elif isinstance(frame, Verdict):
                 if not self.finished:
-                    self.status = SendStatus.VERIFIED if ok else SendStatus.REJECTED
-                    self.reason = str(header.get("reason", ""))
-            elif kind == "abort":
-                self.remote_abort = str(header.get("reason", "decode aborted"))
+                    self.status = SendStatus.VERIFIED if frame.ok else SendStatus.REJECTED
+                    self.reason = frame.reason
+            elif isinstance(frame, Abort):
+                self.remote_abort = frame.reason
                 if not self.finished:
                     self.status, self.reason = SendStatus.ABORTED, self.remote_abort
-            elif kind == "error":
+            elif isinstance(frame, Error):
                 if not self.finished:
-                    self.status, self.reason = SendStatus.ERROR, str(header.get("reason", "receiver error"))
+                    self.status, self.reason = SendStatus.ERROR, frame.reason
             self._cond.notify_all()
 
     def on_link_closed(self, cause: str = "") -> None:
@@ -662,10 +676,13 @@ class SenderCore:
                 del self._handles[key]
             self._handles[(handle.request_id, handle.transfer_id)] = handle
 
-    def on_frame(self, header: Header) -> None:
-        h = self._handles.get((str(header.get("rid")), str(header.get("xid"))))
+    def on_frame(self, frame: ToSender) -> None:
+        """A receiver's frame about one transfer goes to that transfer's handle (one about none is the transport's)."""
+        if not isinstance(frame, TransferFrame):
+            return
+        h = self._handles.get((frame.rid, frame.xid))
         if h is not None:
-            h.on_frame(header)
+            h.on_frame(frame)
             if h.finished and h.sender_done:
                 self.discard(h)
 
@@ -801,7 +818,7 @@ def run_send(
         )
 
     try:
-        link.send({"t": "manifest", "rid": rid, "xid": xid}, [seal(m.to_bytes(), manifest_key)])
+        link.send(Manifest(rid, xid), [seal(m.to_bytes(), manifest_key)])
         with handle._cond:  # decode may reserve later than we computed: no page moves before its `ready`
             if not handle._cond.wait_for(
                 lambda: handle.ready or stopping() or handle.finished, timeout=max(0.0, deadline - time.monotonic())
@@ -844,7 +861,7 @@ def run_send(
             upcoming = order[start + config.max_transfer_pages : start + 2 * config.max_transfer_pages]
             if upcoming:
                 mover.lookahead(upcoming, [src_pages[source[i]] for i in upcoming])
-            link.send({"t": "pages", "rid": rid, "xid": xid, "seq": seq, "idx": chunk, "nb": sizes}, payload)
+            link.send(Pages(rid, xid, seq, chunk, sizes), payload)
             handle.chunks_sent += 1
             handle.max_chunk_pages = max(handle.max_chunk_pages, len(chunk))
             handle.pages_sent += len(chunk)
@@ -854,7 +871,7 @@ def run_send(
     except KvfenceError as e:  # the mover failed (a refused write, a peer it cannot write to)
         handle._set(SendStatus.ERROR, str(e))
         try:
-            link.send({"t": "abort", "rid": rid, "xid": xid, "reason": str(e)})
+            link.send(Abort(rid, xid, str(e)))
             handle.final_sent = True
         except OSError:
             pass
@@ -883,21 +900,21 @@ def sender_staging(pool: KVPool, config: TransferConfig) -> HostStaging | None:
     return None if pool.host_visible else HostStaging(pool, config.max_transfer_pages)
 
 
-def _last_frame(handle: SendHandle) -> Header:
+def _last_frame(handle: SendHandle) -> ToReceiver:
     """The frame that ends a transfer, by how it ended; a clean end awaits decode's verdict."""
     rid, xid = handle.request_id, handle.transfer_id
     if handle.local_abort is not None:
         handle._set(SendStatus.ABORTED, handle.local_abort)
-        return {"t": "abort", "rid": rid, "xid": xid, "reason": handle.local_abort}
+        return Abort(rid, xid, handle.local_abort)
     if handle.remote_abort is not None:
-        return {"t": "aborted", "rid": rid, "xid": xid}
+        return Aborted(rid, xid)
     if handle.status == SendStatus.ERROR:
-        return {"t": "abort", "rid": rid, "xid": xid, "reason": handle.reason}
+        return Abort(rid, xid, handle.reason)
     with handle._cond:
         if handle.status == SendStatus.SENDING:
             handle.status = SendStatus.AWAITING_VERDICT
         handle._cond.notify_all()
-    return {"t": "done", "rid": rid, "xid": xid, "pages": handle.pages_sent}
+    return Done(rid, xid, handle.pages_sent)
 
 
 class Receiver(Protocol):

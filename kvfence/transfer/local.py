@@ -9,7 +9,9 @@ destination page.
 
 There is no handshake (the threads share one process), but manifests are sealed and
 checked with the cluster key exactly as over TCP, so every test of the protocol runs
-the manifest authentication and the transfer-id capability.
+the manifest authentication and the transfer-id capability; and every frame header goes
+through the frames' codec (`transfer.frames`: encoded, then decoded for its direction), as
+over TCP, so every test of the protocol runs the codec too.
 
 What it does not know: sockets. It exists for fast tests of the protocol, the state
 machine and every fault; `transfer.tcp` is the one for real processes.
@@ -23,8 +25,8 @@ import threading
 from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.kv.pool import KVPool
+from kvfence.transfer import frames
 from kvfence.transfer.base import (
-    Header,
     Payload,
     ReceiverBase,
     ReceiverCore,
@@ -37,9 +39,8 @@ from kvfence.transfer.base import (
     run_send,
     sender_staging,
 )
+from kvfence.transfer.frames import ChunkAck, Frame, Pages, ToReceiver
 from kvfence.transfer.staging import PageLanding
-
-_CLOSED = "__link_closed__"
 
 
 class LocalFabric:
@@ -69,10 +70,10 @@ class _ReplyLink:
         self.core = core
         self.closed = False
 
-    def send(self, header: Header, payload: Payload = ()) -> None:
+    def send(self, frame: Frame, payload: Payload = ()) -> None:
         if self.closed:
             raise ConnectionResetError("local link closed")
-        self.core.on_frame(header)
+        self.core.on_frame(frames.decode_to_sender(frames.encode(frame)))
 
 
 class _Connection:
@@ -84,16 +85,16 @@ class _Connection:
         self.closed = False
         self.handles: list[SendHandle] = []
 
-    def send(self, header: Header, payload: Payload = ()) -> None:
+    def send(self, frame: Frame, payload: Payload = ()) -> None:
         if self.closed or self.receiver.closed:
             raise ConnectionResetError("local link closed")
         data = b"".join(payload)  # the bytes are in flight from here on
-        self.receiver._queue.put((self.reply, header, data))
+        self.receiver._queue.put((self.reply, frames.decode_to_receiver(frames.encode(frame)), data))
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.receiver._queue.put((self.reply, {"t": _CLOSED}, b""))
+            self.receiver._queue.put((self.reply, None, b""))  # no frame: the link closed
 
 
 class LocalReceiver(ReceiverBase):
@@ -109,7 +110,8 @@ class LocalReceiver(ReceiverBase):
     ) -> None:
         self.core = ReceiverCore(pool, auth, faults, one_sided)
         self.closed = False
-        self._queue: queue.Queue[tuple[_ReplyLink, Header, bytes] | None] = queue.Queue()
+        # (the reply link, the frame or None when the link closed, its payload); None stops the thread
+        self._queue: queue.Queue[tuple[_ReplyLink, ToReceiver | None, bytes] | None] = queue.Queue()
         self._fabric, self._name = fabric, name
         self.address = fabric.register(name, self)
         self._thread = threading.Thread(target=self._loop, name=f"kvfence-local-recv-{name}", daemon=True)
@@ -128,28 +130,26 @@ class LocalReceiver(ReceiverBase):
             item = self._queue.get()
             if item is None:
                 return
-            reply, header, data = item
-            kind = header.get("t")
-            if kind == "pages":
-                rid, xid = str(header["rid"]), str(header["xid"])
+            reply, frame, data = item
+            if isinstance(frame, Pages):
                 off = 0
-                for idx, nb in zip(header["idx"], header["nb"], strict=True):
+                for idx, nb in zip(frame.idx, frame.nb, strict=True):
                     self.core.receive_page(
-                        rid, xid, int(idx), int(nb), fill_from_bytes(memoryview(data)[off : off + nb]), reply, landing
+                        frame.rid, frame.xid, idx, nb, fill_from_bytes(memoryview(data)[off : off + nb]), reply, landing
                     )
                     off += nb
                 if landing is not None:
                     landing.commit()
                 if not reply.closed:
-                    reply.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": len(data)})
+                    reply.send(ChunkAck(frame.rid, frame.xid, frame.seq, len(data)))
                 continue
             if landing is not None:
                 landing.drain()  # any other frame counts only once every page read is in the pool
-            if kind == _CLOSED:
+            if frame is None:
                 reply.closed = True
                 self.core.link_closed(reply)
             else:
-                self.core.on_frame(reply, header, data)
+                self.core.on_frame(reply, frame, data)
 
     def close(self) -> None:
         if not self.closed:

@@ -3,12 +3,12 @@
 What it knows: how to run the protocol of `transfer.base` when the page bytes do not travel in `pages` frames
 but are written by prefill's Mooncake engine into memory decode's engine exposes (`transfer.mooncake_engine`).
 The control link is a TCP connection of `transfer.tcp`, authenticated by its handshake before anything is said;
-on it travel the frames of `transfer.base` plus two:
+on it travel the frames of `transfer.base` plus two (all typed, `transfer.frames`):
 
-    receiver -> sender   hello   {session}                                   first frame, after the handshake
-    receiver -> sender   dest    {rid, xid, num_pages, bases[[addr, page_nbytes]], region[addr, nbytes]}
+    receiver -> sender   Hello   {session}                                   first frame, after the handshake
+    receiver -> sender   Dest    {rid, xid, num_pages, bases[[addr, page_nbytes]], region[addr, nbytes]}
                                                   where this transfer may write, once decode accepted its manifest
-    sender -> receiver   pages   {rid, xid, seq, idx[], nb[]}   no payload: these logical pages were written,
+    sender -> receiver   Pages   {rid, xid, seq, idx[], nb[]}   no payload: these logical pages were written,
                                                                  nb[k] bytes each (a completion notice)
 
 Mooncake has no authentication of its own: any process that can reach an engine's RPC port may read and write
@@ -73,9 +73,8 @@ from kvfence.faults import FaultInjector
 from kvfence.integrity.manifest import HandoffManifest
 from kvfence.kv.layout import KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.transfer import tcp
+from kvfence.transfer import frames, tcp
 from kvfence.transfer.base import (
-    Header,
     Link,
     Payload,
     ReceiveSlot,
@@ -86,6 +85,7 @@ from kvfence.transfer.base import (
     TransferConfig,
     run_send,
 )
+from kvfence.transfer.frames import Abort, Aborted, ChunkAck, Dest, Done, Fenced, Hello, Pages, ToSender
 from kvfence.transfer.mooncake_engine import (
     BufferBase,
     MooncakeEndpoint,
@@ -228,7 +228,7 @@ class MooncakeReceiver(TcpReceiver):
         self._landings: dict[str, _Landing] = {}  # rid -> the landing area of its transfer in progress
         self._retained: dict[tuple[str, str], _PageArea] = {}  # unregistered, a write may still be copying in
         self._stale: dict[tuple[str, str], set[int]] = {}  # stale_page fault: pages not copied into the pool
-        self._hello: Header = {"t": "hello", "session": self.endpoint.session_id}
+        self._hello = Hello(self.endpoint.session_id)
         try:
             # Two-sided as far as the pool goes: only this process writes pool pages (the landing copy).
             super().__init__(pool, host, port, faults, one_sided=False, io_timeout_s=io_timeout_s, auth=auth)
@@ -282,21 +282,20 @@ class MooncakeReceiver(TcpReceiver):
     def _serve(self, conn: _Conn) -> None:
         conn.send(self._hello)
         while True:
-            got = conn.read_frame_header()
+            got = conn.read_frame(frames.decode_to_receiver)
             if got is None:
                 return
-            header, plen = got
-            payload = _read_control_payload(conn, header, plen)
-            kind = header.get("t")
-            if kind == "pages":
-                self._on_pages(conn, header, plen)
-            elif kind == "done":
-                self._land(conn, str(header.get("rid")), str(header.get("xid")))
-                self.core.on_frame(conn, header, payload)
+            frame, plen = got
+            payload = _read_control_payload(conn, frame, plen)
+            if isinstance(frame, Pages):
+                self._on_pages(conn, frame, plen)
+            elif isinstance(frame, Done):
+                self._land(conn, frame.rid, frame.xid)
+                self.core.on_frame(conn, frame, payload)
             else:
-                self.core.on_frame(conn, header, payload)
-                if kind in ("abort", "aborted", "fenced"):  # the sender's last word: its writer has stopped
-                    self._release(str(header.get("rid")), str(header.get("xid")))
+                self.core.on_frame(conn, frame, payload)
+                if isinstance(frame, Abort | Aborted | Fenced):  # the sender's last word: its writer has stopped
+                    self._release(frame.rid, frame.xid)
 
     def _accepted(self, link: Link, slot: ReceiveSlot) -> None:
         """The core accepted a manifest (when it came, or when decode reserved its request after a parked one): give
@@ -313,26 +312,23 @@ class MooncakeReceiver(TcpReceiver):
             self._stale[(rid, xid)] = {p.page}  # what a previous request left in that pool page stays there
         assert area.region is not None
         conn.send(
-            {
-                "t": "dest",
-                "rid": rid,
-                "xid": xid,
-                "num_pages": n,
-                "bases": [[b.addr, b.page_nbytes] for b in area.bases],
-                "region": [area.region.addr, area.region.nbytes],
-            }
+            Dest(
+                rid,
+                xid,
+                num_pages=n,
+                bases=[(b.addr, b.page_nbytes) for b in area.bases],
+                region=(area.region.addr, area.region.nbytes),
+            )
         )
 
-    def _on_pages(self, conn: _Conn, header: Header, plen: int) -> None:
-        rid, xid = str(header["rid"]), str(header["xid"])
-        idx = [int(i) for i in header["idx"]]
-        sizes = [int(nb) for nb in header["nb"]]
+    def _on_pages(self, conn: _Conn, frame: Pages, plen: int) -> None:
+        rid, xid, idx, sizes = frame.rid, frame.xid, frame.idx, frame.nb
         bpp = self.core.pool.layout.bytes_per_page
-        if plen or len(idx) != len(sizes) or any(not 0 <= nb <= bpp for nb in sizes):
+        if plen or any(not 0 <= nb <= bpp for nb in sizes):  # (idx and nb agree in length: `Pages` checks it)
             raise ValueError(f"malformed pages notice: {len(idx)} pages, sizes {sizes[:4]}..., payload {plen}")
         for i, nb in zip(idx, sizes, strict=True):
             self.core.receive_page(rid, xid, i, nb, _landed, conn, notice=True)  # the bytes are in the landing area
-        conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": sum(sizes)})
+        conn.send(ChunkAck(rid, xid, frame.seq, sum(sizes)))
 
     def _land(self, conn: _Conn, rid: str, xid: str) -> None:
         """The sender's `done`: close the landing area to writers, then copy it into the request's pool pages
@@ -410,19 +406,14 @@ class MooncakeSendHandle(SendHandle):
         self.batches = 0
         self.write_seconds = 0.0
 
-    def on_frame(self, header: Header) -> None:
-        if header.get("t") == "dest":
-            addr, nbytes = header["region"]
-            dest = _Dest(
-                int(header["num_pages"]),
-                [BufferBase(int(a), int(n)) for a, n in header["bases"]],
-                Region(int(addr), int(nbytes)),
-            )
+    def on_frame(self, frame: ToSender) -> None:
+        if isinstance(frame, Dest):
+            dest = _Dest(frame.num_pages, [BufferBase(a, n) for a, n in frame.bases], Region(*frame.region))
             with self._cond:
                 self.dest = dest
                 self._cond.notify_all()
             return
-        super().on_frame(header)
+        super().on_frame(frame)
 
 
 class _SenderConn(_Conn):
@@ -434,8 +425,8 @@ class _SenderConn(_Conn):
         self.session = ""
         self.writers = threading.BoundedSemaphore(writers)  # concurrent write_pages calls to this peer
 
-    def on_hello(self, header: Header) -> None:
-        self.session = str(header["session"])
+    def on_hello(self, hello: Hello) -> None:
+        self.session = hello.session
         self.hello.set()
 
 
@@ -547,12 +538,12 @@ class MooncakeSender(TcpSender):
             raise ConnectionError("this Mooncake sender is closed")
         return super()._connect(address)
 
-    def _on_reply(self, conn: _Conn, header: Header) -> None:
-        if header.get("t") == "hello":
+    def _on_reply(self, conn: _Conn, frame: ToSender) -> None:
+        if isinstance(frame, Hello):
             assert isinstance(conn, _SenderConn)
-            conn.on_hello(header)
+            conn.on_hello(frame)
         else:
-            self.core.on_frame(header)
+            self.core.on_frame(frame)
 
     # -- one transfer ------------------------------------------------------------------------------------------
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
@@ -571,7 +562,7 @@ class MooncakeSender(TcpSender):
         """Decode keeps a landing area it gave us until our last frame: a one-sided write may still be copying
         in. Our send thread has ended, so no write of ours can come any more; say so with a `fenced` frame over a
         new control connection, retrying until it goes out or we close."""
-        frame = {"t": "fenced", "rid": handle.request_id, "xid": handle.transfer_id}
+        frame = Fenced(handle.request_id, handle.transfer_id)
         wait = 0.2
         while not self.closed:
             try:

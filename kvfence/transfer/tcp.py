@@ -8,10 +8,13 @@ dropped and counted as a security event. Every frame after that is
 
     u32 header_len | u32 payload_len | header (JSON, UTF-8) | tag (16 bytes) | payload (raw bytes)
 
-(little-endian), where the tag is the frame's MAC over its place in the stream, its prefix
-and its header (`auth.handshake.FrameMac`). A header longer than `MAX_HEADER_BYTES` is
-refused before it is read; a header that is not a JSON object naming its kind, or whose
-tag fails, drops the connection (a security event, never a traceback).
+(little-endian), where the header is a typed frame of `transfer.frames` (`frames.encode`) and
+the tag is the frame's MAC over its place in the stream, its prefix and the header's bytes as
+sent (`auth.handshake.FrameMac`). A header longer than `MAX_HEADER_BYTES` is refused before
+it is read; its tag is checked before it is decoded; a header that does not decode into a
+frame of its direction (`frames.decode_to_receiver` / `decode_to_sender`: not JSON, an
+unknown kind, a missing or mistyped field), or whose tag fails, drops the connection (a
+security event, never a traceback).
 A `pages` frame's payload is its pages back to back, page k being
 `nb[k]` bytes in the layout's logical order. The sender hands the pool's page
 memoryviews straight to `sendmsg` (no copy on the way out); the receiver reads each
@@ -30,12 +33,12 @@ state machine and `integrity.verify` decide that.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvfence.auth import handshake
 from kvfence.auth.events import SecurityEvent
@@ -43,8 +46,8 @@ from kvfence.auth.handshake import FrameMac, HandshakeError
 from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.kv.pool import KVPool
+from kvfence.transfer import frames
 from kvfence.transfer.base import (
-    Header,
     Payload,
     ReceiverBase,
     ReceiverCore,
@@ -56,6 +59,7 @@ from kvfence.transfer.base import (
     run_send,
     sender_staging,
 )
+from kvfence.transfer.frames import ChunkAck, Frame, FrameError, Pages, ToSender
 from kvfence.transfer.staging import PageLanding
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ _IOV_MAX = 512
 _SCRATCH = 1 << 20
 MAX_HEADER_BYTES = 16 << 10  # the largest frame header (a pages frame of 64 pages is ~1 KiB); refused before reading
 _MAX_CONTROL_PAYLOAD = 256 << 20  # a manifest of ~10M pages; anything larger is a broken peer
+_F = TypeVar("_F")  # the frame type a side decodes
 
 
 class FrameRefused(ConnectionError):
@@ -142,11 +147,11 @@ class _Conn:
         except OSError:
             return "?"
 
-    def send(self, header: Header, payload: Payload = ()) -> None:
+    def send(self, frame: Frame, payload: Payload = ()) -> None:
         views = [memoryview(p).cast("B") for p in payload]
-        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb = frames.encode(frame)
         if len(hb) > MAX_HEADER_BYTES:  # our own bug, not the peer's: the peer would refuse it
-            raise ValueError(f"{header.get('t')!r} frame header of {len(hb)} bytes is over {MAX_HEADER_BYTES}")
+            raise ValueError(f"{frame.kind!r} frame header of {len(hb)} bytes is over {MAX_HEADER_BYTES}")
         prefix = _PREFIX.pack(len(hb), sum(len(v) for v in views))
         with self._wlock:
             if self.closed or self.severed:
@@ -159,10 +164,10 @@ class _Conn:
                 self.sever()  # part of a frame may have gone out: nothing after it could be parsed
                 raise
 
-    def read_frame_header(self) -> tuple[Header, int] | None:
-        """The next frame's header and payload length, its MAC checked; None when the connection ended between
-        frames. Raises FrameRefused for a header over the limit (before allocating it), a MAC that fails, or a
-        header that is not a JSON object with a string kind `t`."""
+    def read_frame_header(self) -> tuple[bytes, int] | None:
+        """The next frame's header bytes and payload length, its MAC checked; None when the connection ended
+        between frames. Raises FrameRefused for a header over the limit (before allocating it) or a MAC that
+        fails. `read_frame` decodes them."""
         prefix = bytearray(_PREFIX.size)
         view = memoryview(prefix)
         while True:
@@ -190,13 +195,19 @@ class _Conn:
             raise FrameRefused(
                 SecurityEvent.FRAME_MAC_INVALID, "frame MAC does not verify (injected, altered or replayed)"
             )
+        return hb, plen
+
+    def read_frame(self, decode: Callable[[bytes], _F]) -> tuple[_F, int] | None:
+        """The next frame, authenticated and decoded by `decode` (`frames.decode_to_receiver` on the receiver,
+        `decode_to_sender` on the sender), and its payload length; None as `read_frame_header`. Raises FrameRefused
+        as it does, and for a header that does not decode (a security event)."""
+        got = self.read_frame_header()
+        if got is None:
+            return None
         try:
-            header = json.loads(hb)
-        except ValueError as e:
-            raise FrameRefused(SecurityEvent.FRAME_MALFORMED, f"frame header is not JSON: {e}") from None
-        if not isinstance(header, dict) or not isinstance(header.get("t"), str):
-            raise FrameRefused(SecurityEvent.FRAME_MALFORMED, "frame header is not a JSON object with a kind 't'")
-        return header, plen
+            return decode(got[0]), got[1]
+        except FrameError as e:
+            raise FrameRefused(SecurityEvent.FRAME_MALFORMED, str(e)) from None
 
     def sever(self) -> None:
         """Shut the socket down (from any thread): a read or write blocked on it fails at once. The thread
@@ -361,25 +372,23 @@ class TcpReceiver(ReceiverBase):
                 left -= k
 
         while True:
-            got = conn.read_frame_header()
+            got = conn.read_frame(frames.decode_to_receiver)
             if got is None:
                 return
-            header, plen = got
-            if header.get("t") == "pages":
-                rid, xid = str(header["rid"]), str(header["xid"])
-                sizes = [int(nb) for nb in header["nb"]]
-                if sum(sizes) != plen or any(not 0 <= nb <= bpp for nb in sizes):
-                    raise ValueError(f"malformed pages frame: sizes {sizes[:4]}..., payload {plen}")
-                for idx, nb in zip(header["idx"], sizes, strict=True):
-                    self.core.receive_page(rid, xid, int(idx), int(nb), fill, conn, landing)
+            frame, plen = got
+            if isinstance(frame, Pages):
+                if sum(frame.nb) != plen or any(not 0 <= nb <= bpp for nb in frame.nb):
+                    raise ValueError(f"malformed pages frame: sizes {frame.nb[:4]}..., payload {plen}")
+                for idx, nb in zip(frame.idx, frame.nb, strict=True):
+                    self.core.receive_page(frame.rid, frame.xid, idx, nb, fill, conn, landing)
                 if landing is not None:
                     landing.commit()  # copied to the pool while the next chunk is read
-                conn.send({"t": "chunk_ack", "rid": rid, "xid": xid, "seq": header["seq"], "n": plen})
+                conn.send(ChunkAck(frame.rid, frame.xid, frame.seq, plen))
             else:
-                payload = _read_control_payload(conn, header, plen)
+                payload = _read_control_payload(conn, frame, plen)
                 if landing is not None:
                     landing.drain()  # `done` (or any other word) counts only once the pages are in the pool
-                self.core.on_frame(conn, header, payload)
+                self.core.on_frame(conn, frame, payload)
 
     def close(self) -> None:
         """Stop listening, drop every connection (their slots settle) and wait for the threads to end."""
@@ -402,9 +411,9 @@ class TcpReceiver(ReceiverBase):
             t.join(timeout=5)
 
 
-def _read_control_payload(conn: _Conn, header: Header, plen: int) -> bytes | bytearray:
+def _read_control_payload(conn: _Conn, frame: Frame, plen: int) -> bytes | bytearray:
     if plen > _MAX_CONTROL_PAYLOAD:
-        raise FrameRefused(SecurityEvent.PAYLOAD_TOO_LARGE, f"{header.get('t')!r} frame of {plen} bytes is too large")
+        raise FrameRefused(SecurityEvent.PAYLOAD_TOO_LARGE, f"{frame.kind!r} frame of {plen} bytes is too large")
     return _recv_exact(conn.sock, plen) if plen else b""
 
 
@@ -466,15 +475,15 @@ class TcpSender(SenderBase):
     def _reader(self, conn: _Conn) -> None:
         try:
             while True:
-                got = conn.read_frame_header()
+                got = conn.read_frame(frames.decode_to_sender)
                 if got is None:
                     return
-                header, plen = got
+                frame, plen = got
                 if plen > _MAX_CONTROL_PAYLOAD:
                     raise FrameRefused(SecurityEvent.PAYLOAD_TOO_LARGE, f"reply payload of {plen} bytes")
                 if plen:
                     _recv_exact(conn.sock, plen)
-                self._on_reply(conn, header)
+                self._on_reply(conn, frame)
         except (FrameRefused, *_MALFORMED) as e:
             report_refused(self.auth, conn, conn.peer, e)
         except _LINK_ERRORS:
@@ -483,8 +492,8 @@ class TcpSender(SenderBase):
             conn.close()
             self.core.link_closed(conn.handles, conn.failure)
 
-    def _on_reply(self, conn: _Conn, header: Header) -> None:
-        self.core.on_frame(header)
+    def _on_reply(self, conn: _Conn, frame: ToSender) -> None:
+        self.core.on_frame(frame)
 
     def _transfer(self, link: SenderLink, handle: SendHandle, src_pages: list[int]) -> None:
         run_send(

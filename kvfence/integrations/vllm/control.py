@@ -1,11 +1,12 @@
 """A small request/reply channel between kvfence's vLLM connectors and its front end, authenticated by a key.
 
 What it knows: one exchange per connection, framed like kvfence's data plane
-(`u32 header_len | u32 payload_len | header JSON`, little-endian, no payload):
+(`u32 header_len | u32 payload_len | header JSON`, little-endian, no payload), its messages typed in
+`control_messages` (a header is one of them as a JSON object, `to_header`):
 
-    server -> client   {"t": "hello", "nonce": <32 hex digits>}
-    client -> server   the request, e.g. {"t": "pull", ...} or {"t": "record", ...}, plus "mac" when keyed
-    server -> client   the reply, e.g. {"t": "ok", ...} or {"t": "refused", "reason": ...}
+    server -> client   Hello {"t": "hello", "nonce": <32 hex digits>}
+    client -> server   the request, e.g. Pull {"t": "pull", ...} or Record {"t": "record", ...}, plus "mac" when keyed
+    server -> client   the reply, Ok {"t": "ok", ...} or Refused {"t": "refused", "reason": ...}
 
 The client's "mac" is HMAC-SHA256 under a key derived from the deployment's cluster key (`control_key`), over the
 server's fresh nonce and the request's canonical JSON (sorted keys, no spaces), so a request cannot be forged
@@ -32,6 +33,7 @@ from typing import Any
 
 from kvfence.auth.keys import ClusterKey
 from kvfence.errors import KvfenceError
+from kvfence.integrations.vllm.control_messages import Hello, MessageError, Refused, hello_from, to_header
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +104,11 @@ def request(address: str, header: Header, key: bytes | None, timeout_s: float = 
     try:
         with socket.create_connection(parse_tcp_address(address), timeout=timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv(sock)
-            nonce = hello.get("nonce")
-            if hello.get("t") != "hello" or not isinstance(nonce, str):
-                raise ControlError(f"control server at {address} did not greet: {hello!r:.200}")
+            greeting = _recv(sock)
+            try:
+                nonce = hello_from(greeting).nonce
+            except MessageError as e:
+                raise ControlError(f"control server at {address} did not greet: {e}: {greeting!r:.200}") from None
             out = dict(header)
             if key is not None:
                 out["mac"] = _mac(key, nonce, header)
@@ -149,7 +152,7 @@ class ControlServer:
                 sock.settimeout(self.timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 nonce = secrets.token_hex(16)
-                _send(sock, {"t": "hello", "nonce": nonce})
+                _send(sock, to_header(Hello(nonce)))
                 header = _recv(sock)
                 if self.key is not None:
                     mac = header.get("mac")
@@ -157,14 +160,14 @@ class ControlServer:
                         self.refused_auth += 1
                         logger.warning("kvfence control: refused an unauthenticated %r request from %s",
                                        str(header.get("t"))[:40], peer)  # fmt: skip
-                        _send(sock, {"t": "refused", "reason": "not authenticated"})
+                        _send(sock, to_header(Refused("not authenticated")))
                         return
                 header.pop("mac", None)
                 try:
                     reply = self.handler(header, peer)
                 except Exception as e:  # a handler bug must not take the server down; the client learns why
                     logger.exception("kvfence control: handler failed on %r", str(header.get("t"))[:40])
-                    reply = {"t": "refused", "reason": f"internal error: {type(e).__name__}"}
+                    reply = to_header(Refused(f"internal error: {type(e).__name__}"))
                 _send(sock, reply)
             except (OSError, ControlError, struct.error) as e:
                 self.malformed += 1

@@ -47,6 +47,16 @@ from kvfence.auth.keys import ClusterKey
 from kvfence.auth.plane import PlaneAuth
 from kvfence.faults import FaultInjector
 from kvfence.integrations.vllm import control
+from kvfence.integrations.vllm.control_messages import (
+    MessageError,
+    Ok,
+    Pull,
+    Record,
+    Refused,
+    reply_from,
+    request_from,
+    to_header,
+)
 from kvfence.integrations.vllm.params import ConsumeParams
 from kvfence.integrity.digest import token_hash
 from kvfence.integrity.manifest import HandoffManifest, build_manifest, pages_for_tokens
@@ -318,11 +328,13 @@ class ProducerHandoff:
 
     # -- the pull channel (its own threads) -------------------------------------------------------------------------
     def _on_control(self, header: control.Header, peer: str) -> control.Header:
-        if header.get("t") != "pull":
-            return self._refuse(f"unknown request {str(header.get('t'))[:40]!r}")
-        rid, xid, to = header.get("rid"), header.get("xid"), header.get("to")
-        if not (isinstance(rid, str) and isinstance(xid, str) and isinstance(to, str)):
-            return self._refuse("a pull names rid, xid and to (strings)")
+        try:
+            pull = request_from(header)
+        except MessageError as e:
+            return self._refuse(str(e))
+        if not isinstance(pull, Pull):
+            return self._refuse(f"a {pull.kind!r} request is not served here")
+        rid, xid, to = pull.rid, pull.xid, pull.to
         try:
             to_host, _ = control.parse_tcp_address(to)
         except (control.ControlError, ValueError):
@@ -351,13 +363,13 @@ class ProducerHandoff:
         handle = self.sender.send(to, manifest, pages)
         with self._cond:
             held.handle = handle
-        return {"t": "ok", "pages": manifest.num_pages}
+        return to_header(Ok(manifest.num_pages))
 
     def _refuse(self, reason: str) -> control.Header:
         with self._cond:
             self.counts["refused"] += 1
         logger.warning("kvfence: refused a pull: %s", reason)
-        return {"t": "refused", "reason": reason}
+        return to_header(Refused(reason))
 
     def close(self) -> None:
         """Stop serving pulls, cut every send (their threads exit), close the sender."""
@@ -587,27 +599,27 @@ class ConsumerHandoff:
     def _pull(self, load: _Load) -> None:
         p = load.params
         assert p is not None
-        header = {"t": "pull", "rid": p.request_id, "xid": p.transfer_id, "to": self.receiver.address}
+        header = to_header(Pull(p.request_id, p.transfer_id, self.receiver.address))
         logger.debug("pull start %s", p.request_id)
         try:
-            reply = control.request(p.pull, header, self._control_key(), self.config.io_timeout_s)
-        except control.ControlError as e:
+            reply = reply_from(control.request(p.pull, header, self._control_key(), self.config.io_timeout_s))
+        except (control.ControlError, MessageError) as e:
             load.pull_error = f"cannot ask prefill for the transfer: {e}"
             return
-        if reply.get("t") != "ok":
-            load.pull_error = f"prefill refused the pull: {str(reply.get('reason', reply))[:400]}"
+        if isinstance(reply, Refused):
+            load.pull_error = f"prefill refused the pull: {reply.reason[:400]}"
             return
         load.pulled_at = time.monotonic()
         logger.debug("pull ok %s", p.request_id)
 
     def _send_record(self, to: str, xid: str, vllm_id: str, record: IntegrityRecord) -> None:
-        header = {"t": "record", "xid": xid, "vllm_id": vllm_id, "record": record.to_dict()}
+        header = to_header(Record(xid, vllm_id, record.to_dict()))
         try:
-            reply = control.request(to, header, self._control_key(), self.config.io_timeout_s)
-            if reply.get("t") == "ok":
+            reply = reply_from(control.request(to, header, self._control_key(), self.config.io_timeout_s))
+            if isinstance(reply, Ok):
                 return
-            logger.warning("kvfence: the front end refused the record of %s: %s", record.request_id, reply)
-        except control.ControlError as e:
+            logger.warning("kvfence: the front end refused the record of %s: %s", record.request_id, reply.reason)
+        except (control.ControlError, MessageError) as e:
             logger.warning("kvfence: could not deliver the record of %s: %s", record.request_id, e)
         self.records_undelivered += 1
 

@@ -8,7 +8,7 @@ waiting for /health, and stopping its whole process group. Instances start in pa
 takes most of a minute on two cores.
 
 What it does not know: vLLM itself (it runs `python -m vllm.entrypoints.openai.api_server` with the interpreter it
-is given) or what the instances serve.
+is given) or what the instances serve; waiting for and stopping a started server is `kvfence.server_process`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvfence.disagg.launcher import free_port
+from kvfence.server_process import ServerProcess
 
 CONNECTOR_MODULE = "kvfence.integrations.vllm.connector"
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
@@ -84,57 +82,18 @@ class VllmSpec:
 
 
 @dataclass
-class VllmServer:
+class VllmServer(ServerProcess):
     spec: VllmSpec
     url: str
     command: list[str]
     proc: subprocess.Popen[bytes]
     log_path: Path
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+    tail_lines, poll_s, grace_s = 30, 0.5, 20.0  # vLLM starts and stops slowly
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Until /health answers 200; stops the server and raises RuntimeError if it exits or times out first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"vLLM {self.spec.label} exited with code {self.proc.returncode} before it was ready\n"
-                    f"--- {self.log_path} ---\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM {self.spec.label}: {self.url}/health not ready within {timeout_s:.0f} s\n"
-                           f"{self.log_tail()}")  # fmt: skip
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the instance's process group (API server, engine core, worker), SIGKILL after `grace_s`."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # children that outlived their parent (same group)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    @property
+    def title(self) -> str:
+        return f"vLLM {self.spec.label}"
 
     @property
     def how(self) -> str:

@@ -40,6 +40,7 @@ from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import KvfenceError
 from kvfence.integrations.vllm import control
+from kvfence.integrations.vllm.control_messages import MessageError, Ok, Record, Refused, request_from, to_header
 from kvfence.integrations.vllm.params import ConsumeParams, ParamsError, ProducedParams, ProduceParams
 from kvfence.integrity.digest import token_hash
 from kvfence.integrity.record import IntegrityMetrics, IntegrityRecord
@@ -347,15 +348,19 @@ class VllmPDClient:
     # -- records ----------------------------------------------------------------------------------------------------
     def _on_record(self, header: control.Header, peer: str) -> control.Header:
         """A record from decode's connector (its own thread): hand it to the waiting request."""
-        xid = header.get("xid")
-        if header.get("t") != "record" or not isinstance(xid, str) or xid not in self._waiting:
-            return {"t": "refused", "reason": "no request waits for this transfer id"}
         try:
-            record = IntegrityRecord.from_dict(header.get("record"))
+            msg = request_from(header)
+        except MessageError as e:
+            return to_header(Refused(str(e)))
+        if not isinstance(msg, Record) or msg.xid not in self._waiting:
+            return to_header(Refused("no request waits for this transfer id"))
+        xid = msg.xid
+        try:
+            record = IntegrityRecord.from_dict(msg.record)
         except (TypeError, ValueError) as e:
-            return {"t": "refused", "reason": f"malformed record: {e}"}
+            return to_header(Refused(f"malformed record: {e}"))
         if record.transfer_ref != transfer_ref(xid):
-            return {"t": "refused", "reason": "the record is for another transfer"}
+            return to_header(Refused("the record is for another transfer"))
         loop, fut = self._waiting[xid]
 
         def deliver() -> None:
@@ -363,7 +368,7 @@ class VllmPDClient:
                 fut.set_result(record)
 
         loop.call_soon_threadsafe(deliver)
-        return {"t": "ok"}
+        return to_header(Ok())
 
     def _proxy_record(self, rid: str, xid: str, ids: list[int], reason: Reason, detail: str, t0: float):
         """The record of a choice whose failure the proxy saw itself (or took from decode's record)."""
