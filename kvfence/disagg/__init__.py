@@ -10,7 +10,8 @@ What lives where:
   (`PrefillState`, `DecodeState`) and its checked transition table; `worker`, `worker_engine`: the loop and the
   engine verbs both workers share;
 - `launcher`, `core_board`: the child processes `kvfence serve` starts on one host and the cores they share;
-  `grammars`, `config_checks`: small services of the above.
+  `grammars`, `config_checks`: small services of the above; `router_config`, `decode_config`: their settings, in
+  modules the flag tables import without torch.
 
 What it does not know: HTTP (the server maps its domain errors), argument parsing (`kvfence.commands`), or how page
 bytes move (`kvfence.transfer`) and are checked (`kvfence.integrity`).
