@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvfence.models.native_build import NATIVE_BUILD_ESTIMATE
+from kvfence.models.native_build import NATIVE_BUILD_ESTIMATE, load_built_extension
 
 logger = logging.getLogger(__name__)
 _SOURCE_FILE = Path(__file__).with_name("native_kernels.cpp")  # the C++ (its header says what it knows)
@@ -68,11 +68,14 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
     if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load_inline
-
         source = _SOURCE_FILE.read_text()
         key = hashlib.sha256("\0".join([source, *extra_cflags]).encode()).hexdigest()[:12]  # a new build per edit
         name = f"kvfence_native_kernels_{key}"
+        built = load_built_extension(name)  # without importing torch's builder (~5 MiB resident)
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+
         if not (Path(_get_build_directory(name, False)) / f"{name}.so").exists():
             logger.warning("building kvfence's native CPU kernels (first use here: %s)", NATIVE_BUILD_ESTIMATE)
         module = load_inline(
