@@ -20,10 +20,20 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -54,6 +64,141 @@ inline bf16_t round_bf16(float f) {
 inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
 inline void store_row(const float* src, int64_t n, bf16_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+}
+
+// --- work sharing that does not wait for a descheduled thread ---------------------------------------------------
+// at::parallel_for (OpenMP underneath) gives each thread a fixed share of a range and ends at a barrier, so when a
+// busy neighbour deschedules one thread its partner waits for it (spinning, then sleeping) before the step goes
+// on. run_chunks instead hands out fixed chunks of the range from one atomic counter: the calling thread and
+// the pool's helper threads each take the next chunk until none is left, and the caller then waits only for
+// chunks another thread has taken and not finished. A helper that is not running when a job starts takes no part
+// in it. Which thread computes a chunk never changes what is computed: each output element is still the same
+// float operations, so the results are bit-identical to one thread's.
+//
+// Waiting: a helper spins for GOMP_SPINCOUNT pause iterations (libgomp's variable and unit; 0 with
+// OMP_WAIT_POLICY=PASSIVE, 300,000 when neither is set, as libgomp) for the next job, then sleeps on a futex.
+// Threads in use: at::get_num_threads() at each call (the caller and get_num_threads() - 1 helpers).
+
+inline void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+int64_t spin_count() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  if (policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0)) return 0;
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  if (spin == nullptr || *spin == '\0') return 300000;
+  char* end = nullptr;
+  const long long v = std::strtoll(spin, &end, 10);
+  return v < 0 ? 0 : static_cast<int64_t>(v);
+}
+
+class ChunkPool {
+ public:
+  // f(begin, end) over [0, n) in chunks of `chunk` items (the last may be shorter), each chunk exactly once
+  template <typename F>
+  void run(int64_t n, int64_t chunk, const F& f) {
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    const int threads = at::get_num_threads();
+    if (chunks <= 1 || threads <= 1 || at::in_parallel_region() || !busy_.try_lock()) {
+      f(0, n);
+      return;
+    }
+    std::lock_guard<std::mutex> guard(busy_, std::adopt_lock);
+    start_helpers(threads - 1);
+    job_ = Job{[](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f, n, chunk};
+    done_.store(0, std::memory_order_relaxed);
+    // the word: how many helpers may take part (bits 32+) and how many chunks are left (bits 0-31)
+    work_.store((uint64_t(threads - 1) << 32) | uint64_t(chunks), std::memory_order_release);
+    seq_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&seq_);
+    work(-1);
+    for (int64_t i = 0; done_.load(std::memory_order_acquire) < chunks; ++i) {
+      if (i < 4096) {
+        cpu_relax();
+      } else {
+        sched_yield();  // a helper took a chunk and was descheduled: let it run
+      }
+    }
+  }
+
+ private:
+  struct Job {
+    void (*call)(const void*, int64_t, int64_t);
+    const void* ctx;
+    int64_t n, chunk;
+  };
+
+  // take chunks until none is left; helper `id` (-1: the caller) only while the job admits that many helpers
+  void work(int id) {
+    uint64_t w = work_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t left = w & 0xFFFFFFFFu;
+      if (left == 0 || (id >= 0 && uint64_t(id) >= (w >> 32))) return;
+      if (!work_.compare_exchange_weak(w, w - 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      // chunk left - 1 is ours: the job cannot change until it is done (the caller waits for it)
+      const Job j = job_;
+      const int64_t begin = int64_t(left - 1) * j.chunk;
+      j.call(j.ctx, begin, std::min(j.n, begin + j.chunk));
+      done_.fetch_add(1, std::memory_order_release);
+      w = work_.load(std::memory_order_acquire);
+    }
+  }
+
+  void start_helpers(int n) {
+    while (static_cast<int>(helpers_.size()) < n) {
+      const int id = static_cast<int>(helpers_.size());
+      helpers_.emplace_back([this, id] { helper(id); });
+      helpers_.back().detach();  // lives as long as the process (the pool is never destroyed)
+    }
+  }
+
+  void helper(int id) {
+    const int64_t spins = spin_count();
+    uint32_t seen = seq_.load(std::memory_order_acquire);
+    for (;;) {
+      int64_t i = 0;
+      while (seq_.load(std::memory_order_acquire) == seen && i < spins) {
+        cpu_relax();
+        ++i;
+      }
+      if (seq_.load(std::memory_order_acquire) == seen) {
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        while (seq_.load(std::memory_order_seq_cst) == seen) futex_wait(&seq_, seen);
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      seen = seq_.load(std::memory_order_acquire);
+      work(id);
+    }
+  }
+
+  std::mutex busy_;  // one job at a time; a second caller meanwhile runs its range alone
+  std::vector<std::thread> helpers_;
+  Job job_{};
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<uint32_t> seq_{0};  // bumped for each job; the helpers' futex
+  std::atomic<int> sleepers_{0};
+};
+
+ChunkPool& chunk_pool() {
+  static ChunkPool* pool = new ChunkPool();  // never destroyed: its helpers outlive static destruction
+  return *pool;
+}
+
+template <typename F>
+inline void run_chunks(int64_t n, int64_t chunk, const F& f) {
+  chunk_pool().run(n, chunk, f);
 }
 
 // sum over d of a[d] * b[d]; 16 independent partial sums so the compiler vectorises without reassociating
@@ -249,7 +394,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packe
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(x, B, K, packed + p * K * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -267,7 +412,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   const int64_t Kp = K + (K & 1), panels = (N + kPanel - 1) / kPanel;
   std::vector<bf16_t> xb(B * Kp, 0);
   for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * Kp);
-  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -414,9 +559,9 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #ifdef KVF_AVX512
   const AttendFn<T> fast = attend_kernel<T>(D, Dv, G);
 #endif
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * Dv);
+  run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores, acc;  // per thread, reused across chunks and calls
+    acc.resize(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
       const Unit<T> u{qp + (b * H + hk * G) * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, hk, sc,
@@ -512,7 +657,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  run_chunks(T, 16, [&](int64_t begin, int64_t end) {
     rms_norm_into(xp + begin * E, end - begin, E, wp, static_cast<float>(eps), op + begin * E);
   });
   return out;
