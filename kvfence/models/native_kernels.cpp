@@ -3,8 +3,8 @@
 //
 // What it knows: RMSNorm rows; decode attention reading the paged KV pool in place (float32 or bfloat16 pools);
 // projections (y = x W^T) from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU
-// has it; bfloat16 panels through AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs
-// where it does not); SiLU and
+// has it; bfloat16 panels through AMX tiles where the CPU has AMX-BF16 and K is a multiple of 32, else through
+// AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs where it does not); SiLU and
 // softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
 // built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
@@ -365,6 +365,91 @@ inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, in
 #endif
 }
 
+// columns n0..n0+cols-1 of every row of y [B, N]: + bias, then residual + (the order the torch forward uses)
+inline void add_bias_residual(int64_t B, int64_t n0, int64_t cols, int64_t N, const float* bias, const float* residual,
+                              float* y) {
+  for (int64_t r = 0; r < B; ++r) {
+    float* yr = y + r * N;
+    if (bias != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
+    if (residual != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
+  }
+}
+
+// AMX (TDPBF16PS) for bfloat16 panels, where the build and the CPU have it and Linux grants the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM): the bfloat16 panels already hold, for each pair of k, each column's two
+// weights side by side, which is the layout of AMX's B operand (16 k pairs x 16 columns a tile). A tile
+// product sums its 16 k pairs in the hardware's own order, which is not VDPBF16PS's (the bits differ from the
+// AVX-512 path's in the last places), so once a process has AMX it takes it for every bfloat16 projection whose K
+// is a multiple of 32, at every batch size: a row's result still depends only on that row (each output row
+// of a tile product is its own row's sums), never on its batch-mates. Rows go in tiles of 16 (zero rows past
+// the batch).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(KVF_AVX512)
+#define KVF_AMX 1
+#include <cpuid.h>
+
+constexpr int kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM (Linux 5.16+)
+constexpr int kXfeatureXtiledata = 18;
+
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    if (const char* off = std::getenv("KVFENCE_NATIVE_AMX"); off != nullptr && std::strcmp(off, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles: 0, 1 = C (`rows` rows x 16 float32 columns: the panel's columns 0-15, 16-31); 2 = A (`rows` rows x 16
+// k pairs); 3, 4 = B (16 k pairs x 16 columns x 2). Each C row is its own A row's sums, whatever `rows` is.
+inline void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = t < 3 ? rows : 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y[r * ldy + j] (r < rows, j < cols) of `rows` (the tiles' configured rows) rows of x (bfloat16, ldx apart, Kp
+// each) times one panel
+inline void panel_tile_bf16(const bf16_t* x, int64_t Kp, int64_t ldx, const bf16_t* panel, int64_t cols, float* y,
+                            int64_t ldy, int64_t rows) {
+  alignas(64) float out[16][kPanel];
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t j0 = 0; j0 < Kp / 2; j0 += 16) {
+    _tile_loadd(2, x + 2 * j0, ldx * sizeof(bf16_t));
+    _tile_loadd(3, panel + j0 * 2 * kPanel, 2 * kPanel * sizeof(bf16_t));
+    _tile_loadd(4, panel + j0 * 2 * kPanel + 32, 2 * kPanel * sizeof(bf16_t));
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, &out[0][0], kPanel * sizeof(float));
+  _tile_stored(1, &out[0][16], kPanel * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) std::copy(out[r], out[r] + cols, y + r * ldy);
+}
+#endif
+
+// whether bfloat16 projections with this K run on AMX tiles in this process
+inline bool amx_applies(int64_t K) {
+#ifdef KVF_AMX
+  return K % 32 == 0 && amx_ready();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // One panel of output columns for every row of the batch: rows in groups of 8, 4, 2, 1 (the same chain per
 // output whatever the group), then bias and residual
 template <typename XT, typename WT, typename Rows8, typename Rows4, typename Rows2, typename Rows1>
@@ -375,13 +460,7 @@ inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, 
   for (; b + 4 <= B; b += 4) r4(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
   for (; b + 2 <= B; b += 2) r2(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
   for (; b < B; ++b) r1(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
-  for (int64_t r = 0; r < B; ++r) {
-    float* yr = y + r * N;
-    if (bias != nullptr)
-      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
-    if (residual != nullptr)
-      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
-  }
+  add_bias_residual(B, n0, cols, N, bias, residual, y);
 }
 
 inline int64_t panel_grain(int64_t B, int64_t K) {
@@ -410,9 +489,30 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t Kp = K + (K & 1), panels = (N + kPanel - 1) / kPanel;
-  std::vector<bf16_t> xb(B * Kp, 0);
-  for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * Kp);
+  const bool amx = amx_applies(K);
+  // AMX: rows 32 elements further apart than Kp, so that a tile's 16 rows do not share one L1 set when Kp * 2
+  // bytes is a multiple of 4 KiB
+  const int64_t ldx = amx ? Kp + 32 : Kp;
+  std::vector<bf16_t> xb(B * ldx, 0);
+  for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * ldx);
   run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+#ifdef KVF_AMX
+    if (amx) {
+      // per thread and per call (oneDNN may have changed it since): rows in tiles of 16, then the rest
+      int configured = 0;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+        for (int64_t b0 = 0; b0 < B; b0 += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, B - b0));
+          if (rows != configured) amx_configure(configured = rows);
+          panel_tile_bf16(xb.data() + b0 * ldx, Kp, ldx, packed + p * Kp * kPanel, cols, y + b0 * N + n0, N, rows);
+        }
+        add_bias_residual(B, n0, cols, N, bias, residual, y);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -920,3 +1020,6 @@ torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::T
   return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
                             slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
 }
+
+// whether bfloat16 projections whose K is a multiple of 32 run on AMX tiles in this process
+bool amx_bf16() { return amx_applies(32); }
