@@ -75,8 +75,8 @@ inline void store_row(const float* src, int64_t n, bf16_t* dst) {
 // in it. Which thread computes a chunk never changes what is computed: each output element is still the same
 // float operations, so the results are bit-identical to one thread's.
 //
-// Waiting: a helper spins for GOMP_SPINCOUNT pause iterations (libgomp's variable and unit; 0 with
-// OMP_WAIT_POLICY=PASSIVE, 300,000 when neither is set, as libgomp) for the next job, then sleeps on a futex.
+// Waiting: a helper spins for spin_count() pause iterations (libgomp's variables, rule and unit) for the next
+// job, then sleeps on a futex.
 // Threads in use: at::get_num_threads() at each call (the caller and get_num_threads() - 1 helpers).
 
 inline void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected) {
@@ -93,14 +93,17 @@ inline void cpu_relax() {
 #endif
 }
 
+// libgomp's rule: $GOMP_SPINCOUNT when set (a count, or "infinite"), else 0 with OMP_WAIT_POLICY=PASSIVE, else 300,000
 int64_t spin_count() {
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  if (spin != nullptr && *spin != '\0') {
+    if (std::strncmp(spin, "infinit", 7) == 0) return INT64_MAX;
+    const long long v = std::strtoll(spin, nullptr, 10);
+    return v < 0 ? 0 : static_cast<int64_t>(v);
+  }
   const char* policy = std::getenv("OMP_WAIT_POLICY");
   if (policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0)) return 0;
-  const char* spin = std::getenv("GOMP_SPINCOUNT");
-  if (spin == nullptr || *spin == '\0') return 300000;
-  char* end = nullptr;
-  const long long v = std::strtoll(spin, &end, 10);
-  return v < 0 ? 0 : static_cast<int64_t>(v);
+  return 300000;
 }
 
 class ChunkPool {
