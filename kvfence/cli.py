@@ -64,7 +64,9 @@ def _unknown(parser: argparse.ArgumentParser, extras: list[str]) -> str:
 # when torch loads it: so set before any subcommand module imports torch). libgomp's default, 300,000 iterations,
 # keeps threads spinning for a partner the OS has descheduled when other processes compete for the cores (issue
 # 26.5); 20,000 (the core board's value, disagg/launcher.BOARD_SPINCOUNT) sleeps soon after. $GOMP_SPINCOUNT or
-# $OMP_WAIT_POLICY set by the user win.
+# $OMP_WAIT_POLICY set by the user win. The native kernels' own helper threads follow the same variables.
+# OMP_WAIT_POLICY=PASSIVE is not the default: measured against this (docs/benchmarks.md, "work sharing under
+# contention") it cost 2-22% quiet and gained nothing beyond the noise under two busy loops.
 SPINCOUNT = 20_000
 
 

@@ -3,8 +3,8 @@
 //
 // What it knows: RMSNorm rows; decode attention reading the paged KV pool in place (float32 or bfloat16 pools);
 // projections (y = x W^T) from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU
-// has it; bfloat16 panels through AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs
-// where it does not); SiLU and
+// has it; bfloat16 panels through AMX tiles where the CPU has AMX-BF16 and K is a multiple of 32, else through
+// AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs where it does not); SiLU and
 // softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
 // built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
@@ -20,10 +20,20 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -54,6 +64,144 @@ inline bf16_t round_bf16(float f) {
 inline void store_row(const float* src, int64_t n, float* dst) { std::copy(src, src + n, dst); }
 inline void store_row(const float* src, int64_t n, bf16_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
+}
+
+// --- work sharing that does not wait for a descheduled thread ---------------------------------------------------
+// at::parallel_for (OpenMP underneath) gives each thread a fixed share of a range and ends at a barrier, so when a
+// busy neighbour deschedules one thread its partner waits for it (spinning, then sleeping) before the step goes
+// on. run_chunks instead hands out fixed chunks of the range from one atomic counter: the calling thread and
+// the pool's helper threads each take the next chunk until none is left, and the caller then waits only for
+// chunks another thread has taken and not finished. A helper that is not running when a job starts takes no part
+// in it. Which thread computes a chunk never changes what is computed: each output element is still the same
+// float operations, so the results are bit-identical to one thread's.
+//
+// Waiting: a helper spins for spin_count() pause iterations (libgomp's variables, rule and unit) for the next
+// job, then sleeps on a futex.
+// Threads in use: at::get_num_threads() at each call (the caller and get_num_threads() - 1 helpers).
+
+inline void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+inline void futex_wake_all(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// libgomp's rule: $GOMP_SPINCOUNT when set (a count, or "infinite"), else 0 with OMP_WAIT_POLICY=PASSIVE, else 300,000
+int64_t spin_count() {
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  if (spin != nullptr && *spin != '\0') {
+    if (std::strncmp(spin, "infinit", 7) == 0) return INT64_MAX;
+    const long long v = std::strtoll(spin, nullptr, 10);
+    return v < 0 ? 0 : static_cast<int64_t>(v);
+  }
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  if (policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0)) return 0;
+  return 300000;
+}
+
+class ChunkPool {
+ public:
+  // f(begin, end) over [0, n) in chunks of `chunk` items (the last may be shorter), each chunk exactly once
+  template <typename F>
+  void run(int64_t n, int64_t chunk, const F& f) {
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    const int threads = at::get_num_threads();
+    if (chunks <= 1 || threads <= 1 || at::in_parallel_region() || !busy_.try_lock()) {
+      f(0, n);
+      return;
+    }
+    std::lock_guard<std::mutex> guard(busy_, std::adopt_lock);
+    start_helpers(threads - 1);
+    job_ = Job{[](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f, n, chunk};
+    done_.store(0, std::memory_order_relaxed);
+    // the word: how many helpers may take part (bits 32+) and how many chunks are left (bits 0-31)
+    work_.store((uint64_t(threads - 1) << 32) | uint64_t(chunks), std::memory_order_release);
+    seq_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&seq_);
+    work(-1);
+    for (int64_t i = 0; done_.load(std::memory_order_acquire) < chunks; ++i) {
+      if (i < 4096) {
+        cpu_relax();
+      } else {
+        sched_yield();  // a helper took a chunk and was descheduled: let it run
+      }
+    }
+  }
+
+ private:
+  struct Job {
+    void (*call)(const void*, int64_t, int64_t);
+    const void* ctx;
+    int64_t n, chunk;
+  };
+
+  // take chunks until none is left; helper `id` (-1: the caller) only while the job admits that many helpers
+  void work(int id) {
+    uint64_t w = work_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t left = w & 0xFFFFFFFFu;
+      if (left == 0 || (id >= 0 && uint64_t(id) >= (w >> 32))) return;
+      if (!work_.compare_exchange_weak(w, w - 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      // chunk left - 1 is ours: the job cannot change until it is done (the caller waits for it)
+      const Job j = job_;
+      const int64_t begin = int64_t(left - 1) * j.chunk;
+      j.call(j.ctx, begin, std::min(j.n, begin + j.chunk));
+      done_.fetch_add(1, std::memory_order_release);
+      w = work_.load(std::memory_order_acquire);
+    }
+  }
+
+  void start_helpers(int n) {
+    while (static_cast<int>(helpers_.size()) < n) {
+      const int id = static_cast<int>(helpers_.size());
+      helpers_.emplace_back([this, id] { helper(id); });
+      helpers_.back().detach();  // lives as long as the process (the pool is never destroyed)
+    }
+  }
+
+  void helper(int id) {
+    const int64_t spins = spin_count();
+    uint32_t seen = seq_.load(std::memory_order_acquire);
+    for (;;) {
+      int64_t i = 0;
+      while (seq_.load(std::memory_order_acquire) == seen && i < spins) {
+        cpu_relax();
+        ++i;
+      }
+      if (seq_.load(std::memory_order_acquire) == seen) {
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        while (seq_.load(std::memory_order_seq_cst) == seen) futex_wait(&seq_, seen);
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      seen = seq_.load(std::memory_order_acquire);
+      work(id);
+    }
+  }
+
+  std::mutex busy_;  // one job at a time; a second caller meanwhile runs its range alone
+  std::vector<std::thread> helpers_;
+  Job job_{};
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<uint32_t> seq_{0};  // bumped for each job; the helpers' futex
+  std::atomic<int> sleepers_{0};
+};
+
+ChunkPool& chunk_pool() {
+  static ChunkPool* pool = new ChunkPool();  // never destroyed: its helpers outlive static destruction
+  return *pool;
+}
+
+template <typename F>
+inline void run_chunks(int64_t n, int64_t chunk, const F& f) {
+  chunk_pool().run(n, chunk, f);
 }
 
 // sum over d of a[d] * b[d]; 16 independent partial sums so the compiler vectorises without reassociating
@@ -220,6 +368,91 @@ inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, in
 #endif
 }
 
+// columns n0..n0+cols-1 of every row of y [B, N]: + bias, then residual + (the order the torch forward uses)
+inline void add_bias_residual(int64_t B, int64_t n0, int64_t cols, int64_t N, const float* bias, const float* residual,
+                              float* y) {
+  for (int64_t r = 0; r < B; ++r) {
+    float* yr = y + r * N;
+    if (bias != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
+    if (residual != nullptr)
+      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
+  }
+}
+
+// AMX (TDPBF16PS) for bfloat16 panels, where the build and the CPU have it and Linux grants the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM): the bfloat16 panels already hold, for each pair of k, each column's two
+// weights side by side, which is the layout of AMX's B operand (16 k pairs x 16 columns a tile). A tile
+// product sums its 16 k pairs in the hardware's own order, which is not VDPBF16PS's (the bits differ from the
+// AVX-512 path's in the last places), so once a process has AMX it takes it for every bfloat16 projection whose K
+// is a multiple of 32, at every batch size: a row's result still depends only on that row (each output row
+// of a tile product is its own row's sums), never on its batch-mates. Rows go in tiles of 16 (zero rows past
+// the batch).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(KVF_AVX512)
+#define KVF_AMX 1
+#include <cpuid.h>
+
+constexpr int kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM (Linux 5.16+)
+constexpr int kXfeatureXtiledata = 18;
+
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;  // AMX-BF16, AMX-TILE
+    if (const char* off = std::getenv("KVFENCE_NATIVE_AMX"); off != nullptr && std::strcmp(off, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles: 0, 1 = C (`rows` rows x 16 float32 columns: the panel's columns 0-15, 16-31); 2 = A (`rows` rows x 16
+// k pairs); 3, 4 = B (16 k pairs x 16 columns x 2). Each C row is its own A row's sums, whatever `rows` is.
+inline void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = t < 3 ? rows : 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// y[r * ldy + j] (r < rows, j < cols) of `rows` (the tiles' configured rows) rows of x (bfloat16, ldx apart, Kp
+// each) times one panel
+inline void panel_tile_bf16(const bf16_t* x, int64_t Kp, int64_t ldx, const bf16_t* panel, int64_t cols, float* y,
+                            int64_t ldy, int64_t rows) {
+  alignas(64) float out[16][kPanel];
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t j0 = 0; j0 < Kp / 2; j0 += 16) {
+    _tile_loadd(2, x + 2 * j0, ldx * sizeof(bf16_t));
+    _tile_loadd(3, panel + j0 * 2 * kPanel, 2 * kPanel * sizeof(bf16_t));
+    _tile_loadd(4, panel + j0 * 2 * kPanel + 32, 2 * kPanel * sizeof(bf16_t));
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, &out[0][0], kPanel * sizeof(float));
+  _tile_stored(1, &out[0][16], kPanel * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) std::copy(out[r], out[r] + cols, y + r * ldy);
+}
+#endif
+
+// whether bfloat16 projections with this K run on AMX tiles in this process
+inline bool amx_applies(int64_t K) {
+#ifdef KVF_AMX
+  return K % 32 == 0 && amx_ready();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
 // One panel of output columns for every row of the batch: rows in groups of 8, 4, 2, 1 (the same chain per
 // output whatever the group), then bias and residual
 template <typename XT, typename WT, typename Rows8, typename Rows4, typename Rows2, typename Rows1>
@@ -230,13 +463,7 @@ inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, 
   for (; b + 4 <= B; b += 4) r4(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
   for (; b + 2 <= B; b += 2) r2(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
   for (; b < B; ++b) r1(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
-  for (int64_t r = 0; r < B; ++r) {
-    float* yr = y + r * N;
-    if (bias != nullptr)
-      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] += bias[n];
-    if (residual != nullptr)
-      for (int64_t n = n0; n < n0 + cols; ++n) yr[n] = residual[r * N + n] + yr[n];
-  }
+  add_bias_residual(B, n0, cols, N, bias, residual, y);
 }
 
 inline int64_t panel_grain(int64_t B, int64_t K) {
@@ -249,7 +476,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packe
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(x, B, K, packed + p * K * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -265,9 +492,30 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t Kp = K + (K & 1), panels = (N + kPanel - 1) / kPanel;
-  std::vector<bf16_t> xb(B * Kp, 0);
-  for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * Kp);
-  at::parallel_for(0, panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  const bool amx = amx_applies(K);
+  // AMX: rows 32 elements further apart than Kp, so that a tile's 16 rows do not share one L1 set when Kp * 2
+  // bytes is a multiple of 4 KiB
+  const int64_t ldx = amx ? Kp + 32 : Kp;
+  std::vector<bf16_t> xb(B * ldx, 0);
+  for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * ldx);
+  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+#ifdef KVF_AMX
+    if (amx) {
+      // per thread and per call (oneDNN may have changed it since): rows in tiles of 16, then the rest
+      int configured = 0;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+        for (int64_t b0 = 0; b0 < B; b0 += 16) {
+          const int rows = static_cast<int>(std::min<int64_t>(16, B - b0));
+          if (rows != configured) amx_configure(configured = rows);
+          panel_tile_bf16(xb.data() + b0 * ldx, Kp, ldx, packed + p * Kp * kPanel, cols, y + b0 * N + n0, N, rows);
+        }
+        add_bias_residual(B, n0, cols, N, bias, residual, y);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -414,9 +662,9 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #ifdef KVF_AVX512
   const AttendFn<T> fast = attend_kernel<T>(D, Dv, G);
 #endif
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * Dv);
+  run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores, acc;  // per thread, reused across chunks and calls
+    acc.resize(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
       const Unit<T> u{qp + (b * H + hk * G) * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, hk, sc,
@@ -512,7 +760,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  run_chunks(T, 16, [&](int64_t begin, int64_t end) {
     rms_norm_into(xp + begin * E, end - begin, E, wp, static_cast<float>(eps), op + begin * E);
   });
   return out;
@@ -775,3 +1023,6 @@ torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::T
   return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
                             slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
 }
+
+// whether bfloat16 projections whose K is a multiple of 32 run on AMX tiles in this process
+bool amx_bf16() { return amx_applies(32); }

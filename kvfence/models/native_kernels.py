@@ -21,6 +21,12 @@ batch-mates are (work is split over weight panels and (sequence, KV head), never
 sum; each projection output is one FMA chain over k in order), so a sequence's logits through the
 native step do not depend on the batch it shares.
 
+Work sharing: the kernels hand out chunks of weight panels, or of (sequence, KV head) units, from one atomic
+counter to the calling thread and `torch.get_num_threads() - 1` helper threads of their own, and the caller
+waits only for chunks another thread has taken (not, as at::parallel_for's static split and barrier do, for a
+thread the OS has descheduled). Idle helpers spin for $GOMP_SPINCOUNT pause iterations (0 with
+OMP_WAIT_POLICY=PASSIVE; libgomp's variables, read once when the kernels load), then sleep on a futex.
+
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
 needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
 the source). Engines take them by default where they apply (`ModelConfig.kernels = "auto"`: CPU,
@@ -32,7 +38,11 @@ ahead of time.
 bfloat16: `pack_panels` of a bfloat16 weight makes bfloat16 panels (pairs of k side by side), read by
 AVX512_BF16's VDPBF16PS where the CPU has it and by float FMAs in the same order where it does not (the
 same bits: products of bfloat16s are exact in float32); the input rows are rounded to bfloat16, sums stay
-float32. Decode attention and the decode step read and write bfloat16 pools, computing in float32.
+float32. Where the CPU has AMX-BF16 (and Linux grants the tile state), projections whose K is a multiple of 32
+run on AMX tiles (TDPBF16PS, 16 rows a tile) instead, at every batch size: a tile sums its 16 k pairs in the
+hardware's order, whose bits differ from VDPBF16PS's in the last places, so the AMX and AVX-512 paths are not
+mixed within a process; `load().amx_bf16()` says which one runs (KVFENCE_NATIVE_AMX=0 turns AMX off).
+Decode attention and the decode step read and write bfloat16 pools, computing in float32.
 
 What it does not know: prefill attention, masks other than "the first kv_len keys", float16, or devices
 other than the CPU; callers keep the torch path for those.
@@ -88,8 +98,9 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
                 "packed_linear",
                 "llama_decode_layers",
                 "llama_decode_step",
+                "amx_bf16",
             ],  # fmt: skip
-            # at::parallel_for is OpenMP: serial without -fopenmp
+            # -fopenmp: torch's thread count and parallel-region query (at::get_num_threads, in_parallel_region)
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
