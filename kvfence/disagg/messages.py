@@ -39,7 +39,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
@@ -49,6 +49,9 @@ from kvfence.auth.events import SecurityEvent, SecurityEvents
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.errors import KvfenceError
+
+if TYPE_CHECKING:  # the router imports this module and never loads torch
+    from kvfence.disagg.worker_engine import WorkerEngine
 
 MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped
 
@@ -182,7 +185,10 @@ def batch(messages: list[Message]) -> Message | None:
     return messages[0] if len(messages) == 1 else Batch(list(messages))  # type: ignore[arg-type]
 
 
-def replace(msg: Any, **changes: Any) -> Any:
+_M = TypeVar("_M", bound=msgspec.Struct)
+
+
+def replace(msg: _M, **changes: Any) -> _M:
     """A copy of `msg` with `changes` (messages are frozen)."""
     return msgspec.structs.replace(msg, **changes)
 
@@ -219,7 +225,7 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         raise WireError(f"sampling params: {e}") from None
 
 
-def engine_pool_stats(engine: Any) -> dict[str, Any]:
+def engine_pool_stats(engine: WorkerEngine) -> dict[str, Any]:
     """The engine half of a worker's WorkerStats payload: its KV pool and request queues."""
     s = engine.stats()
     return {

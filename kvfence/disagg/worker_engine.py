@@ -11,12 +11,13 @@ What it does not know: how the engine schedules or runs the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvfence.config import ResolvedEngineConfig
     from kvfence.engine.llm_engine import EngineStats, RequestOutput
     from kvfence.engine.sampling_params import SamplingParams
+    from kvfence.engine.scheduler import Scheduler
     from kvfence.engine.token_logprobs import TokenLogprobs
     from kvfence.kv.allocator import PageAllocator
     from kvfence.kv.pool import KVPool
@@ -55,7 +56,7 @@ class PrefillEngine(WorkerEngine, Protocol):
 class DecodeEngine(WorkerEngine, Protocol):
     """Decode: reserve pages for the router's length, then add the request once its KV verified."""
 
-    scheduler: Any  # read only to advance a seeded request's generator past prefill's draw
+    scheduler: Scheduler  # read only to advance a seeded request's generator past prefill's draw
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None: ...
     def report_pending(self) -> list[RequestOutput]: ...
