@@ -336,14 +336,32 @@ def mooncake_server(
         yield s
 
 
-def test_a_mooncake_peer_learns_no_address_and_cannot_write_into_decodes_pool(
+def test_a_mooncake_peer_writing_into_every_buffer_it_finds_never_gets_a_request_served_over_its_bytes(
     mooncake_server: LaunchedServer, tmp_path: Path
 ) -> None:
     server = mooncake_server
     solo = tokens_of(complete(server, MODEL, "mc-solo", max_tokens=48))
     attacker = run_attacker("mooncake", "--decode", decode_address(server), "--seconds", "15", ready=tmp_path / "r")
-    victim = complete(server, MODEL, "mc-victim", max_tokens=48)  # decoding while the attacker tries to write
+    outcomes: list[str] = []
+    while attacker.poll() is None:  # handoffs in flight for as long as the attacker looks for buffers to write
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 0},
+            headers={"X-Request-Id": f"mc-victim-{len(outcomes)}"},
+            timeout=120,
+        )
+        if r.status_code == 200:  # served: only over its own, verified KV
+            body = r.json()
+            assert body["choices"][0]["kvfence"]["integrity"]["status"] == "verified", body
+            assert tokens_of(body) == solo, body
+            outcomes.append("verified")
+        else:  # or failed cleanly, as an OpenAI-style error
+            assert "error" in r.json(), r.text
+            outcomes.append(str(r.status_code))
     result = result_of(attacker)
-    assert result["landed"] == 0, result
-    assert tokens_of(victim) == solo
-    assert victim["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
+    print("mooncake attacker:", result, "victims:", outcomes)
+    assert not result["hello_told_session"], result  # nothing before authentication names decode's engine
+    assert result["rounds"] >= 3 and outcomes, (result, outcomes)
+    after = complete(server, MODEL, "mc-after", max_tokens=48)  # the deployment is whole after the attack
+    assert tokens_of(after) == solo
+    assert after["choices"][0]["kvfence"]["integrity"]["status"] == "verified"

