@@ -341,7 +341,9 @@ def test_a_mooncake_peer_writing_into_every_buffer_it_finds_never_gets_a_request
 ) -> None:
     server = mooncake_server
     solo = tokens_of(complete(server, MODEL, "mc-solo", max_tokens=48))
-    attacker = run_attacker("mooncake", "--decode", decode_address(server), "--seconds", "15", ready=tmp_path / "r")
+    attacker = run_attacker(
+        "mooncake", "--decode", decode_address(server), "--seconds", "15", "--min-rounds", "5", ready=tmp_path / "r"
+    )
     outcomes: list[str] = []
     while attacker.poll() is None:  # handoffs in flight for as long as the attacker looks for buffers to write
         r = httpx.post(
@@ -361,7 +363,7 @@ def test_a_mooncake_peer_writing_into_every_buffer_it_finds_never_gets_a_request
     result = result_of(attacker)
     print("mooncake attacker:", result, "victims:", outcomes)
     assert not result["hello_told_session"], result  # nothing before authentication names decode's engine
-    assert result["rounds"] >= 3 and outcomes, (result, outcomes)
+    assert result["rounds"] >= 5 and outcomes, (result, outcomes)
     after = complete(server, MODEL, "mc-after", max_tokens=48)  # the deployment is whole after the attack
     assert tokens_of(after) == solo
     assert after["choices"][0]["kvfence"]["integrity"]["status"] == "verified"

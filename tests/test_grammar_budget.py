@@ -138,7 +138,7 @@ def test_a_request_that_finds_every_slot_busy_is_told_so(tiny_llama_dir: Path) -
     compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
     one_slot = GrammarBudget(max_grammar_bytes=10**7, compile_timeout_s=0.3, max_concurrent=1)
     with pytest.raises(GrammarTooComplexError):  # holds the only slot for ~3 s after its budget ends
-        compiler.compile_within(StructuredOutputs(json=enum_schema(10_000)), one_slot)
+        compiler.compile_within(StructuredOutputs(json=enum_schema(20_000)), one_slot)
     with pytest.raises(GrammarCompilerBusyError):
         compiler.compile_within(StructuredOutputs(json_object=True), one_slot)
 

@@ -57,9 +57,26 @@ BOARD_SPINCOUNT = 20_000
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the OS says is free right now on `host` (bound, read, closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1", taken: Sequence[int] = ()) -> list[int]:
+    """`n` different ports the OS says are free right now on `host`, none of them in `taken`. All are held bound
+    until the last is picked: ports picked one at a time can repeat (the OS may hand a closed port out again)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
 
 
 @dataclass(frozen=True)
@@ -107,15 +124,16 @@ class Launcher:
         """`key`: the deployment's cluster key (default: a fresh one, known only to this launcher's children)."""
         self.config = config
         self.key = key if key is not None else ClusterKey.generate()
-        picked = list(config.handoff_ports)
-        while len(picked) < config.num_decode:
-            port = free_port(config.host)
-            if port not in picked:
-                picked.append(port)
+        given = [p for p in (config.http_port, config.control_port, *config.handoff_ports) if p]
+        missing = (not config.http_port) + (not config.control_port) + config.num_decode - len(config.handoff_ports)
+        fresh = iter(free_ports(missing, config.host, taken=given))  # one pick: no port twice
         self.ports = LaunchedPorts(
-            http=config.http_port or free_port(config.host),
-            control=config.control_port or free_port(config.host),
-            handoff=tuple(picked),
+            http=config.http_port or next(fresh),
+            control=config.control_port or next(fresh),
+            handoff=(
+                *config.handoff_ports,
+                *(next(fresh) for _ in range(config.num_decode - len(config.handoff_ports))),
+            ),
         )
         self.slots: tuple[str, ...] = (
             "router",

@@ -226,7 +226,7 @@ def mooncake(args: argparse.Namespace) -> dict[str, Any]:
     rounds = writes = landed = 0
     _ready(args)
     deadline = time.monotonic() + args.seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or rounds < args.min_rounds:
         ep = MooncakeEndpoint("127.0.0.1")  # fresh: a new engine fetches each peer's buffer list again
         ep.register(junk)
         for port in sorted(_listening_ports() - {ep.rpc_port}):
@@ -254,6 +254,7 @@ def main() -> int:
     p.add_argument("--prompt-ids", default="[]")
     p.add_argument("--recording", default="")
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--min-rounds", type=int, default=1, help="mooncake: scan rounds to finish, however long they take")
     p.add_argument("--ready-file", default="", help="created once the attack is under way")
     args = p.parse_args()
     result = {"hijack": hijack, "dos": dos, "header": header, "replay": replay, "mooncake": mooncake}[args.attack](args)
