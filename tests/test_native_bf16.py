@@ -56,7 +56,10 @@ def test_bf16_projection_gives_the_same_bits_with_and_without_avx512_bf16() -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 32), (8, 2, 64), (2, 1, 128)])  # generic; register-held
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D"),
+    [(4, 2, 32), (8, 2, 64), (2, 1, 128), (12, 4, 128), (8, 2, 128)],  # generic; register-held G = 4, 2, 3, 4
+)
 def test_bf16_attention_over_bf16_pools_matches_torch(H: int, Hkv: int, D: int) -> None:
     from kvfence.models.native_kernels import paged_decode_attention
 

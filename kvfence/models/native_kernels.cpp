@@ -648,6 +648,15 @@ AttendFn<T> attend_kernel(int64_t D, int64_t Dv, int64_t G) {
       case 1: return attend_avx512<T, 8, 1>;
       case 2: return attend_avx512<T, 8, 2>;
     }
+    // bfloat16 pools only: 3 and 4 query heads per KV head (e.g. 12/4 heads) hold more zmm than there are (the
+    // compiler spills some), still several times the generic loops' speed; float32 keeps the generic loops'
+    // bits for these shapes
+    if (std::is_same<T, bf16_t>::value) {
+      switch (G) {
+        case 3: return attend_avx512<T, 8, 3>;
+        case 4: return attend_avx512<T, 8, 4>;
+      }
+    }
   }
   return nullptr;
 }
