@@ -1,75 +1,39 @@
-"""A prefill's transient memory: the MLP in row chunks (same bits as in one piece) and glibc's fixed thresholds.
+"""A prefill's transient memory: glibc's thresholds fixed by an engine whose tensors come in huge pages.
 
 The aggregated engine's peak resident memory over its start is a prefill's activations plus what glibc keeps of
-them (docs/benchmarks.md, "Aggregated peak memory"); these check that the chunked MLP computes exactly what the
-unchunked one does, against transformers too, and that an engine fixes glibc's mmap threshold so a large block
-freed after a step is unmapped instead of kept.
+them (docs/benchmarks.md, "Aggregated peak memory"); these check that an engine fixes glibc's mmap threshold, so
+a large block freed after a step is unmapped instead of kept, exactly when torch's blocks come in huge pages,
+that the CLI asks torch for them before torch loads, and that a user's settings win.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from kvfence.config import CacheConfig, EngineConfig, ModelConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.models import heap
-from kvfence.models import llama as llama_module
-from kvfence.models.loader import load_model
-from tests.test_models_llama import PagedRunner, assert_close, hf_logits, hf_model, prompt_of
-
-LENGTHS = (40, 33, 27)  # 100 prefill rows in one forward
 
 
-def _prefill_logits(d: Path, rows: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[int]]:
-    """Every prompt's logits (all rows) from one native float32 prefill with MLP chunks of `rows`, and 3
-    greedy decode tokens of the first prompt after it."""
-    monkeypatch.setattr(llama_module, "PREFILL_MLP_ROWS", rows)
-    lm = load_model(d, progress=False)
-    model: Any = lm.model  # a LlamaForCausalLM
-    model.use_native_kernels(True)
-    runner = PagedRunner(lm)
-    prompts = [prompt_of(n, seed=20 + i) for i, n in enumerate(LENGTHS)]
-    got = runner.forward([(f"s{i}", p, "all") for i, p in enumerate(prompts)])
-    tokens = [int(got[0][-1].argmax())]
-    for _ in range(2):
-        (lg,) = runner.forward([("s0", [tokens[-1]], "last")])
-        tokens.append(int(lg[0].argmax()))
-    runner.alloc.check()
-    return got, tokens
+def _engine(d: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=ModelConfig(model_dir=str(d)), cache=CacheConfig()))
 
 
-def test_chunked_prefill_mlp_equals_one_piece_bit_for_bit(make_model, monkeypatch: pytest.MonkeyPatch) -> None:
-    d = make_model(seed=5)
-    calls: list[int] = []
-    real = llama_module.DecoderLayer._mlp_rows
-
-    def counting(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        calls.append(x.shape[0])
-        return real(self, x)
-
-    monkeypatch.setattr(llama_module.DecoderLayer, "_mlp_rows", counting)
-    whole, whole_tokens = _prefill_logits(d, 10**9, monkeypatch)
-    assert calls[:2] == [sum(LENGTHS)] * 2  # one piece per layer (2 layers)
-    calls.clear()
-    chunked, chunked_tokens = _prefill_logits(d, 16, monkeypatch)
-    assert calls[:8] == [16] * 6 + [4, 16]  # 100 rows: 6 chunks of 16 and one of 4, then the next layer
-    for a, b in zip(whole, chunked, strict=True):
-        assert torch.equal(a, b)
-    assert chunked_tokens == whole_tokens
-    ref = hf_model(d)
-    for i, n in enumerate(LENGTHS):  # and against transformers' forward of each prompt
-        assert_close(chunked[i], hf_logits(ref, prompt_of(n, seed=20 + i)))
-
-
-def test_an_engine_fixes_glibcs_thresholds(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_fixes_glibcs_thresholds(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]
+) -> None:
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.delenv(name, raising=False)
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model_dir=str(tiny_llama_dir)), cache=CacheConfig()))
+    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
+    thp_mode("always [madvise] never")
+    engine = _engine(tiny_llama_dir)
     if heap._libc() is None or not hasattr(heap._libc(), "mallopt"):
         pytest.skip("not glibc")
     assert engine.heap_bounds == heap.HeapBounds(heap.ENGINE_MMAP_THRESHOLD, heap.ENGINE_TRIM_THRESHOLD)
@@ -92,9 +56,56 @@ def test_an_engine_fixes_glibcs_thresholds(tiny_llama_dir: Path, monkeypatch: py
         libc.free(small)
 
 
-def test_a_users_glibc_tunable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_fixed_threshold_without_huge_pages(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]
+) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv(heap.TORCH_THP_ENV, raising=False)
+    assert _engine(tiny_llama_dir).heap_bounds is None  # torch not asked for huge pages
+    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
+    thp_mode("always madvise [never]")
+    assert heap.bound_step_heap() is None  # asked, but the kernel gives none
+    monkeypatch.setattr(heap, "_THP_MODE", "/nonexistent/transparent_hugepage/enabled")
+    assert heap.bound_step_heap() is None
+
+
+def test_a_users_glibc_tunable_wins(monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]) -> None:
+    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
+    thp_mode("[always] madvise never")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert heap.bound_step_heap() is None
+
+
+def test_the_cli_asks_torch_for_huge_pages_before_torch_loads() -> None:
+    # records whether torch had loaded when the CLI asked (`bench --help` imports the bench modules, torch with them)
+    probe = (
+        "import os, sys\n"
+        "from kvfence import cli\n"
+        "seen = []\n"
+        "ask = cli.ask_torch_for_huge_pages\n"
+        "cli.ask_torch_for_huge_pages = lambda: (seen.append('torch' in sys.modules), ask())\n"
+        "try:\n    cli.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), seen, 'torch' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != heap.TORCH_THP_ENV}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "1 [False] True"
+    env[heap.TORCH_THP_ENV] = "0"  # the user's value stands
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "0 [False] True"
+
+
+@pytest.fixture
+def thp_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """thp_mode(text): the kernel's transparent_hugepage/enabled reads `text` for models.heap."""
+
+    def set_mode(text: str) -> None:
+        f = tmp_path / "enabled"
+        f.write_text(text + "\n")
+        monkeypatch.setattr(heap, "_THP_MODE", str(f))
+
+    return set_mode
 
 
 def _mapping_of(address: int) -> str:

@@ -163,9 +163,6 @@ PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection we
 # against the panels' 190, the unpacking (0.7 ms) included; break-even near 64 rows. float32 stays on the panels
 # (oneDNN's 300 GFLOP/s against their 270-300 does not pay for the unpacking).
 BF16_GEMM_MIN_ROWS = 128
-# A float32 prefill runs its MLP in row chunks of at most this many rows (DecoderLayer._mlp): at 1,024 rows its
-# [T, 2I] gate/up output and SiLU product are the forward's largest activations (24 MiB on the 100M preset).
-PREFILL_MLP_ROWS = 256
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -290,30 +287,10 @@ class DecoderLayer(nn.Module):
         del qkv, qk, q, k, v
         x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
         del attn
-        return self._mlp(x)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, E] -> x + down(silu(gate(norm x)) * up(norm x)) [T, E].
-
-        A float32 prefill of more than PREFILL_MLP_ROWS rows runs in row chunks of at most that many (every row
-        its own chain over k in the native panels, so the same bits): the [T, 2I] gate/up output is a prefill's
-        largest activation (16 MiB at 1,024 rows on the 100M preset), and chunks keep it at a few MiB.
-        """
-        T = x.shape[0]
-        if T <= PREFILL_MLP_ROWS or x.dtype != torch.float32 or "gate_up_w" not in self.panels:
-            return self._mlp_rows(x)
-        out = torch.empty_like(x)  # [T, E]
-        for start in range(0, T, PREFILL_MLP_ROWS):
-            rows = slice(start, start + PREFILL_MLP_ROWS)
-            out[rows] = self._mlp_rows(x[rows])
-        return out
-
-    def _mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, E] -> x + the SwiGLU MLP of norm(x) [T, E], all rows in one call per projection."""
         h = _norm(x, self.post_norm, self.eps, self.native)
         gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
-        del gu  # the [T, 2I] output goes before the down projection allocates
+        del h, gu  # the [T, 2I] output goes before the down projection allocates
         return self._project("down_w", act, self.down_b, x)
 
 
