@@ -16,7 +16,6 @@ import os
 import sys
 
 from kvfence.errors import KvfenceError
-from kvfence.models.heap import ask_torch_for_huge_pages
 
 _COMMANDS = ["generate", "serve", "bench", "audit", "probe", "cluster-key", "proxy"]
 
@@ -74,8 +73,6 @@ SPINCOUNT = 20_000
 def main(argv: list[str] | None = None) -> int:
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", str(SPINCOUNT))
-    # torch's large blocks in huge pages, so that an engine may map and unmap a step's activations (models.heap)
-    ask_torch_for_huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv else None)
     args, extras = parser.parse_known_args(argv)

@@ -103,12 +103,6 @@ def main() -> None:
     ap.add_argument("--llama-server", action="store_true", help="then llama-server on the same model and KV capacity")
     args = ap.parse_args()
 
-    try:  # as the `kvfence` CLI does before torch loads (a checkout without it: nothing)
-        from kvfence.models.heap import ask_torch_for_huge_pages
-
-        ask_torch_for_huge_pages()
-    except ImportError:
-        pass
     import torch
 
     torch.set_num_threads(args.threads)

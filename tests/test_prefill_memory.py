@@ -1,18 +1,14 @@
-"""A prefill's transient memory: glibc's thresholds fixed by an engine whose tensors come in huge pages.
+"""An engine asked to (KVFENCE_BOUND_HEAP=1) fixes glibc's mmap and trim thresholds; otherwise glibc's own.
 
 The aggregated engine's peak resident memory over its start is a prefill's activations plus what glibc keeps of
-them (docs/benchmarks.md, "Aggregated peak memory"); these check that an engine fixes glibc's mmap threshold, so
-a large block freed after a step is unmapped instead of kept, exactly when torch's blocks come in huge pages,
-that the CLI asks torch for them before torch loads, and that a user's settings win.
+them (docs/benchmarks.md, "Aggregated peak memory"); these check that an engine asked to fixes glibc's mmap
+threshold, so a large block freed after a step is unmapped instead of kept, that it does not unasked, and that a
+user's glibc tunables win.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,13 +22,10 @@ def _engine(d: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=ModelConfig(model_dir=str(d)), cache=CacheConfig()))
 
 
-def test_an_engine_fixes_glibcs_thresholds(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]
-) -> None:
+def test_an_engine_asked_fixes_glibcs_thresholds(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
-    thp_mode("always [madvise] never")
+    monkeypatch.setenv(heap.BOUND_ENV, "1")
     engine = _engine(tiny_llama_dir)
     if heap._libc() is None or not hasattr(heap._libc(), "mallopt"):
         pytest.skip("not glibc")
@@ -56,56 +49,17 @@ def test_an_engine_fixes_glibcs_thresholds(
         libc.free(small)
 
 
-def test_no_fixed_threshold_without_huge_pages(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]
-) -> None:
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    monkeypatch.delenv(heap.TORCH_THP_ENV, raising=False)
-    assert _engine(tiny_llama_dir).heap_bounds is None  # torch not asked for huge pages
-    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
-    thp_mode("always madvise [never]")
-    assert heap.bound_step_heap() is None  # asked, but the kernel gives none
-    monkeypatch.setattr(heap, "_THP_MODE", "/nonexistent/transparent_hugepage/enabled")
+def test_no_fixed_threshold_unasked(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(heap.BOUND_ENV, raising=False)
+    assert _engine(tiny_llama_dir).heap_bounds is None
+    monkeypatch.setenv(heap.BOUND_ENV, "0")
     assert heap.bound_step_heap() is None
 
 
-def test_a_users_glibc_tunable_wins(monkeypatch: pytest.MonkeyPatch, thp_mode: Callable[[str], None]) -> None:
-    monkeypatch.setenv(heap.TORCH_THP_ENV, "1")
-    thp_mode("[always] madvise never")
+def test_a_users_glibc_tunable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(heap.BOUND_ENV, "1")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert heap.bound_step_heap() is None
-
-
-def test_the_cli_asks_torch_for_huge_pages_before_torch_loads() -> None:
-    # records whether torch had loaded when the CLI asked (`bench --help` imports the bench modules, torch with them)
-    probe = (
-        "import os, sys\n"
-        "from kvfence import cli\n"
-        "seen = []\n"
-        "ask = cli.ask_torch_for_huge_pages\n"
-        "cli.ask_torch_for_huge_pages = lambda: (seen.append('torch' in sys.modules), ask())\n"
-        "try:\n    cli.main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
-        "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), seen, 'torch' in sys.modules)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != heap.TORCH_THP_ENV}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-1] == "1 [False] True"
-    env[heap.TORCH_THP_ENV] = "0"  # the user's value stands
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[-1] == "0 [False] True"
-
-
-@pytest.fixture
-def thp_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
-    """thp_mode(text): the kernel's transparent_hugepage/enabled reads `text` for models.heap."""
-
-    def set_mode(text: str) -> None:
-        f = tmp_path / "enabled"
-        f.write_text(text + "\n")
-        monkeypatch.setattr(heap, "_THP_MODE", str(f))
-
-    return set_mode
 
 
 def _mapping_of(address: int) -> str:

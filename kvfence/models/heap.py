@@ -6,12 +6,12 @@ weights freed after loading, a step's activations and a parsed tokenizer.json co
 Plain Python (ctypes), so the router and the launcher use it without torch. What it does not know: when to call
 it (the loader after the weights have their final layout, the engine when it goes idle, the router once started).
 
-It also fixes glibc's mmap and trim thresholds for an engine process (`bound_step_heap`), so that a prefill's
-large activations are mapped and unmapped on their own instead of staying in the heap after the step that freed
-them, but only where torch's allocator asks for transparent huge pages (`ask_torch_for_huge_pages`, which the
-CLI calls before torch loads): with 4 KiB pages every fresh mapping costs a page fault per page, 13-15% of a
-prefill's time on the 100M preset, with huge pages 0-4% (docs/benchmarks.md, "Aggregated peak memory"). A user's
-MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's own tunables) or THP_MEM_ALLOC_ENABLE win.
+On request (KVFENCE_BOUND_HEAP=1) it also fixes glibc's mmap and trim thresholds for an engine process
+(`bound_step_heap`), so that a prefill's large activations are mapped and unmapped on their own instead of
+staying in the heap after the step that freed them: the aggregated 100M preset's peak goes from 1.32-1.34x
+llama-server's to 1.29x, but every fresh mapping is page faults, 7-22% of a prefill's time here, so it is not
+the default (docs/benchmarks.md, "Aggregated peak memory"). A user's MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ (glibc's own tunables) win.
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ ENGINE_MMAP_THRESHOLD = 1 << 20
 # above to twice the largest block freed: up to 64 MiB kept).
 ENGINE_TRIM_THRESHOLD = 2 << 20
 _USER_TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-# torch's CPU allocator aligns a block of 2 MiB or more to 2 MiB and madvises it for transparent huge pages when
-# this is on (c10's alloc_cpu; read once, at torch's first allocation)
-TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"
-_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+BOUND_ENV = "KVFENCE_BOUND_HEAP"  # "1": an engine fixes the thresholds above (off by default: see the docstring)
 
 
 class HeapBounds(NamedTuple):
@@ -60,39 +57,17 @@ def _libc() -> Any:
         return None
 
 
-def ask_torch_for_huge_pages() -> None:
-    """Turn torch's transparent-huge-page allocation on (THP_MEM_ALLOC_ENABLE=1) unless the user set it.
-
-    torch reads it once, at its first CPU allocation: call before torch is imported (the CLI does, for itself and
-    every process it starts). A block of 2 MiB or more then faults in 2 MiB at a time where the kernel's
-    transparent huge pages are on or on request (madvise); where they are "never" it changes nothing.
-    """
-    os.environ.setdefault(TORCH_THP_ENV, "1")
-
-
-def torch_uses_huge_pages() -> bool:
-    """Whether torch's allocator was told to ask for huge pages (the environment says so: torch reads it once, so a
-    value set after its first allocation is believed too) and the kernel grants them (mode not "never")."""
-    if os.environ.get(TORCH_THP_ENV, "").strip().lower() not in ("1", "on", "yes", "true", "y"):
-        return False
-    try:
-        with open(_THP_MODE, encoding="ascii") as f:
-            return "[never]" not in f.read()
-    except OSError:  # no transparent huge pages in this kernel
-        return False
-
-
 def bound_step_heap(
     mmap_threshold: int = ENGINE_MMAP_THRESHOLD, trim_threshold: int = ENGINE_TRIM_THRESHOLD
 ) -> HeapBounds | None:
-    """Fix glibc's mmap and trim thresholds (mallopt) for this process; None when not applied: not glibc, the
-    user set either threshold through glibc's environment tunables (which then stand), or torch's blocks come
-    in 4 KiB pages (`torch_uses_huge_pages`: then a fresh mapping per large block costs a prefill 13-15%).
+    """Fix glibc's mmap and trim thresholds (mallopt) for this process when KVFENCE_BOUND_HEAP=1; None when not
+    applied: not asked, not glibc, or the user set either threshold through glibc's environment tunables (which
+    then stand).
 
     With both fixed, glibc stops raising them after a large free: a block of `mmap_threshold` bytes or more is
     its own mapping, unmapped when freed, and the heap's free top beyond `trim_threshold` goes back at once.
     """
-    if any(os.environ.get(name) for name in _USER_TUNABLES) or not torch_uses_huge_pages():
+    if os.environ.get(BOUND_ENV, "").strip() != "1" or any(os.environ.get(name) for name in _USER_TUNABLES):
         return None
     libc = _libc()
     mallopt = getattr(libc, "mallopt", None)

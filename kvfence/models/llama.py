@@ -270,7 +270,6 @@ class DecoderLayer(nn.Module):
         H, Hkv, D = self.H, self.Hkv, self.D
         h = _norm(x, self.input_norm, self.eps, self.native)
         qkv = self._project("qkv_w", h, self.qkv_b)  # [T, (H + 2 Hkv) D]
-        del h  # each activation goes as soon as it is used: a long prefill's peak is their sum
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
         v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
         if self.qk_norm:  # Qwen3: RMSNorm of every q and k head over head_dim, own weights for q and k
@@ -284,13 +283,10 @@ class DecoderLayer(nn.Module):
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
-        del qkv, qk, q, k, v
         x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
-        del attn
         h = _norm(x, self.post_norm, self.eps, self.native)
         gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
         act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
-        del h, gu  # the [T, 2I] output goes before the down projection allocates
         return self._project("down_w", act, self.down_b, x)
 
 
