@@ -8,9 +8,9 @@ it (the loader after the weights have their final layout, the engine when it goe
 
 On request (KVFENCE_BOUND_HEAP=1) it also fixes glibc's mmap and trim thresholds for an engine process
 (`bound_step_heap`), so that a prefill's large activations are mapped and unmapped on their own instead of
-staying in the heap after the step that freed them: the aggregated 100M preset's peak goes from 1.32-1.34x
-llama-server's to 1.29x, but every fresh mapping is page faults, 7-22% of a prefill's time here, so it is not
-the default (docs/benchmarks.md, "Aggregated peak memory"). A user's MALLOC_MMAP_THRESHOLD_ /
+staying in the heap after the step that freed them: the aggregated 100M preset's peak goes from 1.31-1.35x
+llama-server's to 1.30-1.32x, but every fresh mapping is page faults, 14-17% of a prefill's time here, so it is
+not the default (docs/benchmarks.md, "Aggregated peak memory"). A user's MALLOC_MMAP_THRESHOLD_ /
 MALLOC_TRIM_THRESHOLD_ (glibc's own tunables) win.
 """
 
