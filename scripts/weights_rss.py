@@ -4,10 +4,16 @@ batch of greedy requests), and the process's peak; run it once per checkout to c
 What it knows: /proc/self/status (VmRSS, VmHWM), the engine's public API (LLMEngine, generate), a fixed KV
 capacity (--max-total-tokens) so two checkouts hold the same pool. Prints one JSON line.
 
+With --llama-server it then measures llama-server (the cached `kvfence bench llama-cpp-setup` build) the same
+way in the same run: the model's GGUF of the same dtype (model-f32/-bf16.llama.cpp-VERSION.gguf beside it),
+the same KV capacity (-c, a K/V cache of the same dtype, -fa off), --batch slots, the same prompts as
+--batch concurrent /completion requests; VmRSS after /health ("start") and 1 s after the requests ("steady"),
+VmHWM ("peak"); and prints kvfence / llama-server for each.
+
 What it does not know: the server or disaggregated workers (one process, one engine); it is a measuring
 script, not a test.
 
-usage: python scripts/weights_rss.py [--model DIR] [--kernels native] [--dtype float32] [--batch 8]
+usage: python scripts/weights_rss.py [--model DIR] [--kernels native] [--dtype float32] [--batch 8] [--llama-server]
 """
 
 from __future__ import annotations
@@ -17,11 +23,71 @@ import json
 import time
 
 
-def _status_kib(field: str) -> int:
-    for line in open("/proc/self/status", encoding="ascii"):
+def _status_kib(field: str, pid: str = "self") -> int:
+    for line in open(f"/proc/{pid}/status", encoding="ascii"):
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
+
+
+def _llama_server(model_dir: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    """llama-server's start / steady / peak resident MiB on the same model, KV capacity and requests."""
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import httpx
+
+    from kvfence.bench import llama_cpp
+    from kvfence.disagg.launcher import free_port
+
+    build = llama_cpp.find_build(targets=["llama-server"])
+    if build is None:
+        raise SystemExit(llama_cpp.missing_message(llama_cpp.build_location()))
+    kind = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    gguf = Path(model_dir) / f"model-{kind}.llama.cpp-{build.version}.gguf"
+    if not gguf.is_file():
+        raise SystemExit(f"no {gguf}")
+    port = free_port()
+    cmd = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.batch)]
+    cmd += ["-c", str(args.max_total_tokens), "-cb", "-t", str(args.threads), "-tb", str(args.threads)]
+    cmd += ["-ctk", kind, "-ctv", kind, "-fa", "off", "--no-webui"]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise SystemExit(f"llama-server did not start:\n{log.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        pid = str(proc.pid)
+        start = _status_kib("VmRSS", pid)
+
+        def complete(p: list[int]) -> int:
+            body = {"prompt": p, "n_predict": args.output_len, "ignore_eos": True, "temperature": 0.0}
+            return httpx.post(f"{url}/completion", json=body, timeout=600).status_code
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            codes = list(pool.map(complete, prompts))
+        assert codes == [200] * len(prompts), codes
+        time.sleep(1.0)
+        steady, peak = _status_kib("VmRSS", pid), _status_kib("VmHWM", pid)
+    finally:
+        proc.terminate()
+        proc.wait()
+    return {
+        "rss_start_mib": round(start / 1024, 1),
+        "rss_steady_mib": round(steady / 1024, 1),
+        "rss_peak_mib": round(peak / 1024, 1),
+    }
 
 
 def main() -> None:
@@ -34,6 +100,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-server", action="store_true", help="then llama-server on the same model and KV capacity")
     args = ap.parse_args()
 
     import torch
@@ -61,6 +128,11 @@ def main() -> None:
     engine.generate(prompts, params)
     time.sleep(1.0)  # an idle engine may hand its heap's free pages back on a thread of its own
     steady = _status_kib("VmRSS")
+    ours = {
+        "rss_start_mib": round(start / 1024, 1),
+        "rss_steady_mib": round(steady / 1024, 1),
+        "rss_peak_mib": round(_status_kib("VmHWM") / 1024, 1),
+    }
     print(
         json.dumps(
             {
@@ -70,14 +142,17 @@ def main() -> None:
                 "dtype": args.dtype,
                 "kv_pool_mib": round(engine.pool.num_pages * engine.resolved.bytes_per_page / 2**20, 1),
                 "rss_before_engine_mib": round(base / 1024, 1),
-                "rss_start_mib": round(start / 1024, 1),
-                "rss_steady_mib": round(steady / 1024, 1),
-                "rss_peak_mib": round(_status_kib("VmHWM") / 1024, 1),
+                **ours,
                 "engine_build_s": round(load_s, 2),
+                "heap_bounds": getattr(engine, "heap_bounds", None),
             }
         ),
         flush=True,
     )
+    if args.llama_server:
+        theirs = _llama_server(str(model_dir), args.dtype, args, prompts)
+        ratios = {k.replace("_mib", ""): round(ours[k] / theirs[k], 3) for k in ours}
+        print(json.dumps({"llama-server": theirs, "kvfence / llama-server": ratios}), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from kvfence.integrity.digest import digest_algorithm_for, page_digests
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
-from kvfence.models.heap import release_freed_heap
+from kvfence.models.heap import HeapBounds, bound_step_heap, release_freed_heap
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -206,6 +206,8 @@ class LLMEngine:
             loaded.model.use_native_kernels(kernels == "native")
             if was_native != (kernels == "native"):  # the weights changed layout: return what the old one held
                 release_freed_heap()
+        # a prefill's large activations are mapped on their own and returned when freed (models.heap)
+        self.heap_bounds: HeapBounds | None = bound_step_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
         self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._seed_rng = random.Random(config.seed)
