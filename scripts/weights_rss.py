@@ -32,15 +32,13 @@ def _status_kib(field: str, pid: str = "self") -> int:
 
 def _llama_server(model_dir: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     """llama-server's start / steady / peak resident MiB on the same model, KV capacity and requests."""
-    import subprocess
-    import tempfile
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
     import httpx
 
     from kvfence.bench import llama_cpp
-    from kvfence.disagg.launcher import free_port
+    from kvfence.math_utils import cdiv
 
     build = llama_cpp.find_build(targets=["llama-server"])
     if build is None:
@@ -49,40 +47,22 @@ def _llama_server(model_dir: str, dtype: str, args: argparse.Namespace, prompts:
     gguf = Path(model_dir) / f"model-{kind}.llama.cpp-{build.version}.gguf"
     if not gguf.is_file():
         raise SystemExit(f"no {gguf}")
-    port = free_port()
-    cmd = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.batch)]
-    cmd += ["-c", str(args.max_total_tokens), "-cb", "-t", str(args.threads), "-tb", str(args.threads)]
-    cmd += ["-ctk", kind, "-ctv", kind, "-fa", "off", "--no-webui"]
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit(f"llama-server did not start:\n{log.read().decode()[-2000:]}")
-            time.sleep(0.2)
-        pid = str(proc.pid)
+    with llama_cpp.launch_server(
+        build, gguf, parallel=args.batch, context_per_slot=cdiv(args.max_total_tokens, args.batch),
+        threads=args.threads, ready_timeout_s=120, flash_attn="off", kv_type=kind,
+    ) as server:  # fmt: skip
+        pid = str(server.proc.pid)
         start = _status_kib("VmRSS", pid)
 
         def complete(p: list[int]) -> int:
-            body = {"prompt": p, "n_predict": args.output_len, "ignore_eos": True, "temperature": 0.0}
-            return httpx.post(f"{url}/completion", json=body, timeout=600).status_code
+            body = {**llama_cpp.completion_body(p, args.output_len), "ignore_eos": True}
+            return httpx.post(f"{server.url}/completion", json=body, timeout=600).status_code
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             codes = list(pool.map(complete, prompts))
         assert codes == [200] * len(prompts), codes
         time.sleep(1.0)
         steady, peak = _status_kib("VmRSS", pid), _status_kib("VmHWM", pid)
-    finally:
-        proc.terminate()
-        proc.wait()
     return {
         "rss_start_mib": round(start / 1024, 1),
         "rss_steady_mib": round(steady / 1024, 1),

@@ -77,13 +77,17 @@ def security_events(server: LaunchedServer) -> dict[tuple[str, str], float]:
     return out
 
 
-def complete(server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8) -> dict[str, Any]:
-    r = httpx.post(
+def post_completion(server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(
         f"{server.url}/v1/completions",
         json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0},
         headers={"X-Request-Id": request_id},
         timeout=120,
     )
+
+
+def complete(server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8) -> dict[str, Any]:
+    r = post_completion(server, model, request_id, max_tokens)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -346,12 +350,7 @@ def test_a_mooncake_peer_writing_into_every_buffer_it_finds_never_gets_a_request
     )
     outcomes: list[str] = []
     while attacker.poll() is None:  # handoffs in flight for as long as the attacker looks for buffers to write
-        r = httpx.post(
-            f"{server.url}/v1/completions",
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 0},
-            headers={"X-Request-Id": f"mc-victim-{len(outcomes)}"},
-            timeout=120,
-        )
+        r = post_completion(server, MODEL, f"mc-victim-{len(outcomes)}", max_tokens=48)
         if r.status_code == 200:  # served: only over its own, verified KV
             body = r.json()
             assert body["choices"][0]["kvfence"]["integrity"]["status"] == "verified", body

@@ -77,6 +77,11 @@ def test_commands_use_llama_cpp_defaults_or_fp32_kv_the_threads_and_the_workload
         build, tmp_path / "m.gguf", host="h", port=1, parallel=1, context_per_slot=8, threads=2, flash_attn="off"
     )
     assert fp32[fp32.index("-fa") + 1] == "off"  # the agreement check's attention in fp32, as kvfence's
+    assert (fp32[fp32.index("-ctk") + 1], fp32[fp32.index("-ctv") + 1]) == ("f32", "f32")
+    bf16 = lc.server_command(
+        build, tmp_path / "m.gguf", host="h", port=1, parallel=1, context_per_slot=8, threads=2, kv_type="bf16"
+    )
+    assert (bf16[bf16.index("-ctk") + 1], bf16[bf16.index("-ctv") + 1]) == ("bf16", "bf16")
 
 
 def test_setup_does_nothing_when_already_built(kvfence_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -416,8 +416,10 @@ def server_command(
     threads: int,
     alias: str | None = None,
     flash_attn: str = "auto",
+    kv_type: str = "f32",
 ) -> list[str]:
-    """llama-server with `parallel` slots (continuous batching), fp32 KV cache, `threads` threads.
+    """llama-server with `parallel` slots (continuous batching), a `kv_type` KV cache (llama.cpp's -ctk/-ctv
+    name: f32 by default, bf16 for a bfloat16 model), `threads` threads.
 
     flash_attn: llama.cpp's `-fa` ("auto" turns it on on the CPU). Its flash attention casts K and V to
     F16 whatever `-ctk/-ctv` say (src/llama-graph.cpp, build_attn_mha) and accumulates in F16, so only
@@ -443,9 +445,9 @@ def server_command(
         "-tb",
         str(threads),
         "-ctk",
-        "f32",
+        kv_type,
         "-ctv",
-        "f32",
+        kv_type,
         "-fa",
         flash_attn,
         "--no-webui",
@@ -465,6 +467,7 @@ def launch_server(
     alias: str | None = None,
     log_dir: str | os.PathLike[str] | None = None,
     flash_attn: str = "auto",
+    kv_type: str = "f32",
 ) -> Any:
     """Start llama-server on a free port of `host` and wait for /health; a `launch.LaunchedServer`."""
     from kvfence.bench.launch import LaunchedServer
@@ -481,6 +484,7 @@ def launch_server(
         threads=threads,
         alias=alias,
         flash_attn=flash_attn,
+        kv_type=kv_type,
     )
     log_path = Path(log_dir or tempfile.mkdtemp(prefix="kvfence-bench-")) / f"{label}.log"
     with open(log_path, "wb") as log:
