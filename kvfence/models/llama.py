@@ -164,9 +164,11 @@ PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection we
 # (oneDNN's 300 GFLOP/s against their 270-300 does not pay for the unpacking).
 BF16_GEMM_MIN_ROWS = 128
 # A prefill's transients in blocks (the same values, fewer bytes live at once): RoPE this many rows at a time,
-# and a float32 MLP's gate and up projections in blocks of columns of about this many bytes (DecoderLayer).
+# and a float32 MLP's gate and up projections in blocks of columns of about this many bytes (DecoderLayer); 0:
+# gate and up whole, one call each. Blocks of 2 MiB cost a 32 x 128-token prefill 1.14-1.16x its time here
+# (the panels kernel streams x once per panel group and call), so the default is 0.
 _ROPE_ROWS = 256
-_MLP_BLOCK_BYTES = 2 << 20
+_MLP_BLOCK_BYTES = 0
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -248,9 +250,8 @@ class DecoderLayer(nn.Module):
 
         A block of columns at a time: gate's and up's panels for those columns ([c / 32] panels each, the same
         per-column sums as one call over all of them), their product written into its columns of the result.
-        The panels kernel reads the whole weight once per call whatever the columns, so this costs no more
-        weight traffic than one call, and a prefill holds [T, I] plus two [T, c] blocks instead of [T, 2I] and
-        [T, I] (resident peak: docs/benchmarks.md, "Aggregated peak memory").
+        By default one block (c = I): a prefill holds [T, I] twice (the product written over gate's buffer's
+        copy) instead of [T, 2I] and [T, I] (resident peak: docs/benchmarks.md, "Aggregated peak memory").
         """
         from kvfence.models.native_kernels import packed_linear
 
@@ -260,11 +261,12 @@ class DecoderLayer(nn.Module):
         if act is None or act.shape != (T, I):
             act = scratch["act"] = h.new_empty(T, I)  # [T, I]
         # columns per block: about _MLP_BLOCK_BYTES per [T, c] block, whole panels, at least one panel
-        cols = max(P, min(I, _MLP_BLOCK_BYTES // (4 * max(T, 1)) // P * P))
+        cols = I if _MLP_BLOCK_BYTES <= 0 else max(P, min(I, _MLP_BLOCK_BYTES // (4 * max(T, 1)) // P * P))
         for c0 in range(0, I, cols):
             c1 = min(I, c0 + cols)
-            gate = packed_linear(h, gate_up[c0 // P : c1 // P], c1 - c0, None if b is None else b[c0:c1])  # [T, c]
-            up = packed_linear(h, gate_up[(I + c0) // P : (I + c1) // P], c1 - c0, None if b is None else b[I + c0 : I + c1])
+            gate_b, up_b = (None, None) if b is None else (b[c0:c1], b[I + c0 : I + c1])
+            gate = packed_linear(h, gate_up[c0 // P : c1 // P], c1 - c0, gate_b)  # [T, c]
+            up = packed_linear(h, gate_up[(I + c0) // P : (I + c1) // P], c1 - c0, up_b)  # [T, c]
             torch.mul(F.silu(gate, inplace=True), up, out=act[:, c0:c1])
             del gate, up
         return act
