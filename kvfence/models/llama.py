@@ -163,6 +163,12 @@ PROJECTIONS = ("qkv_w", "o_w", "gate_up_w", "down_w")  # a layer's projection we
 # against the panels' 190, the unpacking (0.7 ms) included; break-even near 64 rows. float32 stays on the panels
 # (oneDNN's 300 GFLOP/s against their 270-300 does not pay for the unpacking).
 BF16_GEMM_MIN_ROWS = 128
+# A prefill's transients in blocks (the same values, fewer bytes live at once): RoPE this many rows at a time,
+# and a float32 MLP's gate and up projections in blocks of columns of about this many bytes (DecoderLayer); 0:
+# gate and up whole, one call each. Blocks of 2 MiB cost a 32 x 128-token prefill 1.14-1.16x its time here
+# (the panels kernel streams x once per panel group and call), so the default is 0.
+_ROPE_ROWS = 256
+_MLP_BLOCK_BYTES = 0
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -238,6 +244,33 @@ class DecoderLayer(nn.Module):
             for name in PROJECTIONS:
                 getattr(self, name).data = native_kernels.unpack_panels(self.panels.pop(name), *self.shapes[name])
 
+    def _gate_up_act(self, h: torch.Tensor, gate_up: torch.Tensor, scratch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """h: [T, E] float32; gate_up: the float32 panels [2I / 32, E, 32] of [gate; up] -> silu(gate) * up [T, I],
+        written into scratch["act"] (made on the first layer of a forward, reused by the others).
+
+        A block of columns at a time: gate's and up's panels for those columns ([c / 32] panels each, the same
+        per-column sums as one call over all of them), their product written into its columns of the result.
+        By default one block (c = I): a prefill holds [T, I] twice (the product written over gate's buffer's
+        copy) instead of [T, 2I] and [T, I] (resident peak: docs/benchmarks.md, "Aggregated peak memory").
+        """
+        from kvfence.models.native_kernels import packed_linear
+
+        T, I, P = h.shape[0], self.I, gate_up.shape[-1]
+        b = self.gate_up_b
+        act = scratch.get("act")
+        if act is None or act.shape != (T, I):
+            act = scratch["act"] = h.new_empty(T, I)  # [T, I]
+        # columns per block: about _MLP_BLOCK_BYTES per [T, c] block, whole panels, at least one panel
+        cols = I if _MLP_BLOCK_BYTES <= 0 else max(P, min(I, _MLP_BLOCK_BYTES // (4 * max(T, 1)) // P * P))
+        for c0 in range(0, I, cols):
+            c1 = min(I, c0 + cols)
+            gate_b, up_b = (None, None) if b is None else (b[c0:c1], b[I + c0 : I + c1])
+            gate = packed_linear(h, gate_up[c0 // P : c1 // P], c1 - c0, gate_b)  # [T, c]
+            up = packed_linear(h, gate_up[(I + c0) // P : (I + c1) // P], c1 - c0, up_b)  # [T, c]
+            torch.mul(F.silu(gate, inplace=True), up, out=act[:, c0:c1])
+            del gate, up
+        return act
+
     def _project(
         self, name: str, x: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -264,10 +297,13 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         fb: ForwardBatch,
         scale: float,
+        scratch: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        # x: [T, E]; cos/sin: [T, 1, D] (sin with the first half negated); k_cache/v_cache: [S, Hkv, D]
+        """x: [T, E]; cos/sin: [T, 1, D] (sin with the first half negated); k_cache/v_cache: [S, Hkv, D];
+        scratch: buffers the layers of one forward share (each layer's are dead once it returns) -> [T, E]."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
+        scratch = {} if scratch is None else scratch
         h = _norm(x, self.input_norm, self.eps, self.native)
         qkv = self._project("qkv_w", h, self.qkv_b)  # [T, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
@@ -277,16 +313,30 @@ class DecoderLayer(nn.Module):
             w = torch.cat([self.q_norm.expand(H, D), self.k_norm.expand(Hkv, D)])  # [H + Hkv, D]
             qk = rms_norm(qk, None, self.eps) * w
         # RoPE on q and k heads at once, rotate-half convention:
-        # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = qk * cos + [x2, x1] * [-sin, sin]
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # [T, H + Hkv, D]
+        # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = qk * cos + [x2, x1] * [-sin, sin],
+        # written back over qk (its inputs are the two temporaries, so nothing it reads is overwritten)
+        for r0 in range(0, T, _ROPE_ROWS):  # a block of rows at a time: two [rows, H + Hkv, D] temporaries
+            rows = slice(r0, r0 + _ROPE_ROWS)
+            blk = qk[rows]
+            torch.addcmul(blk * cos[rows], blk.roll(D // 2, -1), sin[rows], out=blk)  # [rows, H + Hkv, D]
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
         attn = paged_attention(q, k_cache, v_cache, fb, scale)  # [T, H, D]
+        # A prefill's activations are freed as soon as they are dead, so the next ones reuse their memory
+        # (a layer's resident peak is what is live at once, not every temporary of the layer)
+        del h, qkv, qk, q, k, v
         x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
+        del attn
         h = _norm(x, self.post_norm, self.eps, self.native)
-        gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
-        act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
+        gate_up = self.panels.get("gate_up_w")
+        if gate_up is not None and h.dtype == torch.float32 and self.I % gate_up.shape[-1] == 0:
+            act = self._gate_up_act(h, gate_up, scratch)  # [T, I]
+        else:
+            gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
+            act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
+            del gu
+        del h
         return self._project("down_w", act, self.down_b, x)
 
 
@@ -553,8 +603,10 @@ class LlamaForCausalLM(nn.Module):
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
         cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
         sin = sin_table[fb.positions][:, None, :]  # [T, 1, D]
+        scratch: dict[str, torch.Tensor] = {}  # the layers' shared buffers (DecoderLayer.forward)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale)
+            x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale, scratch)
+        del scratch
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)
         return self._logits(x)  # [N, vocab]
