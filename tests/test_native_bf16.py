@@ -134,3 +134,25 @@ def test_bf16_prefill_from_panels_matches_the_plain_bf16_forward(
         panels = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
     assert lm.model.panels
     torch.testing.assert_close(panels, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())
+
+
+@pytest.mark.slow
+def test_bf16_native_rms_norm_rounds_as_transformers_does() -> None:
+    """bfloat16 rows and weight: the row normalised in float32, rounded to bfloat16, times the weight, rounded
+    (transformers' order): equal to torch's bfloat16 path but for the last bit of the rare row whose float32
+    mean differs in its last place; float32 rows keep their kernel."""
+    from kvfence.models import native_kernels as nk
+    from kvfence.models.llama import rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(67, 768, generator=g) * 3).bfloat16()
+    w = (1 + torch.randn(768, generator=g) / 4).bfloat16()
+    got = nk.rms_norm(x, w, 1e-6)
+    want = rms_norm(x, w, 1e-6)  # torch: F.rms_norm of x.float(), to bfloat16, times w in bfloat16
+    assert got.dtype == torch.bfloat16
+    assert (got != want).float().mean().item() < 0.01
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    unrounded = w.float() * torch.nn.functional.rms_norm(x.float(), (768,), None, 1e-6)  # one rounding fewer
+    assert (got.float() != unrounded.bfloat16().float()).any()
+    xf = torch.randn(5, 768, generator=g)
+    torch.testing.assert_close(nk.rms_norm(xf, w.float(), 1e-6), rms_norm(xf, w.float(), 1e-6))

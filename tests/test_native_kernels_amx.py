@@ -59,3 +59,86 @@ def test_kvfence_native_amx_0_turns_amx_off() -> None:
     env = {**os.environ, "KVFENCE_NATIVE_AMX": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("M", "N", "K"),
+    [
+        (1, 70, 64),  # one row, a partial panel
+        (17, 70, 256),  # a full 16-row tile and one row: the pair kernel's second tile with one row
+        (33, 96, 256),  # a pair of tiles and one more row
+        (1000, 600, 1024),  # several row blocks (480 rows at this K) and panel groups (8 panels at this K)
+        (130, 64, 4096),  # K * 2 bytes a multiple of 4 KiB
+    ],
+)
+def test_panel_gemm_is_torchs_bf16_linear_plus_residual_from_the_panels(M: int, N: int, K: int) -> None:
+    """panel_gemm (prefill products straight from the panels): each row's sums are packed_linear's bits for that
+    row, rounded to bfloat16 with the bias, then added to the residual and rounded (torch's bfloat16
+    `residual + F.linear`); close to a float64 product; a row's result does not depend on the rest of the chunk."""
+    from kvfence.models import native_kernels as nk
+
+    if not nk.load().amx_bf16():
+        pytest.skip("no AMX-BF16 here")
+    g = torch.Generator().manual_seed(M + N + K)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
+    x, b, r = (
+        torch.randn(M, K, generator=g).bfloat16(),
+        torch.randn(N, generator=g).bfloat16(),
+        torch.randn(M, N, generator=g).bfloat16(),
+    )
+    packed = nk.pack_panels(w)
+    with torch.no_grad():
+        assert nk.panel_gemm_applies(x, packed)
+        got = nk.panel_gemm(x, packed, N, b, r)
+        plain = nk.panel_gemm(x, packed, N)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    sums = nk.packed_linear(x.float(), packed, N)  # float32 [M, N]: the decode path's products
+    assert torch.equal(plain, sums.bfloat16())
+    assert torch.equal(got, r + (sums + b.float()).bfloat16())  # torch's bfloat16 add: float sum, rounded
+    exact = r.double() + torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=2**-7 * exact.abs().max().item())
+    for rows in sorted({1, 16, 17, 32, M // 2, M - 1} - {0}):
+        with torch.no_grad():
+            assert torch.equal(nk.panel_gemm(x[M - rows :], packed, N, b, r[M - rows :]), got[M - rows :])
+
+
+@pytest.mark.slow
+def test_llama_prefill_projections_take_panel_gemm_with_amx_and_not_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 prefill chunk of BF16_GEMM_MIN_ROWS rows or more computes from the panels on AMX (no unpacked
+    weight); without AMX it falls back to unpacking the weight for F.linear, with results as close as bf16 allows."""
+    import kvfence.models.native_kernels as nk
+    from kvfence.models import llama
+
+    if not nk.load().amx_bf16():
+        pytest.skip("no AMX-BF16 here")
+    cfg = type(
+        "Cfg",
+        (),
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-6,
+        ),
+    )()
+    layer = llama.DecoderLayer(cfg, "LlamaForCausalLM", torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    for name in llama.PROJECTIONS:
+        getattr(layer, name).data = (torch.randn(*layer.shapes[name], generator=g) / 8).bfloat16()
+    layer.hold_panels(True)
+    x = torch.randn(llama.BF16_GEMM_MIN_ROWS, 64, generator=g).bfloat16()
+    res = torch.randn(llama.BF16_GEMM_MIN_ROWS, 64, generator=g).bfloat16()
+    unpacked: list[int] = []
+    real_unpack = nk.unpack_panels
+    monkeypatch.setattr(nk, "unpack_panels", lambda *a: unpacked.append(1) or real_unpack(*a))
+    with torch.no_grad():
+        amx = layer._project("down_w", torch.randn(llama.BF16_GEMM_MIN_ROWS, 96, generator=g).bfloat16(), None, res)
+        qkv = layer._project("qkv_w", x, None)
+        assert not unpacked
+        monkeypatch.setattr(nk, "amx_bf16", lambda: False)
+        qkv_fallback = layer._project("qkv_w", x, None)
+    assert unpacked and amx.dtype == qkv.dtype == torch.bfloat16
+    torch.testing.assert_close(qkv.float(), qkv_fallback.float(), rtol=2**-7, atol=2**-7 * qkv.abs().max().item())

@@ -185,7 +185,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
     """x: [T, E] -> rms_norm(x, weight, eps), by the C++ kernel (models.native_kernels) when `native` and it applies."""
-    if native and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+    # float32 rows with a float32 weight, or bfloat16 rows with a bfloat16 weight (a float32 weight would make
+    # torch's `weight * xf` a float32 result)
+    if (
+        native
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and x.device.type == "cpu"
+        and x.dim() == 2
+    ):
         from kvfence.models.native_kernels import rms_norm as native_rms_norm
 
         return native_rms_norm(x, weight, eps)
@@ -277,9 +285,12 @@ class DecoderLayer(nn.Module):
         """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held."""
         panels = self.panels.get(name)
         if panels is not None:
-            from kvfence.models.native_kernels import packed_linear, unpack_panels
+            from kvfence.models.native_kernels import packed_linear, panel_gemm, panel_gemm_applies, unpack_panels
 
-            if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS:  # a transient [out, in] copy
+            if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS:
+                if panel_gemm_applies(x, panels):  # AMX tiles on the panels themselves
+                    return panel_gemm(x, panels, self.shapes[name][0], b, residual)
+                # a transient [out, in] copy for oneDNN
                 y = F.linear(x, unpack_panels(panels, *self.shapes[name]), b)
                 return y if residual is None else residual + y
             return packed_linear(x, panels, self.shapes[name][0], b, residual)

@@ -524,6 +524,115 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   });
 }
 
+// --- many-row bfloat16 products on the panels (prefill) -------------------------------------------------------
+// y [M, N] = x [M, K] @ w^T for bfloat16 x and bfloat16 panels on AMX, for prefill chunks (M in the hundreds or
+// thousands), without unpacking the weight: the product reads the panels the decode step reads (one copy of the
+// weights). Cache blocking: the work is split over groups of panels (about 512 KiB of weights each, which stay
+// in the core's L2); a group runs every block of up to ~1 MiB of x's rows (in L2 while the group's panels go
+// through it), so each weight panel comes from DRAM once per call and x from the last-level cache once per
+// group. Within a panel, rows go in pairs of 16-row tiles (four C tiles: 2 row tiles x the panel's 2 column
+// tiles, each B tile load shared by both row tiles). Each C row is its own x row's sums over k in the same
+// order as panel_tile_bf16's (16 k pairs a step, in order), so a row's products are the bits the decode step
+// computes for it, whatever M is. Epilogue as torch's bfloat16 F.linear then `residual + y`: the float32 sum
+// (+ bias) is rounded to bfloat16, then added to the residual and rounded again.
+#ifdef KVF_AMX
+// 16 floats -> 16 bfloat16s, round_bf16's rounding (nearest even; a NaN becomes 0x7FC0), and back (exact)
+inline __m256i round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// tiles 0, 1 = C of rows 0-15 (r0 rows), 2, 3 = C of rows 16-31 (r1 rows, 0: unused); 4, 5 = their A; 6, 7 = B
+inline void amx_configure_pair(int r0, int r1) {
+  TileConfig cfg;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] > 0 ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// out [32][kPanel] float32 (rows r0 + r1 as configured) = rows of x (ldx apart, Kp each) times one panel
+template <bool kTwo>
+inline void panel_tile_pair(const bf16_t* x, int64_t Kp, int64_t ldx, const bf16_t* panel, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const bf16_t* x1 = x + 16 * ldx;
+  for (int64_t j0 = 0; j0 < Kp / 2; j0 += 16) {
+    _tile_loadd(6, panel + j0 * 2 * kPanel, 2 * kPanel * sizeof(bf16_t));
+    _tile_loadd(7, panel + j0 * 2 * kPanel + 32, 2 * kPanel * sizeof(bf16_t));
+    _tile_loadd(4, x + 2 * j0, ldx * sizeof(bf16_t));
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwo) {
+      _tile_loadd(5, x1 + 2 * j0, ldx * sizeof(bf16_t));
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, kPanel * sizeof(float));
+  _tile_stored(1, out + 16, kPanel * sizeof(float));
+  if (kTwo) {
+    _tile_stored(2, out + 16 * kPanel, kPanel * sizeof(float));
+    _tile_stored(3, out + 16 * kPanel + 16, kPanel * sizeof(float));
+  }
+}
+
+// y [M, N] bfloat16 (rows ldy apart) = round(round(x [M, Kp] @ panels^T + bias) + residual); xb: bfloat16 rows ldx
+// apart, zero past K; bias [N] float32 or null; residual [M, N] bfloat16 (rows N apart) or null
+void panel_gemm_bf16_into(const bf16_t* xb, int64_t M, int64_t Kp, int64_t ldx, const bf16_t* packed, int64_t N,
+                          const float* bias, const bf16_t* residual, bf16_t* y) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = Kp * kPanel * int64_t{sizeof(bf16_t)};
+  const int64_t group = std::max<int64_t>(1, (int64_t{512} << 10) / panel_bytes);
+  const int64_t row_block = std::max<int64_t>(32, ((int64_t{1} << 20) / (ldx * int64_t{sizeof(bf16_t)})) / 32 * 32);
+  run_chunks(panels, group, [&](int64_t p0, int64_t p1) {
+    alignas(64) float out[32 * kPanel];
+    int c0 = -1, c1 = -1;  // the tile configuration in place (per thread and per call: oneDNN may change it)
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t m1 = std::min(M, m0 + row_block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const bf16_t* panel = packed + p * Kp * kPanel;
+        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+        for (int64_t r = m0; r < m1; r += 32) {
+          const int rows = static_cast<int>(std::min<int64_t>(32, m1 - r));
+          const int r0 = std::min(rows, 16), r1 = rows - r0;
+          if (r0 != c0 || r1 != c1) amx_configure_pair(c0 = r0, c1 = r1);
+          if (r1 > 0)
+            panel_tile_pair<true>(xb + r * ldx, Kp, ldx, panel, out);
+          else
+            panel_tile_pair<false>(xb + r * ldx, Kp, ldx, panel, out);
+          for (int i = 0; i < rows; ++i) {
+            const bf16_t* rr = residual == nullptr ? nullptr : residual + (r + i) * N + n0;
+            for (int64_t c = 0; c < cols; c += 16) {
+              const __mmask16 k = tail_mask(cols - c);
+              __m512 v = _mm512_load_ps(out + i * kPanel + c);
+              if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0 + c));
+              __m256i h = round_bf16x16(v);
+              if (rr != nullptr) {
+                const __m512 res = widen_bf16x16(_mm256_maskz_loadu_epi16(k, rr + c));
+                h = round_bf16x16(_mm512_add_ps(res, widen_bf16x16(h)));
+              }
+              _mm256_mask_storeu_epi16(y + (r + i) * N + n0 + c, k, h);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // --- RMSNorm -------------------------------------------------------------------------------------------------
 
 void rms_norm_into(const float* x, int64_t T, int64_t E, const float* w, float eps, float* out) {
@@ -758,19 +867,38 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   return out.to(out_dtype);
 }
 
-// RMSNorm of each row of x [T, E] (float32): w * (x * rsqrt(mean(x^2) + eps)), in one pass over the row
+// RMSNorm of each row of x [T, E]: float32 x and w: w * (x * rsqrt(mean(x^2) + eps)), in one pass over the row;
+// bfloat16 x (w float32 or bfloat16, bfloat16 values): as transformers orders a bfloat16 model's norm, the row
+// normalised in float32 and rounded to bfloat16, then times w and rounded again -> x's dtype
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 && x.dim() == 2, "rms_norm: float32 [T, E]");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.dtype() == torch::kFloat32 || is_bf16(x)) &&
+                  (w.dtype() == torch::kFloat32 || (is_bf16(x) && is_bf16(w))),
+              "rms_norm: float32 [T, E] (weight float32), or bfloat16 [T, E] (weight float32 or bfloat16)");
   x = x.contiguous();
-  w = w.contiguous();
+  w = w.to(torch::kFloat32).contiguous();
   const int64_t T = x.size(0), E = x.size(1);
   TORCH_CHECK(w.numel() == E, "rms_norm: weight size");
   auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  if (is_bf16(x)) {
+    const bf16_t* xp = data_as<bf16_t>(x, "x");
+    bf16_t* op = data_as<bf16_t>(out, "out");
+    run_chunks(T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(E);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t i = 0; i < E; ++i) row[i] = to_f32(xp[t * E + i]);
+        const float r = 1.f / std::sqrt(dot(row.data(), row.data(), E) / static_cast<float>(E) + e);
+        bf16_t* o = op + t * E;
+        for (int64_t i = 0; i < E; ++i) o[i] = round_bf16(wp[i] * to_f32(round_bf16(row[i] * r)));
+      }
+    });
+    return out;
+  }
+  const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   run_chunks(T, 16, [&](int64_t begin, int64_t end) {
-    rms_norm_into(xp + begin * E, end - begin, E, wp, static_cast<float>(eps), op + begin * E);
+    rms_norm_into(xp + begin * E, end - begin, E, wp, e, op + begin * E);
   });
   return out;
 }
@@ -819,6 +947,42 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, to
     packed_linear_into(x.data_ptr<float>(), B, K, data_as<float>(packed, "packed weight"), N, opt_ptr(bias), rp,
                        y.data_ptr<float>());
   return y.to(out_dtype);
+}
+
+// x [M, K] bfloat16 @ w^T (+ bias [N]) (+ residual [M, N] bfloat16; empty tensors for none) -> [M, N] bfloat16,
+// w given as bfloat16 pack_panels(w) with N rows, on AMX tiles (amx_bf16() must be true and K a multiple of 32):
+// float32 sums, rounded to bfloat16 (with the bias), then added to the residual and rounded (torch's
+// `residual + F.linear(x, w, b)` in bfloat16). For prefill chunks: see panel_gemm_bf16_into.
+torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
+                              torch::Tensor residual) {
+  TORCH_CHECK(x.dim() == 2 && is_bf16(x) && x.device().is_cpu(), "panel_gemm_bf16: x [M, K] bfloat16 on the CPU");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(is_bf16(packed) && packed_as<bf16_t>(packed, N, K), "panel_gemm_bf16: packed must be bfloat16 "
+              "pack_panels of a [N, K] weight");
+  TORCH_CHECK(amx_applies(K), "panel_gemm_bf16: needs AMX-BF16 and K a multiple of 32");
+  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "panel_gemm_bf16: bias size");
+  if (bias.numel() != 0) bias = bias.to(torch::kFloat32).contiguous();
+  const bf16_t* rp = nullptr;
+  if (residual.numel() != 0) {
+    TORCH_CHECK(is_bf16(residual) && residual.dim() == 2 && residual.size(0) == M && residual.size(1) == N,
+                "panel_gemm_bf16: residual [M, N] bfloat16");
+    residual = residual.contiguous();
+    rp = data_as<bf16_t>(residual, "residual");
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef KVF_AMX
+  // rows 32 elements further apart than K (as packed_linear_into's AMX path), so that a tile's 16 rows do not
+  // share one L1 set when K * 2 bytes is a multiple of 4 KiB
+  const int64_t ldx = K + 32;
+  std::vector<bf16_t> xb(M * ldx);
+  x = x.contiguous();
+  const bf16_t* xp = data_as<bf16_t>(x, "x");
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xb.data() + m * ldx, xp + m * K, K * sizeof(bf16_t));
+  panel_gemm_bf16_into(xb.data(), M, K, ldx, data_as<bf16_t>(packed, "packed weight"), N, opt_ptr(bias), rp,
+                       data_as<bf16_t>(y, "y"));
+#endif
+  return y;
 }
 
 namespace {

@@ -99,6 +99,7 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
                 "llama_decode_layers",
                 "llama_decode_step",
                 "amx_bf16",
+                "panel_gemm_bf16",
             ],  # fmt: skip
             # -fopenmp: torch's thread count and parallel-region query (at::get_num_threads, in_parallel_region)
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
@@ -125,7 +126,9 @@ def paged_decode_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, E] float32; weight: [E] -> [T, E], as transformers orders it: weight * (x * rsqrt(mean(x^2) + eps))."""
+    """x: [T, E] float32 (weight [E] float32) or bfloat16 (weight float32 or bfloat16) -> [T, E] in x's dtype, as
+    transformers orders it: weight * (x * rsqrt(mean(x^2) + eps)), float32 arithmetic; for bfloat16 the
+    normalised row is rounded to bfloat16 before the weight multiplies it (and the product rounded again)."""
     return load().rms_norm(x, weight, float(eps))
 
 
@@ -164,6 +167,43 @@ def packed_linear(
     residual: [B, n] or None -> residual + x @ w^T + b [B, n] in x's dtype, float32 sums; each output one chain
     over k in order, so a row's result does not depend on the rest of the batch."""
     return load().packed_linear(x, packed, int(n), _EMPTY if b is None else b, _EMPTY if residual is None else residual)
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether bfloat16 projections whose K is a multiple of 32 run on AMX tiles in this process (cached)."""
+    return bool(load().amx_bf16())
+
+
+def panel_gemm_applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `panel_gemm` can compute x @ w^T from these panels here: bfloat16 x [M, K] and bfloat16 panels on
+    the CPU, K a multiple of 32, and AMX-BF16 granted to this process."""
+    return (
+        x.dtype == torch.bfloat16
+        and packed.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and x.shape[1] % 32 == 0
+        and not torch.is_grad_enabled()
+        and amx_bf16()
+    )
+
+
+def panel_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    b: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] bfloat16; packed: bfloat16 pack_panels(w) of a w [n, K]; b: [n] or None; residual: [M, n]
+    bfloat16 or None -> residual + (x @ w^T + b) [M, n] bfloat16, on AMX tiles straight from the panels (no
+    unpacked copy of w): float32 sums rounded to bfloat16 with the bias, then added to the residual and rounded,
+    as torch's bfloat16 `residual + F.linear(x, w, b)` does. Each row's sums are the bits `packed_linear`
+    computes for that row (the same tile products in the same order). Only where `panel_gemm_applies`."""
+    return load().panel_gemm_bf16(
+        x, packed, int(n), _EMPTY if b is None else b, _EMPTY if residual is None else residual
+    )
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
