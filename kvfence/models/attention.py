@@ -81,14 +81,13 @@ def paged_attention(
     if fb.context_cache is not None:
         k = fb.context_cache.context(k_cache, fb)  # [B, Hkv, K, D]
         v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
-    elif fb.is_decode:
+    else:
         k = gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
         v = gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
-    else:
-        # contiguous for SDPA: given these transposed views, CPU SDPA (torch 2.13) keeps an 8 MiB buffer after
-        # its first prefill of 8 x 128 tokens and takes ~1.6x the time; same values either way
-        k = gather_context(k_cache, fb).transpose(1, 2).contiguous()  # [B, Hkv, K, D]
-        v = gather_context(v_cache, fb).transpose(1, 2).contiguous()  # [B, Hkv, K, Dv]
+        if not fb.is_decode:
+            # contiguous for SDPA: given these transposed views, CPU SDPA (torch 2.13) keeps an 8 MiB buffer after
+            # its first prefill of 8 x 128 tokens and takes ~1.6x the time; same values either way
+            k, v = k.contiguous(), v.contiguous()
     B, Q = fb.q_index.shape
     dense = fb.mask_mode == "causal"  # B fresh prompts of Q tokens each: rows of T are already [B, Q] in order
     if fb.is_decode:

@@ -243,12 +243,12 @@ inline __m512 exp16(__m512 x) {
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
+// 16 bfloat16s widened exactly to floats
+inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 // 16 floats from memory, or 16 bfloat16s widened exactly to floats
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load16(const bf16_t* p) { return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
 // s[i] = exp(s[i] - m) for i < n; returns their sum (in lane order, then across lanes: the same for any caller)
@@ -536,7 +536,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
 // computes for it, whatever M is. Epilogue as torch's bfloat16 F.linear then `residual + y`: the float32 sum
 // (+ bias) is rounded to bfloat16, then added to the residual and rounded again.
 #ifdef KVF_AMX
-// 16 floats -> 16 bfloat16s, round_bf16's rounding (nearest even; a NaN becomes 0x7FC0), and back (exact)
+// 16 floats -> 16 bfloat16s, round_bf16's rounding (nearest even; a NaN becomes 0x7FC0)
 inline __m256i round_bf16x16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -544,7 +544,6 @@ inline __m256i round_bf16x16(__m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
-inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 // tiles 0, 1 = C of rows 0-15 (r0 rows), 2, 3 = C of rows 16-31 (r1 rows, 0: unused); 4, 5 = their A; 6, 7 = B
 inline void amx_configure_pair(int r0, int r1) {
