@@ -50,6 +50,44 @@ def test_kernel_row_does_not_depend_on_batch_mates(D: int) -> None:
         assert torch.equal(alone[0], batched[b])  # bitwise
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D", "dtype"),
+    [
+        (4, 4, 64, torch.float32),  # G = 1
+        (8, 4, 64, torch.float32),  # G = 2
+        (12, 4, 64, torch.float32),  # G = 3 (the 100M preset's heads)
+        (16, 4, 64, torch.float32),  # G = 4
+        (12, 4, 64, torch.bfloat16),
+        (12, 4, 128, torch.bfloat16),  # the 0.5B's heads
+        (16, 4, 128, torch.bfloat16),
+        (4, 2, 128, torch.float32),
+    ],
+)
+def test_whole_sequence_units_give_the_per_head_bits(H: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
+    """With at least two sequences per thread a unit is one whole sequence (every KV head, whole pool rows, the
+    scores of 16 tokens summed together); a batch of one takes one unit per KV head. Both must give the same
+    bits, tails of 16 tokens and of pages included."""
+    from kvfence.models.native_kernels import paged_decode_attention
+
+    q, k, v, pages, lens = attention_case([1, 7, 16, 17, 40, 33], H=H, Hkv=Hkv, D=D, seed=5)
+    k, v = k.to(dtype), v.to(dtype)
+    scale = D**-0.5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batched = paged_decode_attention(q, k, v, pages, lens, PAGE, scale)  # whole-sequence units
+        for b in range(q.shape[0]):
+            P = -(-int(lens[b]) // PAGE)
+            alone = paged_decode_attention(q[b : b + 1], k, v, pages[b : b + 1, :P], lens[b : b + 1], PAGE, scale)
+            assert torch.equal(alone[0], batched[b])  # bitwise
+    finally:
+        torch.set_num_threads(threads)
+    assert not batched.isnan().any()
+    want = reference_attention(q, k.float(), v.float(), pages, lens)
+    torch.testing.assert_close(batched, want, rtol=1e-5, atol=1e-5)
+
+
 def _engine(loaded: Any, backend: str, dtype: str = "float32") -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(str(loaded.model_dir), dtype=dtype, kernels=backend),

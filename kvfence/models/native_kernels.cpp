@@ -249,6 +249,34 @@ inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_
 // 16 floats from memory, or 16 bfloat16s widened exactly to floats
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_t* p) { return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// the sum of a's 16 lanes, added in pairs (i, i + 8), then (i, i + 4), (i, i + 2), (0, 1): GCC's
+// _mm512_reduce_add_ps, written out so that hsum16x16's sums are the same bits with any compiler
+inline float hsum16(__m512 a) {
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), _mm512_castps512_ps256(a));
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+  const __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+// lane i = hsum16 of the 16 floats at v + 16 * i (i < 16), the same pairs in the same order: blocks of 4 lanes
+// pair (b0, b2) and (b1, b3), then the two halves, then lanes (0, 2) and (1, 3), then (0, 1); vector i's sum
+// lands in lane 4 * (i % 4) + i / 4, which the last permute undoes
+inline __m512 hsum16x16(const float* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = _mm512_loadu_ps(v + 32 * i), y = _mm512_loadu_ps(v + 32 * i + 16);
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0xEE), _mm512_shuffle_f32x4(x, y, 0x44));
+  }
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i from = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(from, d);
+}
 #endif
 
 // s[i] = exp(s[i] - m) for i < n; returns their sum (in lane order, then across lanes: the same for any caller)
@@ -716,7 +744,7 @@ void attend_avx512(const Unit<T>& u, float* s) {
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
       for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(q[g][j], k[j], acc);
-      s[g * u.L + t] = _mm512_reduce_add_ps(acc) * u.scale;
+      s[g * u.L + t] = hsum16(acc) * u.scale;
     }
   });
   softmax_rows(s, G, u.L);
@@ -737,6 +765,90 @@ void attend_avx512(const Unit<T>& u, float* s) {
 
 template <typename T>
 using AttendFn = void (*)(const Unit<T>&, float*);
+
+// All Hkv KV heads of one sequence at once (u.hk unused; u.q, u.out: the sequence's [H, D]), with the same
+// float operations per output as attend_avx512<T, NV, G> for each head, so the bits are the same: a slot's
+// row holds every head's key (Hkv * D contiguous elements), so reading whole rows streams each page once in
+// address order instead of one head's 2-line slice of each row per pass. The scores of 16 tokens are summed
+// together (hsum16x16: the pairs hsum16 adds, 16 sums a vector). s [H, L]; acc [H, 256]: the 16 tokens'
+// product vectors, then the G * Hkv output rows (too many for the registers), which then go to u.out.
+template <typename T, int NV, int G>
+void attend_seq_avx512(const Unit<T>& u, float* s, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t Hkv = u.Hkv, H = G * Hkv, L = u.L;
+  const __m512 scale = _mm512_set1_ps(u.scale);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      const T* krow = u.k + (u.pages[t / u.page_size] * u.page_size + t % u.page_size) * Hkv * D;
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        __m512 k[NV];
+        for (int j = 0; j < NV; ++j) k[j] = load16(krow + hk * D + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const float* qg = u.q + (hk * G + g) * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+          for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a);
+          _mm512_storeu_ps(acc + ((hk * G + g) * 16 + i) * 16, a);
+        }
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* part = acc + h * 256;
+      if (n < 16) std::fill(part + n * 16, part + 256, 0.f);  // lanes past the sequence: computed, not stored
+      _mm512_mask_storeu_ps(s + h * L + t0, tail_mask(n), _mm512_mul_ps(hsum16x16(part), scale));
+    }
+  }
+  softmax_rows(s, H, L);
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* vrow = u.v + (first + i) * Hkv * D;
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        __m512 v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = load16(vrow + hk * D + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g;
+          const __m512 w = _mm512_set1_ps(s[h * L + t0 + i]);
+          float* a = acc + h * D;
+          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(a + 16 * j)));
+        }
+      }
+    }
+  }
+  std::copy(acc, acc + H * D, u.out);
+}
+
+template <typename T>
+using AttendSeqFn = void (*)(const Unit<T>&, float*, float*);
+
+// the sequence-major twin of attend_kernel's choice (the same shapes), or nullptr
+template <typename T>
+AttendSeqFn<T> attend_seq_kernel(int64_t D, int64_t Dv, int64_t G) {
+  if (D != Dv) return nullptr;
+  if (D == 64) {
+    switch (G) {
+      case 1: return attend_seq_avx512<T, 4, 1>;
+      case 2: return attend_seq_avx512<T, 4, 2>;
+      case 3: return attend_seq_avx512<T, 4, 3>;
+      case 4: return attend_seq_avx512<T, 4, 4>;
+    }
+  }
+  if (D == 128) {
+    switch (G) {
+      case 1: return attend_seq_avx512<T, 8, 1>;
+      case 2: return attend_seq_avx512<T, 8, 2>;
+    }
+    if (std::is_same<T, bf16_t>::value) {
+      switch (G) {
+        case 3: return attend_seq_avx512<T, 8, 3>;
+        case 4: return attend_seq_avx512<T, 8, 4>;
+      }
+    }
+  }
+  return nullptr;
+}
 
 // the register-held variant for this head shape, or nullptr (then the generic loops): up to 16 zmm of
 // queries and as many of outputs
@@ -778,6 +890,20 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
   const int64_t G = H / Hkv;
 #ifdef KVF_AVX512
   const AttendFn<T> fast = attend_kernel<T>(D, Dv, G);
+  // with a sequence or more for every thread, a unit is a whole sequence (every KV head: see attend_seq_avx512)
+  const AttendSeqFn<T> seq = B >= 2 * at::get_num_threads() ? attend_seq_kernel<T>(D, Dv, G) : nullptr;
+  if (seq != nullptr) {
+    run_chunks(B, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scores, acc;
+      acc.resize(H * std::max<int64_t>(Dv, 256));
+      for (int64_t b = begin; b < end; ++b) {
+        const Unit<T> u{qp + b * H * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, 0, sc, op + b * H * Dv};
+        scores.resize(H * u.L);
+        seq(u, scores.data(), acc.data());
+      }
+    });
+    return;
+  }
 #endif
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores, acc;  // per thread, reused across chunks and calls
