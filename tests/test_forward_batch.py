@@ -85,3 +85,35 @@ def test_split_attention_equals_padded_attention() -> None:
     split = paged_attention(q, k_cache, v_cache, fb, 0.3)
     padded = paged_attention(q, k_cache, v_cache, dataclasses.replace(fb, parts=()), 0.3)
     torch.testing.assert_close(split, padded, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_attend_over_the_new_kv_with_the_pools_bits(dtype: torch.dtype) -> None:
+    """Fresh prompts of equal length (mask "causal") read this forward's K/V as given instead of gathering
+    them back from the pool: the same bits, on scattered pages; a prompt with a cached prefix still gathers."""
+    from kvfence.models.attention import paged_attention, store_kv
+
+    g = torch.Generator().manual_seed(1)
+    chunks = [SeqChunk([1] * 6, 0, [5, 2]), SeqChunk([2] * 6, 0, [0, 7]), SeqChunk([3] * 6, 0, [3, 6])]
+    fb = build_forward_batch(chunks, 4)
+    assert fb.mask_mode == "causal"
+    k_cache = torch.full((32, 2, 8), float("nan")).to(dtype)
+    v_cache = torch.full((32, 2, 8), float("nan")).to(dtype)
+    k, v = torch.randn(18, 2, 8, generator=g).to(dtype), torch.randn(18, 2, 8, generator=g).to(dtype)
+    store_kv(k_cache, k, fb)
+    store_kv(v_cache, v, fb)
+    q = torch.randn(18, 4, 8, generator=g).to(dtype)
+    gathered = paged_attention(q, k_cache, v_cache, fb, 0.3)
+    given = paged_attention(q, k_cache, v_cache, fb, 0.3, (k, v))
+    assert torch.equal(given, gathered)
+    assert not given.isnan().any()
+    with_prefix = build_forward_batch([SeqChunk([1] * 2, 4, [5, 2])], 4)  # 4 tokens already in the pool
+    assert with_prefix.mask_mode != "causal"  # so new_kv (2 rows) is not its context: ignored
+    store_kv(k_cache, k[:2], with_prefix)
+    store_kv(v_cache, v[:2], with_prefix)
+    torch.testing.assert_close(
+        paged_attention(q[:2], k_cache, v_cache, with_prefix, 0.3, (k[:2], v[:2])),
+        paged_attention(q[:2], k_cache, v_cache, with_prefix, 0.3),
+        rtol=0,
+        atol=0,
+    )

@@ -51,14 +51,21 @@ def gather_context(cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    fb: ForwardBatch,
+    scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries over each sequence's context in the pool.
 
     q: [T, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] (already holding this
     forward's K/V). Returns [T, H, Dv]. When the batch carries a `context_cache` (the
     runner's copy of a steady decode batch's context, kept across steps), K/V come
-    from it instead of a fresh gather from the pool.
+    from it instead of a fresh gather from the pool. new_kv: this forward's K [T, Hkv, D]
+    and V [T, Hkv, Dv] as stored; fresh prompts of equal length (mask "causal") then read
+    them instead of gathering the same values back from the pool.
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
@@ -78,9 +85,20 @@ def paged_attention(
         return paged_decode_attention(q, k_cache, v_cache, fb.kv_pages, fb.kv_lens, fb.page_size, scale)
     if fb.is_decode and fb.context_cache is not None and fb.mask_mode in ("none", "bias"):
         return _decode_attention(q, k_cache, v_cache, fb, scale)
+    B, Q = fb.q_index.shape
     if fb.context_cache is not None:
         k = fb.context_cache.context(k_cache, fb)  # [B, Hkv, K, D]
         v = fb.context_cache.context(v_cache, fb)  # [B, Hkv, K, Dv]
+    elif (
+        fb.mask_mode == "causal"
+        and new_kv is not None
+        and new_kv[0].dtype == k_cache.dtype
+        and new_kv[1].dtype == v_cache.dtype
+    ):
+        # each sequence's context is exactly its Q rows of this forward (Q == K, rows of T in [B, Q] order):
+        # the values just stored, contiguous for SDPA (see below)
+        k = new_kv[0].view(B, Q, Hkv, -1).transpose(1, 2).contiguous()  # [B, Hkv, K, D]
+        v = new_kv[1].view(B, Q, Hkv, -1).transpose(1, 2).contiguous()  # [B, Hkv, K, Dv]
     else:
         k = gather_context(k_cache, fb).transpose(1, 2)  # [B, Hkv, K, D]
         v = gather_context(v_cache, fb).transpose(1, 2)  # [B, Hkv, K, Dv]
@@ -88,7 +106,6 @@ def paged_attention(
             # contiguous for SDPA: given these transposed views, CPU SDPA (torch 2.13) keeps an 8 MiB buffer after
             # its first prefill of 8 x 128 tokens and takes ~1.6x the time; same values either way
             k, v = k.contiguous(), v.contiguous()
-    B, Q = fb.q_index.shape
     dense = fb.mask_mode == "causal"  # B fresh prompts of Q tokens each: rows of T are already [B, Q] in order
     if fb.is_decode:
         # one token per sequence, row b is sequence b; query heads grouped by their KV head (h // G),
