@@ -156,3 +156,32 @@ def test_bf16_native_rms_norm_rounds_as_transformers_does() -> None:
     assert (got.float() != unrounded.bfloat16().float()).any()
     xf = torch.randn(5, 768, generator=g)
     torch.testing.assert_close(nk.rms_norm(xf, w.float(), 1e-6), rms_norm(xf, w.float(), 1e-6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 128, 32, 6])  # the vector path (D / 2 a multiple of 16), the scalar one
+def test_bf16_native_rope_has_the_bits_of_torchs_addcmul(D: int) -> None:
+    """RoPE in one native pass over strided bfloat16 heads: the bits of the torch expression it replaces
+    (`addcmul(x * cos, x.roll(D // 2, -1), sin)` in bfloat16), NaN payloads aside; columns past the heads
+    (v, in the fused qkv rows) untouched; a position past the tables refused."""
+    from kvfence.models import native_kernels as nk
+
+    g = torch.Generator().manual_seed(7)
+    T, Hq, n = 37, 5, 100
+    rows = (torch.randn(T, Hq + 2, D, generator=g) * 4).bfloat16()  # [T, Hq + 2, D]: q and k heads, then v
+    rows[3, 1, D // 2] = float("nan")
+    rows[4, 0, 0] = float("inf")
+    freqs = torch.arange(n).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))[None]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).bfloat16()  # [n, D]
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1).bfloat16()
+    pos = torch.randint(0, n, (T,), generator=g)
+    want = rows[:, :Hq].clone()
+    torch.addcmul(want * cos[pos][:, None], want.roll(D // 2, -1), sin[pos][:, None], out=want)
+    got = rows.clone()
+    nk.rope_bf16_(got[:, :Hq], cos, sin, pos)
+    same = got[:, :Hq].view(torch.int16) == want.view(torch.int16)
+    assert bool((same | (got[:, :Hq].isnan() & want.isnan())).all())
+    assert bool(same[~want.isnan()].all()) and int(want.isnan().sum()) >= 2  # NaN in, NaN out
+    assert torch.equal(got[:, Hq:], rows[:, Hq:])
+    with pytest.raises(RuntimeError, match="past the tables"):
+        nk.rope_bf16_(got[:, :Hq], cos, sin, torch.full((T,), n))

@@ -22,6 +22,7 @@ loader caps the context at the window so full attention is exact.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterable
@@ -200,6 +201,24 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> to
     return rms_norm(x, weight, eps)
 
 
+class RopeRows:
+    """The cos and sin (sin's first half negated) of a forward's rows: the [n, D] tables and each row's position.
+    The gathered [T, 1, D] rows the torch path multiplies by are made on first use, once for every layer; the
+    native path reads the tables by position."""
+
+    def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
+        assert cos_table.shape == sin_table.shape and positions.dim() == 1, (cos_table.shape, positions.shape)
+        self.cos_table, self.sin_table, self.positions = cos_table, sin_table, positions  # [n, D], [n, D], [T]
+
+    @functools.cached_property
+    def cos(self) -> torch.Tensor:
+        return self.cos_table[self.positions][:, None, :]  # [T, 1, D]
+
+    @functools.cached_property
+    def sin(self) -> torch.Tensor:
+        return self.sin_table[self.positions][:, None, :]  # [T, 1, D]
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block; q/k/v and gate/up are single fused matrices."""
 
@@ -302,16 +321,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeRows,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         fb: ForwardBatch,
         scale: float,
         scratch: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x: [T, E]; cos/sin: [T, 1, D] (sin with the first half negated); k_cache/v_cache: [S, Hkv, D];
-        scratch: buffers the layers of one forward share (each layer's are dead once it returns) -> [T, E]."""
+        """x: [T, E]; rope: the rows' cos/sin; k_cache/v_cache: [S, Hkv, D]; scratch: buffers the layers of one
+        forward share (each layer's are dead once it returns) -> [T, E]."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         scratch = {} if scratch is None else scratch
@@ -326,10 +344,16 @@ class DecoderLayer(nn.Module):
         # RoPE on q and k heads at once, rotate-half convention:
         # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] = qk * cos + [x2, x1] * [-sin, sin],
         # written back over qk (its inputs are the two temporaries, so nothing it reads is overwritten)
-        for r0 in range(0, T, _ROPE_ROWS):  # a block of rows at a time: two [rows, H + Hkv, D] temporaries
-            rows = slice(r0, r0 + _ROPE_ROWS)
-            blk = qk[rows]
-            torch.addcmul(blk * cos[rows], blk.roll(D // 2, -1), sin[rows], out=blk)  # [rows, H + Hkv, D]
+        if self.native and qk.dtype == torch.bfloat16:  # the same bits in one native pass over qk
+            from kvfence.models.native_kernels import rope_bf16_
+
+            rope_bf16_(qk, rope.cos_table, rope.sin_table, rope.positions)
+        else:
+            cos, sin = rope.cos, rope.sin  # [T, 1, D]
+            for r0 in range(0, T, _ROPE_ROWS):  # a block of rows at a time: two [rows, H + Hkv, D] temporaries
+                rows = slice(r0, r0 + _ROPE_ROWS)
+                blk = qk[rows]
+                torch.addcmul(blk * cos[rows], blk.roll(D // 2, -1), sin[rows], out=blk)  # [rows, H + Hkv, D]
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
@@ -611,12 +635,10 @@ class LlamaForCausalLM(nn.Module):
         if self._native_step_applies(fb):
             return self._forward_native_decode(fb, pool)
         x = self._embed_rows(fb.input_ids)  # [T, E]
-        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1)
-        cos = cos_table[fb.positions][:, None, :]  # [T, 1, D]
-        sin = sin_table[fb.positions][:, None, :]  # [T, 1, D]
+        rope = RopeRows(*self._rope_tables(int(fb.positions.max()) + 1), fb.positions)
         scratch: dict[str, torch.Tensor] = {}  # the layers' shared buffers (DecoderLayer.forward)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale, scratch)
+            x = layer.forward(x, rope, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale, scratch)
         del scratch
         x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)

@@ -250,6 +250,15 @@ inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16_t* p) { return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
+// 16 floats -> 16 bfloat16s, round_bf16's rounding (nearest even; a NaN becomes 0x7FC0)
+inline __m256i round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // the sum of a's 16 lanes, added in pairs (i, i + 8), then (i, i + 4), (i, i + 2), (0, 1): GCC's
 // _mm512_reduce_add_ps, written out so that hsum16x16's sums are the same bits with any compiler
 inline float hsum16(__m512 a) {
@@ -564,14 +573,6 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
 // computes for it, whatever M is. Epilogue as torch's bfloat16 F.linear then `residual + y`: the float32 sum
 // (+ bias) is rounded to bfloat16, then added to the residual and rounded again.
 #ifdef KVF_AMX
-// 16 floats -> 16 bfloat16s, round_bf16's rounding (nearest even; a NaN becomes 0x7FC0)
-inline __m256i round_bf16x16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
 
 // tiles 0, 1 = C of rows 0-15 (r0 rows), 2, 3 = C of rows 16-31 (r1 rows, 0: unused); 4, 5 = their A; 6, 7 = B
 inline void amx_configure_pair(int r0, int r1) {
@@ -990,6 +991,57 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
   else
     paged_attention_dispatch<float>(q, k_pool, v_pool, pages, ln, page_size, static_cast<float>(scale), out);
   return out.to(out_dtype);
+}
+
+// RoPE (rotate-half) in place on bfloat16 heads: x [T, Hq, D] (heads D apart, rows any stride), cos and sin
+// [n, D] bfloat16 tables (sin's first half negated), positions [T]: each head becomes
+// round(round(x * cos) + roll(x, D / 2) * sin) with float32 arithmetic, the bits of torch's bfloat16
+// `addcmul(x * cos, x.roll(D // 2, -1), sin)` (a product of two bfloat16s is exact in float32, so whether the
+// last step is an FMA does not matter). One pass over x instead of four, and no gathered [T, 1, D] tables.
+void rope_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(x.dim() == 3 && is_bf16(x) && x.device().is_cpu() && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rope_bf16_: x [T, Hq, D] bfloat16, heads contiguous");
+  const int64_t T = x.size(0), Hq = x.size(1), D = x.size(2), ld = x.stride(0), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && is_bf16(cos) && is_bf16(sin) && cos.dim() == 2 && cos.size(1) == D &&
+                  sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(),
+              "rope_bf16_: cos, sin [n, D] bfloat16, contiguous");
+  positions = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(positions.numel() == T, "rope_bf16_: one position per row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_bf16_: position past the tables");
+  bf16_t* xp = static_cast<bf16_t*>(x.data_ptr());  // strided rows (checked above), so not data_as
+  const bf16_t* cp = data_as<bf16_t>(cos, "cos");
+  const bf16_t* sp = data_as<bf16_t>(sin, "sin");
+  run_chunks(T, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16_t* c = cp + pos[t] * D;
+      const bf16_t* sn = sp + pos[t] * D;
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        bf16_t* row = xp + t * ld + hq * D;
+#ifdef KVF_AVX512
+        if (half % 16 == 0) {
+          __m512 v[16];  // D <= 256
+          if (D <= 256) {
+            for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(row + 16 * j);
+            for (int64_t j = 0; j < D / 16; ++j) {
+              const __m512 a = widen_bf16x16(round_bf16x16(_mm512_mul_ps(v[j], load16(c + 16 * j))));
+              const __m512 r = v[(j + half / 16) % (D / 16)];
+              const __m256i o = round_bf16x16(_mm512_add_ps(a, _mm512_mul_ps(r, load16(sn + 16 * j))));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * j), o);
+            }
+            continue;
+          }
+        }
+#endif
+        for (int64_t d = 0; d < D; ++d) h[d] = to_f32(row[d]);
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = to_f32(round_bf16(h[d] * to_f32(c[d])));
+          row[d] = round_bf16(a + h[(d + half) % D] * to_f32(sn[d]));
+        }
+      }
+    }
+  });
 }
 
 // RMSNorm of each row of x [T, E]: float32 x and w: w * (x * rsqrt(mean(x^2) + eps)), in one pass over the row;

@@ -94,6 +94,7 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
             functions=[
                 "paged_decode_attention",
                 "rms_norm",
+                "rope_bf16_",
                 "pack_panels",
                 "packed_linear",
                 "llama_decode_layers",
@@ -130,6 +131,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     transformers orders it: weight * (x * rsqrt(mean(x^2) + eps)), float32 arithmetic; for bfloat16 the
     normalised row is rounded to bfloat16 before the weight multiplies it (and the product rounded again)."""
     return load().rms_norm(x, weight, float(eps))
+
+
+def rope_bf16_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """RoPE in place on bfloat16 heads x [T, Hq, D] (each head contiguous), rotate-half, with cos and sin [n, D]
+    bfloat16 tables (sin's first half negated) at positions [T]: the bits of torch's bfloat16
+    `torch.addcmul(x * cos, x.roll(D // 2, -1), sin)` in one pass."""
+    load().rope_bf16_(x, cos, sin, positions)
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
