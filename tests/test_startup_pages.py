@@ -97,3 +97,27 @@ def test_only_clean_private_library_mappings_are_dropped(tmp_path: Path) -> None
     # a shared mapping (a worker's weight panels), a file that is not a library, the heap, anonymous memory,
     # a guard region with nothing resident
     assert [droppable(m) for m in maps] == [True, False, False, False, False, False, False, True, False]
+
+
+def test_the_launcher_drops_its_startup_pages_before_it_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfence.disagg import launcher as launcher_mod
+
+    events: list[str] = []
+
+    class FakeLauncher:
+        def __init__(self, config: object, key: object = None) -> None:
+            self.ports = launcher_mod.LaunchedPorts(http=1, control=2, handoff=(3,))
+            self.base_url = "http://127.0.0.1:1"
+            self.key = type("K", (), {"key_id": "k", "secure": False})()
+
+        def start(self) -> None:
+            events.append("start")
+
+        def watch(self) -> int:
+            events.append("watch")
+            return 0
+
+    monkeypatch.setattr(launcher_mod, "Launcher", FakeLauncher)
+    monkeypatch.setattr(startup_pages, "release_startup_pages", lambda: events.append("release") or 0)
+    assert launcher_mod.launch(launcher_mod.LaunchConfig()) == 0
+    assert events == ["start", "release", "watch"]
