@@ -228,6 +228,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvfence.disagg import messages as P
     from kvfence.disagg.router import Router, RouterConfig
     from kvfence.models.heap import release_freed_heap
+    from kvfence.models.startup_pages import release_startup_pages
     from kvfence.server.api import ApiSettings, build_app
     from kvfence.server.launch import check_free, listen, run_server
     from kvfence.server.role_engine import load_tokenizer
@@ -263,6 +264,7 @@ def run_router(args: argparse.Namespace) -> int:
         router.start()
         tokenizer = load_tokenizer(args, model_dir)
         release_freed_heap()  # what parsing tokenizer.json and the imports freed (~8 MiB)
+        release_startup_pages()  # the libraries' code that ran once while starting (models.startup_pages)
         settings = ApiSettings(
             served_model_name=router.model_name,
             max_body_bytes=args.max_body_bytes,

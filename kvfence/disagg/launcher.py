@@ -310,4 +310,7 @@ def launch(config: LaunchConfig, key: ClusterKey | None = None) -> int:
         f"{config.num_prefill} prefill and {config.num_decode} decode worker(s); handoff {handoff}; {auth}",
         file=sys.stderr,
     )
+    from kvfence.models.startup_pages import release_startup_pages
+
+    release_startup_pages()  # the imports' and the start's code: the launcher only watches from here on
     return launcher.watch()

@@ -45,6 +45,7 @@ from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.models.heap import HeapBounds, bound_step_heap, release_freed_heap
+from kvfence.models.startup_pages import release_startup_pages
 from kvfence.models.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -146,6 +147,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Any = None, progress: bool = False) -> None:
         """Load the model (or take an already `loaded` one), check capacity, build the pool and scheduler."""
         self.config = config
+        # the imports' start-up code (torch's registrations) leaves the resident set before the weights and the
+        # pool arrive, so that the build's peak does not hold it (models.startup_pages); again once built, below
+        release_startup_pages()
         dtype = _DTYPES[config.model.dtype]
         kernels = resolve_kernels(config)
         if loaded is None:
@@ -214,6 +218,8 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
         self._trim_thread: threading.Thread | None = None  # the idle heap trim in flight, if any
+        # the loader's code that ran once leaves the resident set; what runs again faults back from the page cache
+        self.startup_pages_released_kib = release_startup_pages()
 
     # -- requests -------------------------------------------------------------
     def _tokenize(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
