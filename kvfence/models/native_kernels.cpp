@@ -1020,18 +1020,16 @@ void rope_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
       for (int64_t hq = 0; hq < Hq; ++hq) {
         bf16_t* row = xp + t * ld + hq * D;
 #ifdef KVF_AVX512
-        if (half % 16 == 0) {
-          __m512 v[16];  // D <= 256
-          if (D <= 256) {
-            for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(row + 16 * j);
-            for (int64_t j = 0; j < D / 16; ++j) {
-              const __m512 a = widen_bf16x16(round_bf16x16(_mm512_mul_ps(v[j], load16(c + 16 * j))));
-              const __m512 r = v[(j + half / 16) % (D / 16)];
-              const __m256i o = round_bf16x16(_mm512_add_ps(a, _mm512_mul_ps(r, load16(sn + 16 * j))));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * j), o);
-            }
-            continue;
+        if (half % 16 == 0 && D <= 256) {
+          __m512 v[16];
+          for (int64_t j = 0; j < D / 16; ++j) v[j] = load16(row + 16 * j);
+          for (int64_t j = 0; j < D / 16; ++j) {
+            const __m512 a = widen_bf16x16(round_bf16x16(_mm512_mul_ps(v[j], load16(c + 16 * j))));
+            const __m512 r = v[(j + half / 16) % (D / 16)];
+            const __m256i o = round_bf16x16(_mm512_add_ps(a, _mm512_mul_ps(r, load16(sn + 16 * j))));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * j), o);
           }
+          continue;
         }
 #endif
         for (int64_t d = 0; d < D; ++d) h[d] = to_f32(row[d]);
