@@ -85,17 +85,12 @@ def droppable(m: Mapping) -> bool:
 def _madvise() -> Any:
     """libc's madvise through ctypes, or None where there is none (not Linux, or no C library found)."""
     import ctypes
-    import ctypes.util
     import sys
 
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-    except (OSError, TypeError):
-        return None
-    fn = getattr(libc, "madvise", None)
+    from kvfence.models.heap import _libc  # the C library, looked up once for both modules
+
+    libc = _libc() if sys.platform.startswith("linux") else None
+    fn = None if libc is None else getattr(libc, "madvise", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int
