@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -96,3 +97,33 @@ def test_bench_serve_sends_each_url_its_own_model_name(monkeypatch: pytest.Monke
     assert not skipped and len(runs) == 2
     assert asked == [None, None]  # no --model-name: each server is asked for its own
     assert sent == list(names.items())
+
+
+def _session(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_wait_quiet_waits_out_a_busy_tail_then_sees_idle() -> None:
+    busy_then_sleep = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass\ntime.sleep(60)"
+    p = _session(busy_then_sleep)
+    try:
+        q = vllm_baseline.wait_quiet(p.pid, limit=10.0, window=0.25)
+        assert q.idle and 1.0 <= q.waited < 5.0, q
+        assert vllm_baseline.session_cpu_seconds(p.pid) >= 1.0  # its busy second is counted
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_wait_quiet_gives_up_on_a_session_that_stays_busy() -> None:
+    p = _session("while True: pass")
+    try:
+        q = vllm_baseline.wait_quiet(p.pid, limit=0.6, window=0.2)
+        assert not q.idle and q.waited >= 0.6, q
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_session_cpu_seconds_is_zero_for_a_session_with_no_process() -> None:
+    assert vllm_baseline.session_cpu_seconds(2**22 + 12345) == 0.0

@@ -21,7 +21,9 @@ them end to end through
                     where avx512_bf16/AMX exist) and once at --dtype when that differs;
 then print output and total (prompt + output) tokens per second, the ratio of ours
 to each baseline, and how many requests produced the same greedy tokens as ours.
-Each system first runs a small warm-up that is not timed.
+Each system first runs a small warm-up that is not timed. Before every timed run the bench waits until
+the vLLM processes are idle (up to 30 s; a longer wait is logged): they stay busy for a few seconds after
+each of their runs, and a run started at once would share the cores with them.
 
 With the llama.cpp baseline, prompt processing and decode are also reported apart.
 llama-batched-bench times its two phases itself. For kvfence, each repeat first times a
@@ -332,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
             for load in (0, args.contention) if args.contention else (0,):
                 for name, fn in systems:
                     log(f"repeat {r + 1}/{args.repeats}: {name}" + (f" (under {load} busy loops)" if load else ""))
+                    _wait_for_idle_baselines(vllm_workers, log)
                     try:
                         with BusyLoad(load):
                             res = fn()
@@ -433,6 +436,15 @@ def _vllm_systems(
 
         out.append((name, fn))
     return out
+
+
+def _wait_for_idle_baselines(workers: list[Any], log: Any) -> None:
+    """Before any timed run: until the vLLM workers kept up between rounds have gone idle (they stay busy for a
+    few seconds after their own run and warm-up), so that no system shares its cores with a baseline's tail."""
+    for w in workers:
+        q = w.wait_idle()
+        if q.waited > 1.0 or not q.idle:
+            log(f"waited {q.waited:.1f} s for vLLM ({w.dtype}) to go idle" + ("" if q.idle else "; still busy"))
 
 
 def _llama_cpp_setup(args: argparse.Namespace, model_dir: str, output_len: int, log: Any) -> tuple[Any, Any] | None:

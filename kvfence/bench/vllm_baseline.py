@@ -3,8 +3,10 @@
 What it knows: which python runs vLLM (--vllm-python, else $KVFENCE_VLLM_VENV/bin/python; nothing guessed),
 vLLM's best dtype on this CPU (bfloat16 where the CPU has avx512_bf16 or AMX, float32 otherwise), and how to
 drive bench/vllm_worker.py: start it once per dtype, then send it the same token-id prompts each round and read
-back its time and greedy tokens. What it does not know: vLLM's internals; the worker script is the only code
-that imports vLLM.
+back its time and greedy tokens; how much CPU the worker's processes (its session) use, so that another
+system's timed run can wait until they are idle (after a run, vLLM's processes stay busy for a few seconds,
+about one CPU-second here, which a run started at once would share its cores with). What it does not know:
+vLLM's internals; the worker script is the only code that imports vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -22,6 +25,39 @@ VENV_ENV = "KVFENCE_VLLM_VENV"
 _WORKER = Path(__file__).with_name("vllm_worker.py")
 _MARK = "KVFENCE-VLLM "
 _RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """User + system CPU seconds of the live processes in session `sid` (Linux /proc; 0.0 elsewhere)."""
+    ticks = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(rest[3]) == sid:
+            ticks += int(rest[11]) + int(rest[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Quiet(NamedTuple):
+    waited: float  # seconds until session `sid` was idle, or until the limit
+    idle: bool  # False: still busy at the limit
+
+
+def wait_quiet(sid: int, limit: float = 30.0, window: float = 0.5, busy: float = 0.05) -> Quiet:
+    """Wait until session `sid` uses under `busy` of one core over a `window`-second window, at most `limit` s."""
+    t0 = time.monotonic()
+    while True:
+        before = session_cpu_seconds(sid)
+        time.sleep(window)
+        if session_cpu_seconds(sid) - before < busy * window:
+            return Quiet(time.monotonic() - t0, True)
+        if time.monotonic() - t0 >= limit:
+            return Quiet(time.monotonic() - t0, False)
 
 
 class VllmRun(NamedTuple):
@@ -101,6 +137,10 @@ class VllmWorker:
         self.proc.stdin.flush()
         got = self._read()
         return VllmRun(float(got["seconds"]), [list(map(int, t)) for t in got["outputs"]])
+
+    def wait_idle(self) -> Quiet:
+        """Until this worker's processes are idle (another system's timed run is about to start)."""
+        return wait_quiet(self.proc.pid)  # start_new_session: the worker leads its own session
 
     def close(self) -> None:
         if self.proc.stdin is not None:
