@@ -2,7 +2,8 @@
 AMX-BF16 and the build targets it; a tile product's sums are close to a float64 product of the rounded values,
 and a row's result does not depend on its batch-mates at any batch size (the AMX path is taken for every batch
 size, because its bits differ from the AVX-512 path's). Projections whose K is not a multiple of 32 keep the
-AVX-512 path (tests/test_native_bf16.py compares its bits across builds).
+AVX-512 path (tests/test_native_bf16.py compares its bits across builds). panel_gemm (prefill products from the
+panels) runs on AMX where it has it and on AVX512_BF16's VDPBF16PS otherwise; its tests run on either.
 
 Building the kernels takes a minute or more on two cores, so these tests are slow.
 """
@@ -78,8 +79,8 @@ def test_panel_gemm_is_torchs_bf16_linear_plus_residual_from_the_panels(M: int, 
     `residual + F.linear`); close to a float64 product; a row's result does not depend on the rest of the chunk."""
     from kvfence.models import native_kernels as nk
 
-    if not nk.load().amx_bf16():
-        pytest.skip("no AMX-BF16 here")
+    if not nk.load().panel_gemm_bf16_applies(K):
+        pytest.skip("neither AMX-BF16 nor AVX512_BF16 here")
     g = torch.Generator().manual_seed(M + N + K)
     w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
     x, b, r = (
@@ -104,14 +105,17 @@ def test_panel_gemm_is_torchs_bf16_linear_plus_residual_from_the_panels(M: int, 
 
 
 @pytest.mark.slow
-def test_llama_prefill_projections_take_panel_gemm_with_amx_and_not_without(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bfloat16 prefill chunk of BF16_GEMM_MIN_ROWS rows or more computes from the panels on AMX (no unpacked
-    weight); without AMX it falls back to unpacking the weight for F.linear, with results as close as bf16 allows."""
+def test_llama_prefill_projections_take_panel_gemm_where_it_applies_and_unpack_where_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bfloat16 prefill chunk of BF16_GEMM_MIN_ROWS rows or more computes from the panels (AMX or VDPBF16PS; no
+    unpacked weight); where panel_gemm does not apply it falls back to unpacking the weight for F.linear, with
+    results as close as bf16 allows."""
     import kvfence.models.native_kernels as nk
     from kvfence.models import llama
 
-    if not nk.load().amx_bf16():
-        pytest.skip("no AMX-BF16 here")
+    if not nk.load().panel_gemm_bf16_applies(64):
+        pytest.skip("neither AMX-BF16 nor AVX512_BF16 here")
     cfg = type(
         "Cfg",
         (),
@@ -138,7 +142,7 @@ def test_llama_prefill_projections_take_panel_gemm_with_amx_and_not_without(monk
         amx = layer._project("down_w", torch.randn(llama.BF16_GEMM_MIN_ROWS, 96, generator=g).bfloat16(), None, res)
         qkv = layer._project("qkv_w", x, None)
         assert not unpacked
-        monkeypatch.setattr(nk, "amx_bf16", lambda: False)
+        monkeypatch.setattr(nk, "_panel_gemm_k", lambda k: False)
         qkv_fallback = layer._project("qkv_w", x, None)
     assert unpacked and amx.dtype == qkv.dtype == torch.bfloat16
     torch.testing.assert_close(qkv.float(), qkv_fallback.float(), rtol=2**-7, atol=2**-7 * qkv.abs().max().item())

@@ -503,8 +503,15 @@ inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, 
   add_bias_residual(B, n0, cols, N, bias, residual, y);
 }
 
-inline int64_t panel_grain(int64_t B, int64_t K) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, B * K * kPanel));
+// panels a chunk for B rows. Below 16 rows a step streams its weights from DRAM with little arithmetic per byte:
+// about 256 KiB of weights a chunk, so that a thread reads that much in address order before it jumps (the
+// hardware prefetchers restart at each jump; 8-row decode steps of the 100M preset were ~5% faster than with
+// one panel a chunk), but at least 4 chunks a thread, so that the last ones balance the threads. From 16 rows
+// on, one panel a chunk (larger chunks measured no faster at 32 rows).
+inline int64_t panel_grain(int64_t B, int64_t panels, int64_t panel_bytes) {
+  if (B >= 16) return 1;
+  const int64_t per_thread = panels / (4 * int64_t{at::get_num_threads()});
+  return std::max<int64_t>(1, std::min((int64_t{256} << 10) / panel_bytes, per_thread));
 }
 
 // y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as float32 packed panels (pack_panels); split over panels
@@ -513,7 +520,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packe
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(B, panels, K * kPanel * int64_t{sizeof(float)}), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(x, B, K, packed + p * K * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
@@ -535,7 +542,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   const int64_t ldx = amx ? Kp + 32 : Kp;
   std::vector<bf16_t> xb(B * ldx, 0);
   for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * ldx);
-  run_chunks(panels, panel_grain(B, K), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(B, panels, Kp * kPanel * int64_t{sizeof(bf16_t)}), [&](int64_t p0, int64_t p1) {
 #ifdef KVF_AMX
     if (amx) {
       // per thread and per call (oneDNN may have changed it since): rows in tiles of 16, then the rest
@@ -660,6 +667,75 @@ void panel_gemm_bf16_into(const bf16_t* xb, int64_t M, int64_t Kp, int64_t ldx, 
   });
 }
 #endif
+
+// The same product without AMX, on AVX512_BF16's VDPBF16PS (panel_rows_bf16, packed_linear's own kernel, so a
+// row's sums are again the bits the decode step computes for it). The AMX version's cache blocking at half the
+// sizes (panel groups of ~256 KiB, row blocks of ~512 KiB: an AVX512_BF16 CPU without AMX, e.g. Zen 4, may have
+// 1 MiB of L2 a core), rows in groups of 8 inside; x: [M, Kp] bfloat16 rows Kp apart (K even: x itself).
+#if defined(KVF_AVX512) && defined(__AVX512BF16__)
+#define KVF_BF16_DOT 1
+// the bfloat16 epilogue of one row's columns n0..n0+cols-1: y = round(round(sum + bias) + residual) (torch's
+// bfloat16 F.linear, then `residual + y`); out: the row's float32 sums
+inline void gemm_epilogue_row(const float* out, int64_t n0, int64_t cols, const float* bias, const bf16_t* residual_row,
+                              bf16_t* y_row) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = tail_mask(cols - c);
+    __m512 v = _mm512_maskz_loadu_ps(k, out + c);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0 + c));
+    __m256i h = round_bf16x16(v);
+    if (residual_row != nullptr) {
+      const __m512 res = widen_bf16x16(_mm256_maskz_loadu_epi16(k, residual_row + n0 + c));
+      h = round_bf16x16(_mm512_add_ps(res, widen_bf16x16(h)));
+    }
+    _mm256_mask_storeu_epi16(y_row + n0 + c, k, h);
+  }
+}
+
+void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf16_t* packed, int64_t N,
+                              const float* bias, const bf16_t* residual, bf16_t* y) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t panel_bytes = Kp * kPanel * int64_t{sizeof(bf16_t)};
+  // at least 4 chunks a thread, so that no thread is left with a last large chunk (e.g. 24 panels at K = 768)
+  const int64_t group = std::max<int64_t>(
+      1, std::min((int64_t{256} << 10) / panel_bytes, panels / (4 * int64_t{at::get_num_threads()})));
+  const int64_t row_block = std::max<int64_t>(8, ((int64_t{512} << 10) / (Kp * int64_t{sizeof(bf16_t)})) / 8 * 8);
+  run_chunks(panels, group, [&](int64_t p0, int64_t p1) {
+    alignas(64) float out[8 * kPanel];
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t m1 = std::min(M, m0 + row_block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const bf16_t* panel = packed + p * Kp * kPanel;
+        const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+        for (int64_t r = m0; r < m1;) {
+          const int64_t rows = m1 - r >= 8 ? 8 : m1 - r >= 4 ? 4 : m1 - r >= 2 ? 2 : 1;
+          const bf16_t* xr = xb + r * Kp;
+          if (rows == 8) panel_rows_bf16<8>(xr, Kp, panel, kPanel, out, kPanel);
+          else if (rows == 4) panel_rows_bf16<4>(xr, Kp, panel, kPanel, out, kPanel);
+          else if (rows == 2) panel_rows_bf16<2>(xr, Kp, panel, kPanel, out, kPanel);
+          else panel_rows_bf16<1>(xr, Kp, panel, kPanel, out, kPanel);
+          for (int64_t i = 0; i < rows; ++i)
+            gemm_epilogue_row(out + i * kPanel, n0, cols, bias, residual == nullptr ? nullptr : residual + (r + i) * N,
+                              y + (r + i) * N);
+          r += rows;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// whether panel_gemm_bf16 runs here for this K: AMX tiles (K a multiple of 32), else VDPBF16PS (K even)
+inline bool panel_gemm_applies(int64_t K) {
+#ifdef KVF_AMX
+  if (amx_applies(K)) return true;
+  if (amx_ready()) return false;  // AMX takes the other K's products too in packed_linear: no mixing (see above)
+#endif
+#ifdef KVF_BF16_DOT
+  return K % 2 == 0;
+#else
+  return amx_applies(K);
+#endif
+}
 
 // --- RMSNorm -------------------------------------------------------------------------------------------------
 
@@ -1125,7 +1201,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, to
 }
 
 // x [M, K] bfloat16 @ w^T (+ bias [N]) (+ residual [M, N] bfloat16; empty tensors for none) -> [M, N] bfloat16,
-// w given as bfloat16 pack_panels(w) with N rows, on AMX tiles (amx_bf16() must be true and K a multiple of 32):
+// w given as bfloat16 pack_panels(w) with N rows, on AMX tiles (amx_bf16() true and K a multiple of 32) or else on
+// VDPBF16PS (built with AVX512_BF16, K even; panel_gemm_bf16_applies says which K run here):
 // float32 sums, rounded to bfloat16 (with the bias), then added to the residual and rounded (torch's
 // `residual + F.linear(x, w, b)` in bfloat16). For prefill chunks: see panel_gemm_bf16_into.
 torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
@@ -1134,7 +1211,8 @@ torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, 
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(is_bf16(packed) && packed_as<bf16_t>(packed, N, K), "panel_gemm_bf16: packed must be bfloat16 "
               "pack_panels of a [N, K] weight");
-  TORCH_CHECK(amx_applies(K), "panel_gemm_bf16: needs AMX-BF16 and K a multiple of 32");
+  TORCH_CHECK(panel_gemm_applies(K), "panel_gemm_bf16: needs AMX-BF16 and K a multiple of 32, or AVX512_BF16 "
+              "and K even");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "panel_gemm_bf16: bias size");
   if (bias.numel() != 0) bias = bias.to(torch::kFloat32).contiguous();
   const bf16_t* rp = nullptr;
@@ -1146,6 +1224,14 @@ torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, 
   }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
+#ifdef KVF_BF16_DOT
+  if (!amx_applies(K)) {
+    x = x.contiguous();
+    panel_gemm_bf16_dot_into(data_as<bf16_t>(x, "x"), M, K, data_as<bf16_t>(packed, "packed weight"), N,
+                             opt_ptr(bias), rp, data_as<bf16_t>(y, "y"));
+    return y;
+  }
+#endif
 #ifdef KVF_AMX
   // rows 32 elements further apart than K (as packed_linear_into's AMX path), so that a tile's 16 rows do not
   // share one L1 set when K * 2 bytes is a multiple of 4 KiB
@@ -1374,3 +1460,6 @@ torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::T
 
 // whether bfloat16 projections whose K is a multiple of 32 run on AMX tiles in this process
 bool amx_bf16() { return amx_applies(32); }
+
+// whether panel_gemm_bf16 takes bfloat16 products with this K here (AMX tiles or VDPBF16PS)
+bool panel_gemm_bf16_applies(int64_t K) { return panel_gemm_applies(K); }

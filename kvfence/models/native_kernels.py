@@ -42,6 +42,8 @@ float32. Where the CPU has AMX-BF16 (and Linux grants the tile state), projectio
 run on AMX tiles (TDPBF16PS, 16 rows a tile) instead, at every batch size: a tile sums its 16 k pairs in the
 hardware's order, whose bits differ from VDPBF16PS's in the last places, so the AMX and AVX-512 paths are not
 mixed within a process; `load().amx_bf16()` says which one runs (KVFENCE_NATIVE_AMX=0 turns AMX off).
+A bfloat16 prefill's products (`panel_gemm`) also read the panels, on AMX tiles or else on VDPBF16PS, with
+the decode path's bits for each row.
 Decode attention and the decode step read and write bfloat16 pools, computing in float32.
 
 What it does not know: prefill attention, masks other than "the first kv_len keys", float16, or devices
@@ -101,6 +103,7 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
                 "llama_decode_step",
                 "amx_bf16",
                 "panel_gemm_bf16",
+                "panel_gemm_bf16_applies",
             ],  # fmt: skip
             # -fopenmp: torch's thread count and parallel-region query (at::get_num_threads, in_parallel_region)
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
@@ -185,16 +188,21 @@ def amx_bf16() -> bool:
 
 def panel_gemm_applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether `panel_gemm` can compute x @ w^T from these panels here: bfloat16 x [M, K] and bfloat16 panels on
-    the CPU, K a multiple of 32, and AMX-BF16 granted to this process."""
+    the CPU, and either AMX-BF16 granted to this process with K a multiple of 32, or kernels built with
+    AVX512_BF16 (VDPBF16PS) and K even."""
     return (
         x.dtype == torch.bfloat16
         and packed.dtype == torch.bfloat16
         and x.dim() == 2
         and x.device.type == "cpu"
-        and x.shape[1] % 32 == 0
         and not torch.is_grad_enabled()
-        and amx_bf16()
+        and _panel_gemm_k(int(x.shape[1]))
     )
+
+
+@functools.cache
+def _panel_gemm_k(k: int) -> bool:
+    return bool(load().panel_gemm_bf16_applies(k))
 
 
 def panel_gemm(
@@ -205,10 +213,10 @@ def panel_gemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] bfloat16; packed: bfloat16 pack_panels(w) of a w [n, K]; b: [n] or None; residual: [M, n]
-    bfloat16 or None -> residual + (x @ w^T + b) [M, n] bfloat16, on AMX tiles straight from the panels (no
-    unpacked copy of w): float32 sums rounded to bfloat16 with the bias, then added to the residual and rounded,
-    as torch's bfloat16 `residual + F.linear(x, w, b)` does. Each row's sums are the bits `packed_linear`
-    computes for that row (the same tile products in the same order). Only where `panel_gemm_applies`."""
+    bfloat16 or None -> residual + (x @ w^T + b) [M, n] bfloat16, on AMX tiles or VDPBF16PS straight from the
+    panels (no unpacked copy of w): float32 sums rounded to bfloat16 with the bias, then added to the residual
+    and rounded, as torch's bfloat16 `residual + F.linear(x, w, b)` does. Each row's sums are the bits `packed_linear`
+    computes for that row (the same products in the same order). Only where `panel_gemm_applies`."""
     return load().panel_gemm_bf16(
         x, packed, int(n), _EMPTY if b is None else b, _EMPTY if residual is None else residual
     )
