@@ -185,3 +185,53 @@ def test_bf16_native_rope_has_the_bits_of_torchs_addcmul(D: int) -> None:
     assert torch.equal(got[:, Hq:], rows[:, Hq:])
     with pytest.raises(RuntimeError, match="past the tables"):
         nk.rope_bf16_(got[:, :Hq], cos, sin, torch.full((T,), n))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prompt_len", [20, 70])  # two prompts: 40 and 140 rows, below and above BF16_GEMM_MIN_ROWS
+def test_prefill_runs_the_last_layer_past_attention_only_for_the_logits_rows(
+    make_model: Callable[..., Path], dtype: torch.dtype, prompt_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the projections held as panels, a prefill's last layer takes only the rows whose logits are wanted
+    through o, the MLP and the residual; their logits are the bits of running every row, and every row's K/V
+    are still stored (a later step reads them)."""
+    from kvfence.kv.pool import KVPool
+    from kvfence.models import llama
+    from kvfence.models.forward_batch import SeqChunk, build_forward_batch
+
+    lm = _lm(make_model, dtype)
+    lm.model.use_native_kernels(True)
+    assert lm.model.panels
+    g = torch.Generator().manual_seed(1)
+    pages = -(-prompt_len // PAGE)
+    chunks = [
+        SeqChunk(
+            torch.randint(0, 2000, (prompt_len,), generator=g).tolist(), 0, list(range(s * pages, (s + 1) * pages))
+        )
+        for s in range(2)
+    ]
+    fb = build_forward_batch(chunks, PAGE)
+    layout = lm.model.kv_layout(lm.hf_config, PAGE, dtype)
+    rows_in: list[int] = []
+    real = llama.DecoderLayer._project
+    monkeypatch.setattr(
+        llama.DecoderLayer,
+        "_project",
+        lambda self, name, x, *a, **k: rows_in.append(x.shape[0]) or real(self, name, x, *a, **k),
+    )
+    pools = []
+    with torch.inference_mode():
+        out = []
+        for skip in (True, False):
+            lm.model.skip_dead_rows = skip
+            pools.append(KVPool(layout, 2 * pages))
+            rows_in.clear()
+            out.append(lm.model.forward(fb, pools[-1]))
+            if skip:  # the last layer's o, gate_up and down saw the 2 logits rows, every other projection all rows
+                assert rows_in[-3:] == [2, 2, 2] and rows_in[:-3].count(2 * prompt_len) == len(rows_in) - 3, rows_in
+    assert out[0].shape == (2, lm.model.vocab_size)
+    assert torch.equal(out[0], out[1])
+    for i in range(layout.num_layers):
+        for name in ("k", "v"):
+            assert torch.equal(pools[0].flat(i, name), pools[1].flat(i, name))

@@ -299,15 +299,22 @@ class DecoderLayer(nn.Module):
         return act
 
     def _project(
-        self, name: str, x: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None
+        self,
+        name: str,
+        x: torch.Tensor,
+        b: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held."""
+        """x: [T, in] -> (residual +) x @ W^T (+ b) [T, out] for projection `name`, from whichever copy is held.
+        rows: the forward's row count when x holds only some of its rows (the panel kernel is chosen by it, so
+        that each row's result is the one the whole forward would give)."""
         panels = self.panels.get(name)
         if panels is not None:
             from kvfence.models.native_kernels import packed_linear, panel_gemm, panel_gemm_applies, unpack_panels
 
-            if x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS:
-                if panel_gemm_applies(x, panels):  # AMX tiles on the panels themselves
+            if x.dtype == torch.bfloat16 and (x.shape[0] if rows is None else rows) >= BF16_GEMM_MIN_ROWS:
+                if panel_gemm_applies(x, panels):  # AMX tiles or VDPBF16PS on the panels themselves
                     return panel_gemm(x, panels, self.shapes[name][0], b, residual)
                 # a transient [out, in] copy for oneDNN
                 y = F.linear(x, unpack_panels(panels, *self.shapes[name]), b)
@@ -327,9 +334,13 @@ class DecoderLayer(nn.Module):
         fb: ForwardBatch,
         scale: float,
         scratch: dict[str, torch.Tensor] | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [T, E]; rope: the rows' cos/sin; k_cache/v_cache: [S, Hkv, D]; scratch: buffers the layers of one
-        forward share (each layer's are dead once it returns) -> [T, E]."""
+        forward share (each layer's are dead once it returns) -> [T, E]. keep [N] (the last layer, whose output
+        only feeds the logits): every row's K/V are stored and attended as usual, then only these rows go on
+        through o, the MLP and the residual -> [N, E]. Held as panels, every kernel after attention computes a
+        row on its own, so the kept rows are the bits of the whole forward's."""
         T = x.shape[0]
         H, Hkv, D = self.H, self.Hkv, self.D
         scratch = {} if scratch is None else scratch
@@ -361,18 +372,22 @@ class DecoderLayer(nn.Module):
         # A prefill's activations are freed as soon as they are dead, so the next ones reuse their memory
         # (a layer's resident peak is what is live at once, not every temporary of the layer)
         del h, qkv, qk, q, k, v
-        x = self._project("o_w", attn.reshape(T, H * D), self.o_b, x)
+        attn = attn.reshape(T, H * D)  # [T, H * D]
+        if keep is not None:
+            assert self.panels, "keep: only for projections held as panels (row by row)"
+            attn, x = attn[keep], x[keep]  # [N, H * D], [N, E]
+        x = self._project("o_w", attn, self.o_b, x, rows=T)
         del attn
         h = _norm(x, self.post_norm, self.eps, self.native)
         gate_up = self.panels.get("gate_up_w")
         if gate_up is not None and h.dtype == torch.float32 and self.I % gate_up.shape[-1] == 0:
             act = self._gate_up_act(h, gate_up, scratch)  # [T, I]
         else:
-            gu = self._project("gate_up_w", h, self.gate_up_b)  # [T, 2I]
+            gu = self._project("gate_up_w", h, self.gate_up_b, rows=T)  # [T, 2I]
             act = F.silu(gu[:, : self.I]).mul_(gu[:, self.I :])  # [T, I]
             del gu
         del h
-        return self._project("down_w", act, self.down_b, x)
+        return self._project("down_w", act, self.down_b, x, rows=T)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -420,6 +435,7 @@ class LlamaForCausalLM(nn.Module):
         self._rope_sin: torch.Tensor | None = None
         self.native = False  # final RMSNorm by models.native_kernels
         self.panels = False  # projections and head held as native panels only (hold_panels)
+        self.skip_dead_rows = True  # with panels: the last layer after attention only for the logits' rows
         self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
         self._native_head: torch.Tensor | None = None  # lm_head's panels (the only copy while self.panels)
         self._native_norm: torch.Tensor | None = None  # the final norm's weight in float32
@@ -637,10 +653,16 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed_rows(fb.input_ids)  # [T, E]
         rope = RopeRows(*self._rope_tables(int(fb.positions.max()) + 1), fb.positions)
         scratch: dict[str, torch.Tensor] = {}  # the layers' shared buffers (DecoderLayer.forward)
+        # the last layer's o, MLP and residual only for the rows whose logits are wanted (a prompt's last
+        # token): the other rows' K/V are all a later step reads of them (held as panels: the same bits)
+        N, T = fb.logits_index.shape[0], x.shape[0]
+        skip = self.panels and self.skip_dead_rows and N < T
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale, scratch)
+            keep = fb.logits_index if skip and i == self.num_layers - 1 else None
+            x = layer.forward(x, rope, pool.flat(i, "k"), pool.flat(i, "v"), fb, self.scale, scratch, keep)
         del scratch
-        x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
+        if not skip:
+            x = x[fb.logits_index]  # [N, E]: only the rows whose logits are wanted
         x = _norm(x, self.norm, self.eps, self.native)
         return self._logits(x)  # [N, vocab]
 
