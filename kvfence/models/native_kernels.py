@@ -146,8 +146,18 @@ def rope_bf16_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """w: [N, K] float32 -> [ceil(N / 32), K, 32]: 32 output columns per panel, k-major, zero past N; bfloat16 ->
     [ceil(N / 32), ceil(K / 2), 32, 2]: per pair of k, each column's two weights side by side (the operand of
-    AVX512_BF16's dot product), zero past N and K. What `packed_linear` and `llama_decode_layers` read."""
-    return load().pack_panels(w.contiguous())
+    AVX512_BF16's dot product), zero past N and K. What `packed_linear` and `llama_decode_layers` read.
+
+    In transparent huge pages where Linux grants them: every decode step streams all panels, and with 4 KiB
+    pages that is a TLB miss every 4 KiB (the panels are copied once into memory advised before its first write;
+    the same resident size)."""
+    from kvfence.models.heap import advise_huge_pages
+
+    packed = load().pack_panels(w.contiguous())
+    out = torch.empty_like(packed)
+    if not advise_huge_pages(out.data_ptr(), out.numel() * out.element_size()):
+        return packed
+    return out.copy_(packed)
 
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
