@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -127,3 +128,25 @@ def test_wait_quiet_gives_up_on_a_session_that_stays_busy() -> None:
 
 def test_session_cpu_seconds_is_zero_for_a_session_with_no_process() -> None:
     assert vllm_baseline.session_cpu_seconds(2**22 + 12345) == 0.0
+
+
+def test_a_paused_worker_uses_no_cpu_until_resumed() -> None:
+    """pause/resume stop and continue the worker's whole session (its process group), as the bench does while
+    another system's timed run goes."""
+    w = object.__new__(vllm_baseline.VllmWorker)  # the process handling only, without starting vLLM
+    w.proc = _session("while True: pass")  # type: ignore[assignment]
+    w._paused = False
+    try:
+        w.pause()
+        time.sleep(0.1)  # a stop takes effect at the next scheduling point
+        before = vllm_baseline.session_cpu_seconds(w.proc.pid)
+        time.sleep(0.5)
+        assert vllm_baseline.session_cpu_seconds(w.proc.pid) - before < 0.05
+        w.resume()
+        before = vllm_baseline.session_cpu_seconds(w.proc.pid)
+        time.sleep(0.5)
+        assert vllm_baseline.session_cpu_seconds(w.proc.pid) - before > 0.2
+    finally:
+        w.resume()
+        w.proc.kill()
+        w.proc.wait()

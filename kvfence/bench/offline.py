@@ -22,8 +22,10 @@ them end to end through
 then print output and total (prompt + output) tokens per second, the ratio of ours
 to each baseline, and how many requests produced the same greedy tokens as ours.
 Each system first runs a small warm-up that is not timed. Before every timed run the bench waits until
-the vLLM processes are idle (up to 30 s; a longer wait is logged): they stay busy for a few seconds after
-each of their runs, and a run started at once would share the cores with them.
+the vLLM processes are idle (up to 30 s; a longer wait is logged): they keep a core busy for about a second
+after each of their runs, and a run started at once would share the cores with them. Then every vLLM worker
+but the one about to run is stopped (SIGSTOP to its process group, SIGCONT before its own run), so that each
+system runs with no other system's processes on the cores, idle or not.
 
 With the llama.cpp baseline, prompt processing and decode are also reported apart.
 llama-batched-bench times its two phases itself. For kvfence, each repeat first times a
@@ -335,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
                 for name, fn in systems:
                     log(f"repeat {r + 1}/{args.repeats}: {name}" + (f" (under {load} busy loops)" if load else ""))
                     _wait_for_idle_baselines(vllm_workers, log)
+                    for w in vllm_workers:  # the others stopped: no system shares the cores with an idle one
+                        w.resume() if name == f"vllm {w.dtype}" else w.pause()
                     try:
                         with BusyLoad(load):
                             res = fn()

@@ -5,7 +5,8 @@ vLLM's best dtype on this CPU (bfloat16 where the CPU has avx512_bf16 or AMX, fl
 drive bench/vllm_worker.py: start it once per dtype, then send it the same token-id prompts each round and read
 back its time and greedy tokens; how much CPU the worker's processes (its session) use, so that another
 system's timed run can wait until they are idle (after a run, vLLM's processes stay busy for a few seconds,
-about one CPU-second here, which a run started at once would share its cores with). What it does not know:
+about one CPU-second here, which a run started at once would share its cores with), and how to stop and
+continue them (SIGSTOP/SIGCONT to its process group) while another system runs. What it does not know:
 vLLM's internals; the worker script is the only code that imports vLLM.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +112,7 @@ class VllmWorker:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.dtype = dtype
+        self._paused = False
         self.proc = subprocess.Popen(
             # -I: not the script's folder on sys.path (kvfence/bench/kernels.py would shadow the `kernels` package)
             [python, "-I", "-c", _RUN_PATH, str(_WORKER), json.dumps(spec)],
@@ -132,17 +135,30 @@ class VllmWorker:
         raise RuntimeError(f"vLLM ({self.dtype}) exited with code {code} (its log is above on stderr)")
 
     def run(self, prompts: list[list[int]], output_len: int) -> VllmRun:
+        self.resume()
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
         self.proc.stdin.flush()
         got = self._read()
         return VllmRun(float(got["seconds"]), [list(map(int, t)) for t in got["outputs"]])
 
+    def pause(self) -> None:
+        """Stop the worker's processes (SIGSTOP to its session's process group) while another system runs."""
+        if not self._paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self._paused = False
+
     def wait_idle(self) -> Quiet:
         """Until this worker's processes are idle (another system's timed run is about to start)."""
         return wait_quiet(self.proc.pid)  # start_new_session: the worker leads its own session
 
     def close(self) -> None:
+        self.resume()
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
