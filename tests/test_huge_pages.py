@@ -1,6 +1,6 @@
-"""Transparent huge pages for the buffers a decode step streams (models/heap.advise_huge_pages): the KV pool
-is advised before its first write, so Linux backs it with 2 MiB pages where THP is "always" or "madvise"; the
-bytes and the resident size are what torch.zeros gives."""
+"""Transparent huge pages for the buffers a decode step streams (kvfence.hugepages): the KV pool is mapped
+fresh and advised before its first write, so Linux backs it with 2 MiB pages where THP is "always" or
+"madvise", even in a process whose heap already holds freed, written memory; the bytes are torch.zeros'."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvfence.hugepages import HUGE_PAGE, huge_empty
 from kvfence.kv.layout import KVBufferSpec, KVLayout
 from kvfence.kv.pool import KVPool
-from kvfence.models.heap import advise_huge_pages
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -30,9 +30,10 @@ def _anon_huge_kib(addr: int, nbytes: int) -> int:
     return total
 
 
-def test_a_range_without_a_whole_aligned_huge_page_is_not_advised() -> None:
-    assert not advise_huge_pages(4096, 4096)
-    assert not advise_huge_pages((2 << 20) + 64, (2 << 20) - 128)
+def test_a_buffer_below_one_huge_page_is_a_plain_tensor() -> None:
+    t = huge_empty((HUGE_PAGE // 4 - 1,), torch.float32)
+    assert t.shape == (HUGE_PAGE // 4 - 1,) and t.dtype == torch.float32
+    assert t.untyped_storage().nbytes() == t.numel() * 4
 
 
 @pytest.mark.skipif(
@@ -42,8 +43,10 @@ def test_the_kv_pool_lives_in_huge_pages_and_is_zero() -> None:
     layout = KVLayout(
         "LlamaForCausalLM", 1, (KVBufferSpec("k", (4, 64)), KVBufferSpec("v", (4, 64))), 16, torch.float32
     )
+    junk = [torch.ones(4 << 20) for _ in range(8)]  # 16 MiB each, written, then freed: reusable heap memory
+    del junk
     pool = KVPool(layout, 1024)  # 16 MiB a buffer
     k = pool.tensors[0]["k"]
     assert k.numel() * k.element_size() == 16 << 20
-    assert _anon_huge_kib(k.data_ptr(), 16 << 20) >= 8 << 10  # at least half of it in 2 MiB pages
+    assert _anon_huge_kib(k.data_ptr(), 16 << 20) >= 14 << 10  # its whole 2 MiB pages (7 or 8 of them)
     assert not k.any() and not pool.tensors[0]["v"].any()

@@ -18,18 +18,16 @@ from collections.abc import Iterable
 
 import torch
 
+from kvfence.hugepages import huge_zeros
 from kvfence.kv.layout import KVLayout
-from kvfence.models.heap import advise_huge_pages
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed buffer; on the CPU in transparent huge pages where Linux grants them (a decode step reads pages
-    scattered over the whole pool: fewer TLB misses). The same bytes and resident size either way: every page
-    is written when zeroed."""
-    t = torch.empty(shape, dtype=dtype, device=device)
+    scattered over the whole pool: fewer TLB misses). The same bytes and resident size either way."""
     if device.type == "cpu":
-        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-    return t.zero_()
+        return huge_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class KVPool:

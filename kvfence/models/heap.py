@@ -94,20 +94,3 @@ def release_freed_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-_MADV_HUGEPAGE = 14  # linux/mman.h
-_HUGE = 2 << 20  # a transparent huge page (x86-64)
-
-
-def advise_huge_pages(addr: int, nbytes: int) -> bool:
-    """Ask Linux for transparent huge pages on the 2 MiB-aligned part of [addr, addr + nbytes) (madvise
-    MADV_HUGEPAGE; with THP in "madvise" mode, as here, nothing gets them otherwise). Pages already touched stay
-    small until khugepaged merges them, so call it before the first write. False where nothing was advised."""
-    libc = _libc()
-    start, end = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
-    if libc is None or end <= start:
-        return False
-    import ctypes
-
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0

@@ -149,15 +149,12 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     AVX512_BF16's dot product), zero past N and K. What `packed_linear` and `llama_decode_layers` read.
 
     In transparent huge pages where Linux grants them: every decode step streams all panels, and with 4 KiB
-    pages that is a TLB miss every 4 KiB (the panels are copied once into memory advised before its first write;
-    the same resident size)."""
-    from kvfence.models.heap import advise_huge_pages
+    pages that is a TLB miss every 4 KiB (the panels are copied once into kvfence.hugepages memory; the same
+    resident size)."""
+    from kvfence.hugepages import huge_empty
 
     packed = load().pack_panels(w.contiguous())
-    out = torch.empty_like(packed)
-    if not advise_huge_pages(out.data_ptr(), out.numel() * out.element_size()):
-        return packed
-    return out.copy_(packed)
+    return huge_empty(tuple(packed.shape), packed.dtype).copy_(packed)
 
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
