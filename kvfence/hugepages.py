@@ -33,7 +33,10 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     view = ctypes.c_char.from_buffer(mm)
     offset = -ctypes.addressof(view) % HUGE_PAGE  # the first 2 MiB boundary inside the mapping
     del view  # the export ends here; the mapping itself lives on in the tensor
-    mm.madvise(advise, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    try:
+        mm.madvise(advise, offset, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a kernel built without THP: the mapping serves in small pages
+        pass
     return torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
