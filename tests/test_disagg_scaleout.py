@@ -111,7 +111,9 @@ def test_a_decode_worker_that_stops_fails_only_its_requests(loaded: Any) -> None
 
         async def main() -> dict[str, list[GenerationChunk]]:
             tasks = {rid: asyncio.ensure_future(_collect(dep, rid, p, sp)) for rid, p, sp in reqs}
+            deadline = time.monotonic() + 60  # a stuck worker fails the test here instead of hanging the suite
             while len(dep.decodes[1].ids(DecodeState.RUNNING)) < 2:  # decode-1 holds requests mid-generation
+                assert time.monotonic() < deadline, ("decode-1 never held two running requests", dep.router.stats())
                 await asyncio.sleep(0.005)
             held = set(dep.decodes[1].held_request_ids())  # running, or reserved/receiving/verifying
             await asyncio.to_thread(dep.stop_worker, "decode-1")  # as if its process vanished
