@@ -503,15 +503,19 @@ inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, 
   add_bias_residual(B, n0, cols, N, bias, residual, y);
 }
 
-// panels a chunk for B rows. Below 16 rows a step streams its weights from DRAM with little arithmetic per byte:
-// about 256 KiB of weights a chunk, so that a thread reads that much in address order before it jumps (the
-// hardware prefetchers restart at each jump; 8-row decode steps of the 100M preset were ~5% faster than with
-// one panel a chunk), but at least 4 chunks a thread, so that the last ones balance the threads. From 16 rows
-// on, one panel a chunk (larger chunks measured no faster at 32 rows).
-inline int64_t panel_grain(int64_t B, int64_t panels, int64_t panel_bytes) {
-  if (B >= 16) return 1;
+// Panels a chunk of a projection's work (panel_chunk): about 256 KiB of weights, so that a thread reads that much
+// in address order before it jumps (the hardware prefetchers restart at each jump), but at least 4 chunks a
+// thread, so that the last ones balance the threads. The prefill products group panels so; a decode step below
+// 16 rows too (panel_grain: it streams its weights from DRAM with little arithmetic per byte, and 8-row steps of
+// the 100M preset were ~5% faster than with one panel a chunk); from 16 rows on, one panel a chunk (larger
+// chunks measured no faster at 32 rows).
+inline int64_t panel_chunk(int64_t panels, int64_t panel_bytes) {
   const int64_t per_thread = panels / (4 * int64_t{at::get_num_threads()});
   return std::max<int64_t>(1, std::min((int64_t{256} << 10) / panel_bytes, per_thread));
+}
+
+inline int64_t panel_grain(int64_t B, int64_t panels, int64_t panel_bytes) {
+  return B >= 16 ? 1 : panel_chunk(panels, panel_bytes);
 }
 
 // y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as float32 packed panels (pack_panels); split over panels
@@ -569,6 +573,25 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
 }
 
 // --- many-row bfloat16 products on the panels (prefill) -------------------------------------------------------
+#ifdef KVF_AVX512
+// the bfloat16 epilogue of one row's columns n0..n0+cols-1: y = round(round(sum + bias) + residual) (torch's
+// bfloat16 F.linear, then `residual + y`); out: the row's float32 sums
+inline void gemm_epilogue_row(const float* out, int64_t n0, int64_t cols, const float* bias, const bf16_t* residual_row,
+                              bf16_t* y_row) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = tail_mask(cols - c);
+    __m512 v = _mm512_maskz_loadu_ps(k, out + c);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0 + c));
+    __m256i h = round_bf16x16(v);
+    if (residual_row != nullptr) {
+      const __m512 res = widen_bf16x16(_mm256_maskz_loadu_epi16(k, residual_row + n0 + c));
+      h = round_bf16x16(_mm512_add_ps(res, widen_bf16x16(h)));
+    }
+    _mm256_mask_storeu_epi16(y_row + n0 + c, k, h);
+  }
+}
+#endif
+
 // y [M, N] = x [M, K] @ w^T for bfloat16 x and bfloat16 panels on AMX, for prefill chunks (M in the hundreds or
 // thousands), without unpacking the weight: the product reads the panels the decode step reads (one copy of the
 // weights). Cache blocking: the work is split over groups of panels (about 512 KiB of weights each, which stay
@@ -646,20 +669,9 @@ void panel_gemm_bf16_into(const bf16_t* xb, int64_t M, int64_t Kp, int64_t ldx, 
             panel_tile_pair<true>(xb + r * ldx, Kp, ldx, panel, out);
           else
             panel_tile_pair<false>(xb + r * ldx, Kp, ldx, panel, out);
-          for (int i = 0; i < rows; ++i) {
-            const bf16_t* rr = residual == nullptr ? nullptr : residual + (r + i) * N + n0;
-            for (int64_t c = 0; c < cols; c += 16) {
-              const __mmask16 k = tail_mask(cols - c);
-              __m512 v = _mm512_load_ps(out + i * kPanel + c);
-              if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0 + c));
-              __m256i h = round_bf16x16(v);
-              if (rr != nullptr) {
-                const __m512 res = widen_bf16x16(_mm256_maskz_loadu_epi16(k, rr + c));
-                h = round_bf16x16(_mm512_add_ps(res, widen_bf16x16(h)));
-              }
-              _mm256_mask_storeu_epi16(y + (r + i) * N + n0 + c, k, h);
-            }
-          }
+          for (int i = 0; i < rows; ++i)
+            gemm_epilogue_row(out + i * kPanel, n0, cols, bias, residual == nullptr ? nullptr : residual + (r + i) * N,
+                              y + (r + i) * N);
         }
       }
     }
@@ -674,30 +686,12 @@ void panel_gemm_bf16_into(const bf16_t* xb, int64_t M, int64_t Kp, int64_t ldx, 
 // 1 MiB of L2 a core), rows in groups of 8 inside; x: [M, Kp] bfloat16 rows Kp apart (K even: x itself).
 #if defined(KVF_AVX512) && defined(__AVX512BF16__)
 #define KVF_BF16_DOT 1
-// the bfloat16 epilogue of one row's columns n0..n0+cols-1: y = round(round(sum + bias) + residual) (torch's
-// bfloat16 F.linear, then `residual + y`); out: the row's float32 sums
-inline void gemm_epilogue_row(const float* out, int64_t n0, int64_t cols, const float* bias, const bf16_t* residual_row,
-                              bf16_t* y_row) {
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 k = tail_mask(cols - c);
-    __m512 v = _mm512_maskz_loadu_ps(k, out + c);
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0 + c));
-    __m256i h = round_bf16x16(v);
-    if (residual_row != nullptr) {
-      const __m512 res = widen_bf16x16(_mm256_maskz_loadu_epi16(k, residual_row + n0 + c));
-      h = round_bf16x16(_mm512_add_ps(res, widen_bf16x16(h)));
-    }
-    _mm256_mask_storeu_epi16(y_row + n0 + c, k, h);
-  }
-}
-
 void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf16_t* packed, int64_t N,
                               const float* bias, const bf16_t* residual, bf16_t* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t panel_bytes = Kp * kPanel * int64_t{sizeof(bf16_t)};
-  // at least 4 chunks a thread, so that no thread is left with a last large chunk (e.g. 24 panels at K = 768)
-  const int64_t group = std::max<int64_t>(
-      1, std::min((int64_t{256} << 10) / panel_bytes, panels / (4 * int64_t{at::get_num_threads()})));
+  // panel groups as panel_chunk's (~256 KiB, at least 4 a thread: e.g. 24 panels at K = 768 would otherwise
+  // leave one thread a last large group)
+  const int64_t group = panel_chunk(panels, Kp * kPanel * int64_t{sizeof(bf16_t)});
   const int64_t row_block = std::max<int64_t>(8, ((int64_t{512} << 10) / (Kp * int64_t{sizeof(bf16_t)})) / 8 * 8);
   run_chunks(panels, group, [&](int64_t p0, int64_t p1) {
     alignas(64) float out[8 * kPanel];
