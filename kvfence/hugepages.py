@@ -12,6 +12,7 @@ resident size is what a plain buffer's would be. What it does not know: other OS
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
 import torch
@@ -22,10 +23,8 @@ HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose whole 2 MiB pages are advised as huge pages (where Linux has
     MADV_HUGEPAGE and the buffer holds at least one), else a plain torch.empty."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)

@@ -337,8 +337,9 @@ def run(args: argparse.Namespace) -> int:
                 for name, fn in systems:
                     log(f"repeat {r + 1}/{args.repeats}: {name}" + (f" (under {load} busy loops)" if load else ""))
                     _wait_for_idle_baselines(vllm_workers, log)
-                    for w in vllm_workers:  # the others stopped: no system shares the cores with an idle one
-                        w.resume() if name == f"vllm {w.dtype}" else w.pause()
+                    for w in vllm_workers:  # the others stopped (a worker's own run continues it)
+                        if name != f"vllm {w.dtype}":
+                            w.pause()
                     try:
                         with BusyLoad(load):
                             res = fn()

@@ -154,7 +154,10 @@ class VllmWorker:
             self._paused = False
 
     def wait_idle(self) -> Quiet:
-        """Until this worker's processes are idle (another system's timed run is about to start)."""
+        """Until this worker's processes are idle (another system's timed run is about to start); a stopped
+        worker is idle already."""
+        if self._paused:
+            return Quiet(0.0, True)
         return wait_quiet(self.proc.pid)  # start_new_session: the worker leads its own session
 
     def close(self) -> None:
