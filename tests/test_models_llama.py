@@ -304,6 +304,31 @@ def test_rope_tables_regrow_and_equal_the_per_token_formula(make_model) -> None:
     assert torch.equal(sin[pos], torch.cat([-freqs.sin(), freqs.sin()], -1) * model.rope_scale)
 
 
+def test_rope_tables_shared_by_threads_always_come_as_a_matching_pair(make_model) -> None:
+    """Engines on threads of one process share a model: a regrowth racing a read still hands each caller a cos and
+    sin of one table, long enough for its positions (it once returned a 64-row sin with a 256-row cos)."""
+    import threading
+
+    model = load_model(make_model("LlamaForCausalLM"), progress=False).model
+    bad: list[tuple[int, torch.Size, torch.Size]] = []
+
+    def hammer(seed: int) -> None:
+        for i in range(3000):
+            n = 1 + (i * 7919 + seed * 104729) % 500
+            if i % 5 == 0:
+                model._rope.clear()  # start over, so regrowths keep racing
+            cos, sin = model._rope_tables(n, torch.float32 if i % 2 else None)
+            if cos.shape != sin.shape or cos.shape[0] < n:
+                bad.append((n, cos.shape, sin.shape))
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:3]
+
+
 def test_unpacked_projections_match_transformers_too(make_model) -> None:
     """Without the oneDNN copies (pack_weights(False)) every projection takes F.linear: same oracle."""
     d = make_model("LlamaForCausalLM", seed=4)

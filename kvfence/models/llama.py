@@ -431,15 +431,15 @@ class LlamaForCausalLM(nn.Module):
         self.scale = self.D**-0.5
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN-blocked lm_head, set by pack_weights
         self._weight_shapes = self._shapes_of_targets()
-        self._rope_cos: torch.Tensor | None = None  # [n, D] cos by position (see _rope_tables)
-        self._rope_sin: torch.Tensor | None = None
+        # dtype -> (cos, sin) by position, each [n, D] (see _rope_tables); replaced whole, never edited, because
+        # engines on threads of one process (an in-process deployment) share this model
+        self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.native = False  # final RMSNorm by models.native_kernels
         self.panels = False  # projections and head held as native panels only (hold_panels)
         self.skip_dead_rows = True  # with panels: the last layer after attention only for the logits' rows
         self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
         self._native_head: torch.Tensor | None = None  # lm_head's panels (the only copy while self.panels)
         self._native_norm: torch.Tensor | None = None  # the final norm's weight in float32
-        self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 tables for the native step
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -629,21 +629,23 @@ class LlamaForCausalLM(nn.Module):
 
     # --- forward -------------------------------------------------------------------------------------
 
-    def _rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (first half negated) for positions 0..n-1, each [n, D] in our dtype.
+    def _rope_tables(self, num_positions: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (first half negated) for positions 0..n-1 (at least), each [n, D] in `dtype` (ours by default).
 
         Computed once and regrown by doubling when a longer position comes, so a forward only
-        indexes them; each row is the same elementwise formula as computing it per token.
+        indexes them; each row is the same elementwise formula as computing it per token. The
+        pair is read once and replaced whole: another engine's thread may regrow it meanwhile,
+        and then each caller still holds a matching pair long enough for its own positions.
         """
-        if self._rope_cos is None or self._rope_cos.shape[0] < num_positions:
+        dtype = dtype or self.dtype
+        tables = self._rope.get(dtype)
+        if tables is None or tables[0].shape[0] < num_positions:
             n = max(64, 1 << (num_positions - 1).bit_length())
             freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
-            cos = freqs.cos() * self.rope_scale
-            sin = freqs.sin() * self.rope_scale
-            self._rope_cos = torch.cat([cos, cos], -1).to(self.dtype)  # [n, D]
-            self._rope_sin = torch.cat([-sin, sin], -1).to(self.dtype)  # [n, D]
-        assert self._rope_sin is not None
-        return self._rope_cos, self._rope_sin
+            cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
+            tables = torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)  # [n, D] each
+            self._rope[dtype] = tables
+        return tables
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -682,7 +684,7 @@ class LlamaForCausalLM(nn.Module):
 
         assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
         assert fb.kv_pages is not None and fb.kv_lens is not None
-        cos_table, sin_table = self._rope_tables_f32(int(fb.positions.max()) + 1)
+        cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1, torch.float32)
         return native_kernels.llama_decode_step(
             fb.input_ids,
             None if self.tie_word_embeddings else self.embed,  # tied: rows from the head's panels
@@ -705,18 +707,6 @@ class LlamaForCausalLM(nn.Module):
             self.scale,
             self.eps,
         )  # [N, vocab] float32
-
-    def _rope_tables_f32(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """_rope_tables in float32 whatever the model's dtype (the native step rotates in float32)."""
-        if self.dtype == torch.float32:
-            return self._rope_tables(num_positions)
-        if self._rope_f32 is None or self._rope_f32[0].shape[0] < num_positions:
-            n = max(64, 1 << (num_positions - 1).bit_length())
-            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
-            cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
-            self._rope_f32 = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)  # [n, D] each
-        return self._rope_f32
-
 
 class MistralForCausalLM(LlamaForCausalLM):
     architecture = "MistralForCausalLM"

@@ -9,6 +9,7 @@ ports (`kvfence.disagg.launcher` starts the real deployment).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from kvfence.disagg.worker import model_fingerprint as fingerprint_of
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from tests.helpers.auth import plane_auth
+
+logger = logging.getLogger(__name__)
 
 
 class InProcessDeployment:
@@ -129,6 +132,7 @@ class InProcessDeployment:
                 register(worker, channel, timeout=30)
                 run_worker(worker, channel, stop=stop, idle_wait_s=0.002)
             except Exception as e:  # kept for the tests; a refused registration ends the thread
+                logger.exception("in-process worker %s ended with an error", wid)  # in the failing test's log
                 self.errors.append(e)
 
         t = threading.Thread(target=serve, name=f"kvfence-{wid}", daemon=True)
