@@ -708,6 +708,7 @@ class LlamaForCausalLM(nn.Module):
             self.eps,
         )  # [N, vocab] float32
 
+
 class MistralForCausalLM(LlamaForCausalLM):
     architecture = "MistralForCausalLM"
 
