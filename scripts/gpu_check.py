@@ -58,16 +58,6 @@ FAULT_TESTS = [
     "tests/test_faults.py",
     "tests/test_transfer_mooncake_backend.py",
 ]
-# the 0.5B Llama shape of issue 23
-DECODE_MODEL = dict(
-    hidden_size=1536,
-    intermediate_size=4096,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-)
 
 
 class CheckRefused(Exception):
@@ -355,15 +345,11 @@ def step_disagg(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _big_llama(workdir: Path) -> Path:
-    import torch
+def _big_llama() -> tuple[Path, dict[str, Any]]:
+    """The 0.5B Llama of issue 23 (the kvfence-llama-0.5b preset, built in the cache once) and its config."""
+    from kvfence.models.default import LLAMA_05B_NAME, PRESETS, ensure_preset_model
 
-    from kvfence.models.default import make_tiny_model
-
-    path = workdir / "llama-0.5b"
-    if not (path / "config.json").exists():
-        make_tiny_model(path, "LlamaForCausalLM", seed=0, torch_dtype=torch.bfloat16, **DECODE_MODEL)
-    return path
+    return ensure_preset_model(LLAMA_05B_NAME), PRESETS[LLAMA_05B_NAME][0]
 
 
 def step_bench_handoff(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -386,9 +372,9 @@ def step_bench_decode(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str
 
     device = ctx["env"]["device"]
     t0 = time.monotonic()
-    model_dir = _big_llama(ctx["workdir"])
+    model_dir, shape = _big_llama()
     out: dict[str, Any] = {
-        "model": {**DECODE_MODEL, "dtype": "bfloat16"},
+        "model": {**shape, "dtype": "bfloat16"},
         "model_build_s": round(time.monotonic() - t0, 1),
     }
     max_b = max(args.batches)

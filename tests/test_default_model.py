@@ -214,6 +214,20 @@ def test_a_preset_name_as_model_builds_that_preset_once(kvfence_cache_dir: Path,
     assert resolve_model_dir("tiny-preset", said.append) == str(d) and len(said) == 1  # built once
 
 
+def test_a_preset_with_a_weights_dtype_stores_them_so_and_is_not_rebuilt(kvfence_cache_dir: Path, monkeypatch) -> None:
+    """kvfence-llama-0.5b keeps its weights in bf16 (torch_dtype, not a config field): built once, not seen as stale."""
+    from safetensors import safe_open
+
+    overrides = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    monkeypatch.setitem(default.PRESETS, "bf16-preset", ({**overrides, "torch_dtype": "bfloat16"}, 2048))
+    d = default.ensure_preset_model("bf16-preset")
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    built = (d / "model.safetensors").stat().st_mtime_ns
+    assert default.ensure_preset_model("bf16-preset") == d and (d / "model.safetensors").stat().st_mtime_ns == built
+    assert default.PRESETS[default.LLAMA_05B_NAME][0]["hidden_size"] == 1536  # the issue's 0.5B shape is a preset
+
+
 def test_larger_tokenizer_vocabularies_are_reached_exactly() -> None:
     words = default._pseudo_words(500)
     assert len(set(words)) == 500 and words == default._pseudo_words(500)

@@ -81,9 +81,21 @@ _LLAMA_100M_CONFIG: dict[str, Any] = {  # 100.2M parameters: 24.6M tied embeddin
     "tie_word_embeddings": True,
     "vocab_size": 32000,
 }
+LLAMA_05B_NAME = "kvfence-llama-0.5b"
+_LLAMA_05B_CONFIG: dict[str, Any] = {  # 452M parameters: 2 x 49.2M embedding and head + 16 x 25.2M layers
+    "hidden_size": 1536,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",  # the weights as stored (0.9 GB); not a config field (make_tiny_model's torch_dtype)
+}
 PRESETS: dict[str, tuple[dict[str, Any], int]] = {  # name -> (config overrides, tokenizer vocabulary size)
     DEFAULT_MODEL_NAME: (_DEFAULT_MODEL_CONFIG, TOKENIZER_VOCAB_SIZE),
     LLAMA_100M_NAME: (_LLAMA_100M_CONFIG, 32000),
+    LLAMA_05B_NAME: (_LLAMA_05B_CONFIG, TOKENIZER_VOCAB_SIZE),  # the bf16 benchmarks' larger model (issue 26)
 }
 
 
@@ -347,7 +359,13 @@ def ensure_preset_model(name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # where a stale copy is moved aside
     try:
-        make_tiny_model(tmp, "LlamaForCausalLM", seed=0, tokenizer_vocab_size=tokenizer_vocab, **overrides)
+        import torch
+
+        config = {k: v for k, v in overrides.items() if k != "torch_dtype"}
+        dtype = getattr(torch, overrides["torch_dtype"]) if "torch_dtype" in overrides else None
+        make_tiny_model(
+            tmp, "LlamaForCausalLM", seed=0, tokenizer_vocab_size=tokenizer_vocab, torch_dtype=dtype, **config
+        )
         if stale:  # built by an older kvfence with another shape: move it aside, then put ours in
             try:
                 os.rename(target, old)
@@ -371,4 +389,4 @@ def _is_current(path: Path, overrides: dict[str, Any]) -> bool:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return all(config.get(k) == v for k, v in overrides.items() if k != "initializer_range")
+    return all(config.get(k) == v for k, v in overrides.items() if k not in ("initializer_range", "torch_dtype"))
