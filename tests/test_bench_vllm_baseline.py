@@ -41,6 +41,14 @@ def test_best_dtype_is_bf16_only_with_native_bf16() -> None:
     assert vllm_baseline.best_dtype(frozenset({"avx2", "avx512f"})) == "float32"
 
 
+def test_vllm_threads_are_pinned_to_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's "auto" binding keeps a core for its scheduler (one thread on 2 cores); the bench lists CPUs instead."""
+    monkeypatch.setattr(vllm_baseline.os, "sched_getaffinity", lambda pid: {5, 2, 3, 7})
+    assert vllm_baseline.omp_threads_bind(2) == "2,3"
+    assert vllm_baseline.omp_threads_bind(0) == "2,3,5,7"
+    assert vllm_baseline.omp_threads_bind(9) == "2,3,5,7"
+
+
 def test_busy_load_runs_and_ends_its_processes() -> None:
     with BusyLoad(2) as load:
         procs = list(load.procs)

@@ -98,6 +98,19 @@ def best_dtype(flags: frozenset[str]) -> str:
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
 
 
+def omp_threads_bind(threads: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `threads` threads: pinned, one to each of the first `threads` CPUs this
+    process may run on (every one when 0).
+
+    Its default, "auto", keeps one core per rank for vLLM's scheduler process and so runs one OpenMP thread on a
+    2-core machine; "nobind" leaves its threads free to migrate, which cost it 10-40% here, and made it noisy
+    (docs/benchmarks.md). A list of CPUs is what vLLM's CPU guide tells its users to set. Two workers (two dtypes)
+    get the same CPUs: the bench stops the one that is not running.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(str(c) for c in cpus[: threads or len(cpus)])
+
+
 class VllmWorker:
     """One vLLM `LLM` in its own process (bench/vllm_worker.py), kept up across rounds."""
 
@@ -108,7 +121,7 @@ class VllmWorker:
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # vLLM's venv must not see kvfence's packages
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(threads))
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.dtype = dtype
