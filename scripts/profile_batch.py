@@ -55,11 +55,11 @@ def main() -> None:
 
     orig_project = llama.DecoderLayer._project
 
-    def project(self, name, x, b, residual=None):  # type: ignore[no-untyped-def]
+    def project(self, name, x, b, residual=None, rows=None):  # type: ignore[no-untyped-def]
         if not state["prefill"]:
-            return orig_project(self, name, x, b, residual)
+            return orig_project(self, name, x, b, residual, rows)
         t = time.perf_counter()
-        y = orig_project(self, name, x, b, residual)
+        y = orig_project(self, name, x, b, residual, rows)
         parts[f"proj {name}"] += time.perf_counter() - t
         rows_seen[f"proj {name}"] += x.shape[0]
         return y
