@@ -310,16 +310,19 @@ def test_rope_tables_shared_by_threads_always_come_as_a_matching_pair(make_model
     import threading
 
     model = load_model(make_model("LlamaForCausalLM"), progress=False).model
-    bad: list[tuple[int, torch.Size, torch.Size]] = []
+    bad: list[object] = []  # mismatched pairs, and any exception a thread raised (a thread's error is not the test's)
 
     def hammer(seed: int) -> None:
-        for i in range(3000):
-            n = 1 + (i * 7919 + seed * 104729) % 500
-            if i % 5 == 0:
-                model._rope.clear()  # start over, so regrowths keep racing
-            cos, sin = model._rope_tables(n, torch.float32 if i % 2 else None)
-            if cos.shape != sin.shape or cos.shape[0] < n:
-                bad.append((n, cos.shape, sin.shape))
+        try:
+            for i in range(3000):
+                n = 1 + (i * 7919 + seed * 104729) % 500
+                if i % 5 == 0:
+                    model._rope.clear()  # start over, so regrowths keep racing
+                cos, sin = model._rope_tables(n, torch.float32 if i % 2 else None)
+                if cos.shape != sin.shape or cos.shape[0] < n:
+                    bad.append((n, cos.shape, sin.shape))
+        except Exception as e:
+            bad.append(e)
 
     threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
     for t in threads:

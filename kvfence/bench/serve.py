@@ -679,12 +679,9 @@ def _launch_llama_cpp(
     )
 
 
-_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def _launch_vllm(cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, python: str | None) -> Any:
     """`vllm serve` (its OpenAI server, bf16/fp32 as vLLM picks: --dtype auto) on the model directory."""
-    from kvfence.bench.vllm_baseline import omp_threads_bind, vllm_python
+    from kvfence.bench.vllm_baseline import BIND_ENV, omp_threads_bind, vllm_python
     from kvfence.config import resolve_model_dir
     from kvfence.integrations.vllm import launch as vllm_launch
 
@@ -697,7 +694,7 @@ def _launch_vllm(cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float
         served_model_name=Path(model_path).name,
         python=vllm_python(python),
         # one instance: its threads pinned to every CPU, as bench offline's, unless the user set the variable
-        env={} if _BIND in os.environ else {_BIND: omp_threads_bind(0)},
+        env={} if BIND_ENV in os.environ else {BIND_ENV: omp_threads_bind(0)},
     )
     server = vllm_launch.start(spec)
     server.wait_ready(ready_timeout_s)

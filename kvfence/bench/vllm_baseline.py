@@ -24,6 +24,7 @@ from typing import IO, NamedTuple
 from kvfence.errors import KvfenceError
 
 VENV_ENV = "KVFENCE_VLLM_VENV"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's OpenMP thread placement (omp_threads_bind)
 _WORKER = Path(__file__).with_name("vllm_worker.py")
 _MARK = "KVFENCE-VLLM "
 _RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -99,13 +100,13 @@ def best_dtype(flags: frozenset[str]) -> str:
 
 
 def omp_threads_bind(threads: int) -> str:
-    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `threads` threads: pinned, one to each of the first `threads` CPUs this
+    """vLLM's BIND_ENV for `threads` threads: pinned, one to each of the first `threads` CPUs this
     process may run on (every one when 0).
 
     Its default, "auto", keeps one core per rank for vLLM's scheduler process and so runs one OpenMP thread on a
-    2-core machine; "nobind" leaves its threads free to migrate, which cost it 10-40% here, and made it noisy
-    (docs/benchmarks.md). A list of CPUs is what vLLM's CPU guide tells its users to set. Two workers (two dtypes)
-    get the same CPUs: the bench stops the one that is not running.
+    2-core machine; "nobind" leaves its threads free to migrate, which cost it 18% on its best run (100M, batch 8)
+    and made it noisy (docs/benchmarks.md). A list of CPUs is what vLLM's CPU guide tells its users to set. Two
+    workers (two dtypes) get the same CPUs: the bench stops the one that is not running.
     """
     cpus = sorted(os.sched_getaffinity(0))
     return ",".join(str(c) for c in cpus[: threads or len(cpus)])
@@ -121,7 +122,7 @@ class VllmWorker:
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # vLLM's venv must not see kvfence's packages
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_threads_bind(threads))
+        env.setdefault(BIND_ENV, omp_threads_bind(threads))
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.dtype = dtype
