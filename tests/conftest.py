@@ -7,8 +7,10 @@ fresh directory per call in the test's tmp dir, with config overrides.
 
 from __future__ import annotations
 
+import faulthandler
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,38 @@ import pytest
 from kvfence.models.default import make_tiny_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+
+# pytest-timeout fails a test from a signal handler, which never runs while the main thread waits in native code,
+# or for a GIL that a thread in native code holds. faulthandler's watchdog is a C thread that needs neither: this
+# long after a test's own timeout it prints every thread's stack to the stderr the run started with and ends the
+# process, so a hung test becomes a crashed worker (xdist reports it and goes on) instead of a run that never ends.
+WATCHDOG_GRACE_ENV = "KVFENCE_TEST_WATCHDOG_GRACE_S"  # seconds past the timeout (default 60; its own test sets 1)
+_stderr_copy: list[int] = []  # fd 2 as it was before any test's capture replaced it
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _stderr_copy.append(os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2))
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    """The test's pytest-timeout limit: its own marker's, else --timeout's, else the ini value (0: none)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    option = item.config.getoption("timeout", None)
+    return float(option if option is not None else item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    limit = _timeout_of(item)
+    if limit > 0 and _stderr_copy:
+        grace = float(os.environ.get(WATCHDOG_GRACE_ENV, "60"))
+        faulthandler.dump_traceback_later(limit + grace, exit=True, file=_stderr_copy[0])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session", autouse=True)
