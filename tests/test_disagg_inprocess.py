@@ -565,7 +565,9 @@ def test_a_manifest_that_comes_before_decode_reserved_waits_there_and_no_page_mo
         t = threading.Thread(target=lambda: result.update(run(dep, [("o", prompt, greedy(5))])))
         t.start()
         deadline = time.monotonic() + 20
-        while "o" not in dep.receiver.core._pending:  # prefill computed and sent its manifest: decode parked it
+        # prefill computed and sent its manifest (decode parked it), and its send() returned the handle: the
+        # manifest lands inside send(), before the handle is kept
+        while "o" not in dep.receiver.core._pending or dep.prefill.requests["o"].handoff.handle is None:
             assert time.monotonic() < deadline and t.is_alive(), "prefill never sent its manifest"
             time.sleep(0.005)
         handle = dep.prefill.requests["o"].handoff.handle
