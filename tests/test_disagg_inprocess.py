@@ -389,6 +389,38 @@ def test_first_token_edge_cases_match_the_aggregated_engine(loaded: Any, case: s
         assert all(c.prompt_logprobs is None for c in chunks[1:])
 
 
+def test_prompt_logprobs_reach_the_first_chunk_when_prefills_token_comes_after_decodes(loaded: Any) -> None:
+    prompt = prompt_of(random.Random(23), 25)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    ref = LLMEngine(cfg(loaded.model_dir, 4096), loaded=loaded).generate([prompt], sp)[0]
+    with deploy(loaded) as dep:
+        real = dep.prefill._out
+        decode_real = dep.decode._out
+        decode_sent = threading.Event()
+
+        def decode_out(msg: Any) -> None:
+            decode_real(msg)
+            if isinstance(msg, P.Tokens):
+                decode_sent.set()
+
+        def late(msg: Any) -> None:  # prefill's first token (with the prompt's scores) after decode's first chunk
+            if isinstance(msg, P.Tokens):
+                threading.Thread(target=lambda: (decode_sent.wait(20), real(msg))).start()
+            else:
+                real(msg)
+
+        dep.prefill._out = late  # type: ignore[method-assign]
+        dep.decode._out = decode_out  # type: ignore[method-assign]
+        chunks = run(dep, [("late", prompt, sp)])["late"]
+        assert decode_sent.is_set()
+        assert_baseline(dep)
+    assert tokens(chunks) == ref.token_ids and chunks[-1].integrity["status"] == "verified"
+    first = chunks[0].prompt_logprobs
+    assert first is not None and len(first) == len(prompt), chunks[0]
+    assert first[0] is None and all(e is not None for e in first[1:])
+    assert all(c.prompt_logprobs is None for c in chunks[1:])
+
+
 def test_a_streamed_first_token_that_decode_contradicts_fails_the_request(loaded: Any) -> None:
     with deploy(loaded) as dep:
         real = dep.prefill._out

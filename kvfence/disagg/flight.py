@@ -112,6 +112,7 @@ class Flight:
     first: P.Tokens | None = None  # prefill's first token, once it came (set by the receiver thread)
     first_token: FirstToken = field(default_factory=FirstToken)
     prompt_logprobs: list[Any] | None = None  # prefill's scores of the prompt (wire form), for the first chunk
+    prefill_first_handled: bool = False  # this attempt's first token from prefill went through the router's handler
     record: IntegrityRecord | None = None  # the integrity record, once FINISHED
     decode_record: IntegrityRecord | None = None  # decode's record of the handoff, once it sent one
     lifecycle: Lifecycle[FlightState] = field(init=False)
@@ -147,6 +148,7 @@ class Flight:
         self.prefill_id, self.decode_id = prefill_id, decode_id
         self.retried_after = why
         self.first, self.first_token, self.decode_record, self.prompt_logprobs = None, FirstToken(), None, None
+        self.prefill_first_handled = False
         self.num_output_tokens = 0
         self.started = now
         self.advance(_F.PREFILLING)

@@ -243,6 +243,7 @@ class Router:
         flight = self._admit(request_id, [int(t) for t in prompt_token_ids], params)
         self.start()
         self._send_orders(flight)
+        held: list[FromWorker | Failure] = []  # decode's chunks that came before prefill's first token (see _holds)
         try:
             while True:
                 try:
@@ -254,11 +255,18 @@ class Router:
                     self._abort_both(flight, detail)
                     yield self._error_chunk(flight, detail, self._router_record(flight, Reason.TIMEOUT, detail))
                     return
-                chunk, done = self._handle(flight, item)
-                if chunk is not None:
-                    yield chunk
-                if done:
-                    return
+                if self._holds(flight, item):
+                    held.append(item)
+                    continue
+                batch: list[FromWorker | Failure] = [item]
+                while batch:
+                    chunk, done = self._handle(flight, batch.pop(0))
+                    if chunk is not None:
+                        yield chunk
+                    if done:
+                        return
+                    if held and flight.prefill_first_handled:  # what waited for it, in the order it came
+                        batch, held = held, []
         finally:
             if not flight.finished:  # the client went away (generator closed or cancelled)
                 self._abort_both(flight, "client disconnected")
@@ -324,6 +332,20 @@ class Router:
         )
 
     # -- stream: one handler per kind of news ---------------------------------------------------------------
+    @staticmethod
+    def _holds(flight: Flight, item: FromWorker | Failure) -> bool:
+        """Whether decode's chunk waits for prefill's first token: the prompt's logprobs ride on the first chunk
+        the client gets, and they come with prefill's token, which the two workers' channels may deliver after
+        decode's first chunk (prefill queues it, then its pages go to decode, which can verify and answer first)."""
+        return (
+            isinstance(item, FromWorker)
+            and item.role == "decode"
+            and isinstance(item.msg, P.Tokens)
+            and item.msg.request_id == flight.wire_id
+            and flight.params.prompt_logprobs is not None
+            and not flight.prefill_first_handled
+        )
+
     def _handle(self, flight: Flight, item: FromWorker | Failure) -> tuple[GenerationChunk | None, bool]:
         """(the chunk for the client, if any; whether the request is done) for one piece of the flight's news."""
         if isinstance(item, Failure):
@@ -345,6 +367,7 @@ class Router:
         """Prefill's first token: streamed at once (it comes from prefill's own KV; docs/handoff.md, "What the client
         sees before the verdict"), unless its text is not known, the request has stop strings, or the router holds
         first tokens until the verdict."""
+        flight.prefill_first_handled = True
         if msg.prompt_logprobs is not None:
             flight.prompt_logprobs = msg.prompt_logprobs
         streams = self.config.first_token_before_verdict and msg.text is not None and not flight.params.stop
