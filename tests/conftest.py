@@ -24,12 +24,19 @@ ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mi
 # or for a GIL that a thread in native code holds. faulthandler's watchdog is a C thread that needs neither: this
 # long after a test's own timeout it prints every thread's stack to the stderr the run started with and ends the
 # process, so a hung test becomes a crashed worker (xdist reports it and goes on) instead of a run that never ends.
+# (pytest's own faulthandler_timeout takes one limit for every test; this one follows each test's timeout marker.)
 WATCHDOG_GRACE_ENV = "KVFENCE_TEST_WATCHDOG_GRACE_S"  # seconds past the timeout (default 60; its own test sets 1)
-_stderr_copy: list[int] = []  # fd 2 as it was before any test's capture replaced it
+_STDERR_COPY = pytest.StashKey[int]()  # fd 2 as it was before any test's capture replaced it
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _stderr_copy.append(os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2))
+    config.stash[_STDERR_COPY] = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STDERR_COPY in config.stash:
+        os.close(config.stash[_STDERR_COPY])
+        del config.stash[_STDERR_COPY]
 
 
 def _timeout_of(item: pytest.Item) -> float:
@@ -44,9 +51,10 @@ def _timeout_of(item: pytest.Item) -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     limit = _timeout_of(item)
-    if limit > 0 and _stderr_copy:
+    stderr = item.config.stash.get(_STDERR_COPY, None)
+    if limit > 0 and stderr is not None:
         grace = float(os.environ.get(WATCHDOG_GRACE_ENV, "60"))
-        faulthandler.dump_traceback_later(limit + grace, exit=True, file=_stderr_copy[0])
+        faulthandler.dump_traceback_later(limit + grace, exit=True, file=stderr)
     try:
         yield
     finally:
