@@ -330,13 +330,40 @@ inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
 
 constexpr int64_t kPanel = 32;
 
+// Software prefetch in the panel kernels. A decode step streams each panel from DRAM once with only a few
+// cycles of arithmetic per 64 bytes, and the hardware prefetchers alone held a 2-thread 8-row step of the 100M
+// preset to ~50 GB/s of this Zen 5 box's ~80 (docs/benchmarks.md, "software prefetch"). So each k step (128
+// bytes of a panel, float32 or bfloat16) also asks for the two lines kPrefetchAhead bytes further on, as long as
+// they lie before `pf_end`: the end of the panels the caller reads in order (its chunk). nullptr: no prefetch,
+// for a panel an earlier group of rows has just brought into the cache. Prefetches change no arithmetic.
+constexpr int64_t kPrefetchAhead = 8192;
+
+// how many of a kernel's first k steps (128 bytes of panel each, from `panel`) prefetch inside [.., pf_end)
+inline int64_t prefetch_steps(const void* panel, int64_t steps, const void* pf_end) {
+  if (pf_end == nullptr) return 0;
+  const int64_t room = static_cast<const char*>(pf_end) - static_cast<const char*>(panel) - kPrefetchAhead;
+  return room <= 0 ? 0 : std::min(steps, room / 128);
+}
+
+#ifdef KVF_AVX512
+inline void prefetch_step(const char* ahead, int64_t step) {
+  _mm_prefetch(ahead + step * 128, _MM_HINT_T0);
+  _mm_prefetch(ahead + step * 128 + 64, _MM_HINT_T0);
+}
+#endif
+
 template <int R>
-inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t cols, float* y, int64_t ldy) {
+inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t cols, float* y, int64_t ldy,
+                       const float* pf_end) {
   // x: R rows of K; panel: [K, kPanel]; y[r * ldy + j] for j < cols
 #ifdef KVF_AVX512
+  static_assert(kPanel * sizeof(float) == 128, "a k step is 128 bytes of panel");
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchAhead;
+  const int64_t kp = prefetch_steps(panel, K, pf_end);
   for (int64_t k = 0; k < K; ++k) {
+    if (k < kp) prefetch_step(ahead, k);
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -349,6 +376,7 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
     if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
   }
 #else
+  (void)pf_end;
   float acc[R][kPanel] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
@@ -362,11 +390,16 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
 // layout of VDPBF16PS. x: R rows of Kp bfloat16s. Each output is one chain over the k pairs in order, adding
 // the odd k's product then the even k's (products of two bfloat16s are exact in float32).
 template <int R>
-inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy) {
+inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy,
+                            const bf16_t* pf_end) {
 #ifdef KVF_AVX512
+  static_assert(2 * kPanel * sizeof(bf16_t) == 128, "a k pair is 128 bytes of panel");
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchAhead;
+  const int64_t jp = prefetch_steps(panel, Kp / 2, pf_end);
   for (int64_t j = 0; j < Kp / 2; ++j) {
+    if (j < jp) prefetch_step(ahead, j);
     const __m512i w0 = _mm512_loadu_si512(panel + j * 2 * kPanel), w1 = _mm512_loadu_si512(panel + j * 2 * kPanel + 32);
 #if defined(__AVX512BF16__)
     for (int r = 0; r < R; ++r) {
@@ -392,6 +425,7 @@ inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, in
     if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
   }
 #else
+  (void)pf_end;
   float acc[R][kPanel] = {};
   for (int64_t j = 0; j < Kp / 2; ++j)
     for (int r = 0; r < R; ++r) {
@@ -491,32 +525,35 @@ inline bool amx_applies(int64_t K) {
 }
 
 // One panel of output columns for every row of the batch: rows in groups of 8, 4, 2, 1 (the same chain per
-// output whatever the group), then bias and residual
+// output whatever the group), then bias and residual. The first group streams the panel in and prefetches up
+// to pf_end (the end of the caller's chunk of panels); the later groups find it in the cache.
 template <typename XT, typename WT, typename Rows8, typename Rows4, typename Rows2, typename Rows1>
 inline void panel_all_rows(const XT* x, int64_t B, int64_t Kx, const WT* panel, int64_t n0, int64_t cols, int64_t N,
-                           const float* bias, const float* residual, float* y, Rows8 r8, Rows4 r4, Rows2 r2, Rows1 r1) {
+                           const float* bias, const float* residual, float* y, const WT* pf_end, Rows8 r8, Rows4 r4,
+                           Rows2 r2, Rows1 r1) {
   int64_t b = 0;
-  for (; b + 8 <= B; b += 8) r8(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
-  for (; b + 4 <= B; b += 4) r4(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
-  for (; b + 2 <= B; b += 2) r2(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
-  for (; b < B; ++b) r1(x + b * Kx, Kx, panel, cols, y + b * N + n0, N);
+  const WT* pf = pf_end;
+  for (; b + 8 <= B; b += 8, pf = nullptr) r8(x + b * Kx, Kx, panel, cols, y + b * N + n0, N, pf);
+  for (; b + 4 <= B; b += 4, pf = nullptr) r4(x + b * Kx, Kx, panel, cols, y + b * N + n0, N, pf);
+  for (; b + 2 <= B; b += 2, pf = nullptr) r2(x + b * Kx, Kx, panel, cols, y + b * N + n0, N, pf);
+  for (; b < B; ++b, pf = nullptr) r1(x + b * Kx, Kx, panel, cols, y + b * N + n0, N, pf);
   add_bias_residual(B, n0, cols, N, bias, residual, y);
 }
 
-// Panels a chunk of a projection's work (panel_chunk): about 256 KiB of weights, so that a thread reads that much
-// in address order before it jumps (the hardware prefetchers restart at each jump), but at least 4 chunks a
-// thread, so that the last ones balance the threads. The prefill products group panels so; a decode step below
-// 16 rows too (panel_grain: it streams its weights from DRAM with little arithmetic per byte, and 8-row steps of
-// the 100M preset were ~5% faster than with one panel a chunk); from 16 rows on, one panel a chunk (larger
-// chunks measured no faster at 32 rows).
-inline int64_t panel_chunk(int64_t panels, int64_t panel_bytes) {
+// Panels a chunk of a projection's work (panel_chunk): about `bytes` of weights, so that a thread reads that much
+// in address order before it jumps (the hardware prefetchers, and the kernels' own prefetch, which stops at the
+// chunk's end, restart at each jump), but at least 4 chunks a thread, so that the last ones balance the
+// threads. The prefill products group panels by 256 KiB (their cache blocking). A decode step (panel_grain)
+// streams its weights from DRAM with little arithmetic per byte: 512 KiB chunks at every batch size. With the
+// prefetch, a scratch benchmark of the 100M preset's step projections (2 threads) took 2.6-2.8 ms at 8 rows
+// against 3.0-3.9 ms with 256 KiB chunks, and 8.0-8.3 ms at 32 rows against 9.0-10.3 ms with the one panel a
+// chunk used before from 16 rows on (docs/benchmarks.md, "software prefetch").
+inline int64_t panel_chunk(int64_t panels, int64_t panel_bytes, int64_t bytes = int64_t{256} << 10) {
   const int64_t per_thread = panels / (4 * int64_t{at::get_num_threads()});
-  return std::max<int64_t>(1, std::min((int64_t{256} << 10) / panel_bytes, per_thread));
+  return std::max<int64_t>(1, std::min(bytes / panel_bytes, per_thread));
 }
 
-inline int64_t panel_grain(int64_t B, int64_t panels, int64_t panel_bytes) {
-  return B >= 16 ? 1 : panel_chunk(panels, panel_bytes);
-}
+inline int64_t panel_grain(int64_t panels, int64_t panel_bytes) { return panel_chunk(panels, panel_bytes, int64_t{512} << 10); }
 
 // y [B, N] = x [B, K] @ w^T (+ bias) (+ residual), w as float32 packed panels (pack_panels); split over panels
 void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packed, int64_t N, const float* bias,
@@ -524,11 +561,11 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const float* packe
   TORCH_CHECK(residual == nullptr || residual != y, "packed_linear_into: the residual must not be the output");
   if (B == 0) return;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  run_chunks(panels, panel_grain(B, panels, K * kPanel * int64_t{sizeof(float)}), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(panels, K * kPanel * int64_t{sizeof(float)}), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(x, B, K, packed + p * K * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
-                     panel_rows<8>, panel_rows<4>, panel_rows<2>, panel_rows<1>);
+                     packed + p1 * K * kPanel, panel_rows<8>, panel_rows<4>, panel_rows<2>, panel_rows<1>);
     }
   });
 }
@@ -546,7 +583,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   const int64_t ldx = amx ? Kp + 32 : Kp;
   std::vector<bf16_t> xb(B * ldx, 0);
   for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * ldx);
-  run_chunks(panels, panel_grain(B, panels, Kp * kPanel * int64_t{sizeof(bf16_t)}), [&](int64_t p0, int64_t p1) {
+  run_chunks(panels, panel_grain(panels, Kp * kPanel * int64_t{sizeof(bf16_t)}), [&](int64_t p0, int64_t p1) {
 #ifdef KVF_AMX
     if (amx) {
       // per thread and per call (oneDNN may have changed it since): rows in tiles of 16, then the rest
@@ -567,7 +604,8 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
       panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
-                     panel_rows_bf16<8>, panel_rows_bf16<4>, panel_rows_bf16<2>, panel_rows_bf16<1>);
+                     packed + p1 * Kp * kPanel, panel_rows_bf16<8>, panel_rows_bf16<4>, panel_rows_bf16<2>,
+                     panel_rows_bf16<1>);
     }
   });
 }
@@ -703,10 +741,11 @@ void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf1
         for (int64_t r = m0; r < m1;) {
           const int64_t rows = m1 - r >= 8 ? 8 : m1 - r >= 4 ? 4 : m1 - r >= 2 ? 2 : 1;
           const bf16_t* xr = xb + r * Kp;
-          if (rows == 8) panel_rows_bf16<8>(xr, Kp, panel, kPanel, out, kPanel);
-          else if (rows == 4) panel_rows_bf16<4>(xr, Kp, panel, kPanel, out, kPanel);
-          else if (rows == 2) panel_rows_bf16<2>(xr, Kp, panel, kPanel, out, kPanel);
-          else panel_rows_bf16<1>(xr, Kp, panel, kPanel, out, kPanel);
+          const bf16_t* pf = r == 0 ? packed + p1 * Kp * kPanel : nullptr;  // the group's first pass: from DRAM
+          if (rows == 8) panel_rows_bf16<8>(xr, Kp, panel, kPanel, out, kPanel, pf);
+          else if (rows == 4) panel_rows_bf16<4>(xr, Kp, panel, kPanel, out, kPanel, pf);
+          else if (rows == 2) panel_rows_bf16<2>(xr, Kp, panel, kPanel, out, kPanel, pf);
+          else panel_rows_bf16<1>(xr, Kp, panel, kPanel, out, kPanel, pf);
           for (int64_t i = 0; i < rows; ++i)
             gemm_epilogue_row(out + i * kPanel, n0, cols, bias, residual == nullptr ? nullptr : residual + (r + i) * N,
                               y + (r + i) * N);
