@@ -66,9 +66,9 @@ def main() -> None:
 
     orig_attn = llama.paged_attention
 
-    def attn(q, k, v, fb, scale, new_kv=None):  # type: ignore[no-untyped-def]
+    def attn(q, k, v, fb, scale, new_kv=None, native=False):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
-        y = orig_attn(q, k, v, fb, scale, new_kv)
+        y = orig_attn(q, k, v, fb, scale, new_kv, native)
         if state["prefill"]:
             parts["attention"] += time.perf_counter() - t
         return y

@@ -87,6 +87,34 @@ def test_split_attention_equals_padded_attention() -> None:
     torch.testing.assert_close(split, padded, rtol=1e-6, atol=1e-6)
 
 
+def test_a_mixed_batchs_fresh_prompts_read_their_own_rows_of_the_new_kv() -> None:
+    """Decode rows beside two fresh prompts: each part gets its own rows of this forward's K/V (the prompts' part
+    is mask "causal" and reads them as given), with the bits of gathering everything from the pool."""
+    from kvfence.models.attention import paged_attention, store_kv
+
+    g = torch.Generator().manual_seed(2)
+    chunks = [
+        SeqChunk([1], 9, [3, 0, 5]),
+        SeqChunk([2] * 6, 0, [1, 7]),
+        SeqChunk([3], 3, [2]),
+        SeqChunk([4] * 6, 0, [4, 6]),
+    ]
+    fb = build_forward_batch(chunks, 4)
+    assert [part.mask_mode for _, part in fb.parts][1] == "causal"
+    k_cache, v_cache = torch.randn(32, 2, 8, generator=g), torch.randn(32, 2, 8, generator=g)
+    k, v = torch.randn(fb.num_tokens, 2, 8, generator=g), torch.randn(fb.num_tokens, 2, 8, generator=g)
+    store_kv(k_cache, k, fb)
+    store_kv(v_cache, v, fb)
+    q = torch.randn(fb.num_tokens, 4, 8, generator=g)
+    assert torch.equal(
+        paged_attention(q, k_cache, v_cache, fb, 0.3, (k, v)), paged_attention(q, k_cache, v_cache, fb, 0.3)
+    )
+    wrong = (k.flip(0), v.flip(0))  # another order of the same rows: the prompts' part must not read these as its own
+    assert not torch.equal(
+        paged_attention(q, k_cache, v_cache, fb, 0.3, wrong), paged_attention(q, k_cache, v_cache, fb, 0.3)
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fresh_prompts_attend_over_the_new_kv_with_the_pools_bits(dtype: torch.dtype) -> None:
     """Fresh prompts of equal length (mask "causal") read this forward's K/V as given instead of gathering

@@ -73,6 +73,59 @@ def test_bf16_attention_over_bf16_pools_matches_torch(H: int, Hkv: int, D: int) 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def _causal_case(B: int, Q: int, H: int, Hkv: int, D: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q [B*Q, H, D], k and v [B*Q, Hkv, D] bfloat16: strided views of one [B*Q, (H + 2 Hkv) * D] projection, as a
+    layer makes them."""
+    qkv = torch.randn(B * Q, (H + 2 * Hkv) * D, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    q = qkv[:, : H * D].view(-1, H, D)
+    k = qkv[:, H * D : (H + Hkv) * D].view(-1, Hkv, D)
+    v = qkv[:, (H + Hkv) * D :].view(-1, Hkv, D)
+    return q, k, v
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, scale: float) -> torch.Tensor:
+    T, H, D = q.shape
+    Hkv, Q = k.shape[1], T // B
+    qq = q.reshape(B, Q, H, D).transpose(1, 2)
+    kk = k.reshape(B, Q, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    vv = v.reshape(B, Q, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale)
+    return out.transpose(1, 2).reshape(T, H, D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("B", "Q", "H", "Hkv", "D"),
+    [(8, 128, 12, 4, 64), (1, 37, 8, 2, 128), (3, 50, 4, 4, 32), (2, 5, 6, 1, 64), (2, 33, 16, 4, 80)],
+)
+def test_bf16_prefill_attention_matches_float64_causal_attention(B: int, Q: int, H: int, Hkv: int, D: int) -> None:
+    """Fresh prompts over their own keys: float32 sums of the bfloat16 values, rounded once, against float64 over
+    the same values; at least as close as torch's bfloat16 SDPA, which it replaces."""
+    from kvfence.models.native_kernels import causal_prefill_attention
+
+    q, k, v = _causal_case(B, Q, H, Hkv, D, seed=Q)
+    got = causal_prefill_attention(q, k, v, B, D**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
+    want = _sdpa_causal(q.double(), k.double(), v.double(), B, D**-0.5)
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4)  # one bfloat16 rounding
+    sdpa = _sdpa_causal(q, k, v, B, D**-0.5)
+    err, err_sdpa = (got.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
+    assert err <= 1.1 * err_sdpa, (err, err_sdpa)
+
+
+@pytest.mark.slow
+def test_bf16_prefill_attention_rows_do_not_depend_on_their_batch() -> None:
+    from kvfence.models.native_kernels import causal_prefill_attention
+
+    q, k, v = _causal_case(5, 40, 12, 4, 64, seed=9)
+    batched = causal_prefill_attention(q, k, v, 5, 0.125)
+    for b in (0, 3):
+        rows = slice(40 * b, 40 * (b + 1))
+        assert torch.equal(causal_prefill_attention(q[rows], k[rows], v[rows], 1, 0.125), batched[rows])
+    with pytest.raises(RuntimeError, match="T = B \\* Q"):
+        causal_prefill_attention(q, k, v, 3, 0.125)  # 200 rows are not 3 equal prompts
+
+
 def _lm(make_model: Callable[..., Path], dtype: torch.dtype, **overrides: Any) -> Any:
     from kvfence.models.loader import load_model
 
@@ -119,20 +172,25 @@ def test_bf16_native_decode_step_is_close_to_the_torch_forward_and_stores_bf16_k
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt_len", [20, 140])  # below and above BF16_GEMM_MIN_ROWS: panels, then F.linear
 def test_bf16_prefill_from_panels_matches_the_plain_bf16_forward(
-    make_model: Callable[..., Path], prompt_len: int
+    make_model: Callable[..., Path], prompt_len: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvfence.kv.pool import KVPool
+    from kvfence.models import native_kernels
     from kvfence.models.forward_batch import SeqChunk, build_forward_batch
 
     lm = _lm(make_model, torch.bfloat16)
     ids = torch.randint(0, 2000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     fb = build_forward_batch([SeqChunk(ids, 0, list(range(-(-prompt_len // PAGE))), "last")], PAGE)
     layout = lm.model.kv_layout(lm.hf_config, PAGE, torch.bfloat16)
+    calls = []
+    real = native_kernels.causal_prefill_attention
+    monkeypatch.setattr(native_kernels, "causal_prefill_attention", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         plain = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
+        assert not calls  # the torch forward keeps SDPA
         lm.model.use_native_kernels(True)
         panels = lm.model.forward(fb, KVPool(layout, -(-prompt_len // PAGE)))
-    assert lm.model.panels
+    assert lm.model.panels and len(calls) == lm.hf_config.num_hidden_layers  # every layer's attention, natively
     torch.testing.assert_close(panels, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())
 
 

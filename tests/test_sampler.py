@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvfence.engine.sampler import History, Sampler
+from kvfence.engine.sampler import History, Sampler, argmax_rows
 from kvfence.engine.sampling_params import SamplingParams, StructuredOutputs
 from kvfence.errors import InvalidRequestError
 from tests.helpers.reference_sampler import log_softmax, reference_processed
@@ -34,6 +34,25 @@ def test_greedy_ties_pick_the_first_index() -> None:
     logits = torch.zeros(1, V)
     logits[0, 7] = logits[0, 3] = 1.0
     assert Sampler()(logits, [SamplingParams(temperature=0)], [None]).token_ids == [3]
+
+
+def test_argmax_rows_is_torchs_argmax_on_ties_nans_infinities_and_signed_zeros() -> None:
+    # small integers make ties common; then NaN, +-inf and -0.0 sprinkled in (a NaN row, an all -inf row)
+    g = _gen(3)
+    for trial in range(400):
+        n, v = 1 + trial % 5, 1 + (trial * 37) % 300
+        x = torch.randint(-3, 4, (n, v), generator=g).float()
+        u = torch.rand(n, v, generator=g)
+        x[u < 0.03] = float("nan")
+        x[(u >= 0.03) & (u < 0.08)] = float("inf")
+        x[(u >= 0.08) & (u < 0.15)] = -float("inf")
+        x[(u >= 0.15) & (u < 0.3)] = -0.0
+        if trial % 50 == 0:
+            x[0] = -float("inf")
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (trial, x, got)
+    strided = torch.arange(12.0).view(3, 4).t()  # [4, 3], not contiguous
+    assert torch.equal(argmax_rows(strided), strided.argmax(-1))
 
 
 def test_same_seed_same_tokens_regardless_of_batch_composition() -> None:

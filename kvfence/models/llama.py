@@ -368,7 +368,7 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         store_kv(k_cache, k, fb)
         store_kv(v_cache, v, fb)
-        attn = paged_attention(q, k_cache, v_cache, fb, scale, (k, v))  # [T, H, D]
+        attn = paged_attention(q, k_cache, v_cache, fb, scale, (k, v), native=self.native)  # [T, H, D]
         # A prefill's activations are freed as soon as they are dead, so the next ones reuse their memory
         # (a layer's resident peak is what is live at once, not every temporary of the layer)
         del h, qkv, qk, q, k, v

@@ -44,10 +44,13 @@ hardware's order, whose bits differ from VDPBF16PS's in the last places, so the 
 mixed within a process; `load().amx_bf16()` says which one runs (KVFENCE_NATIVE_AMX=0 turns AMX off).
 A bfloat16 prefill's products (`panel_gemm`) also read the panels, on AMX tiles or else on VDPBF16PS, with
 the decode path's bits for each row.
-Decode attention and the decode step read and write bfloat16 pools, computing in float32.
+Decode attention and the decode step read and write bfloat16 pools, computing in float32. A bfloat16 prefill of
+fresh prompts of equal length (no cached prefix) attends over its own new K/V in place
+(`causal_prefill_attention`: float32 scores, softmax and sums, rounded once), instead of SDPA over copies.
 
-What it does not know: prefill attention, masks other than "the first kv_len keys", float16, or devices
-other than the CPU; callers keep the torch path for those.
+What it does not know: prefill attention over a cached prefix or in float32, masks other than "the first kv_len
+keys" (decode) and causal (fresh prompts), float16, or devices other than the CPU; callers keep the torch path
+for those.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
                 "amx_bf16",
                 "panel_gemm_bf16",
                 "panel_gemm_bf16_applies",
+                "causal_prefill_attention",
             ],  # fmt: skip
             # -fopenmp: torch's thread count and parallel-region query (at::get_num_threads, in_parallel_region)
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
@@ -127,6 +131,16 @@ def paged_decode_attention(
     """q: [B, H, D]; k_cache: [S, Hkv, D]; v_cache: [S, Hkv, Dv] flat pool views (this step's K/V stored);
     kv_pages: [B, P] pages of each context; kv_lens: [B] context lengths -> [B, H, Dv]."""
     return load().paged_decode_attention(q, k_cache, v_cache, kv_pages, kv_lens, int(page_size), float(scale))
+
+
+def causal_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of `batch` fresh prompts of equal length over their own keys (no cached prefix): q [T, H, D],
+    k and v [T, Hkv, D], bfloat16 (rows may be strided views; heads contiguous; D a multiple of 16), T = batch * Q
+    rows in [batch, Q] order -> [T, H, D] bfloat16. Scores, softmax and the weighted sum in float32, the output
+    rounded once; a row's bits depend only on its own sequence (native_kernels.cpp, causal_prefill_attention)."""
+    return load().causal_prefill_attention(q, k, v, int(batch), float(scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
