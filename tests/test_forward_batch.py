@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -65,23 +66,28 @@ def test_mixed_batch_is_split_into_decode_and_prefill_parts() -> None:
     assert not build_forward_batch(chunks[1::2], 4).parts  # prefill chunks only: nothing to split
 
 
-def test_split_attention_equals_padded_attention() -> None:
-    from kvfence.models.attention import paged_attention, store_kv
+def _mixed_attention_case(seed: int, last: SeqChunk, poison: bool = False) -> tuple[Any, ...]:
+    """Decode rows beside prefill chunks (the last one given) over 32 slots, 2 KV heads, 4 query heads, D = 8,
+    this forward's K/V stored (after NaN in their slots, with `poison`): fb, k_cache, v_cache, k, v, q."""
+    from kvfence.models.attention import store_kv
 
-    g = torch.Generator().manual_seed(0)
-    chunks = [
-        SeqChunk([1], 9, [3, 0, 5]),
-        SeqChunk([2] * 6, 0, [1, 7]),
-        SeqChunk([3], 3, [2]),
-        SeqChunk([4] * 3, 5, [4, 6]),
-    ]
+    g = torch.Generator().manual_seed(seed)
+    chunks = [SeqChunk([1], 9, [3, 0, 5]), SeqChunk([2] * 6, 0, [1, 7]), SeqChunk([3], 3, [2]), last]
     fb = build_forward_batch(chunks, 4)
     assert fb.parts
     k_cache, v_cache = torch.randn(32, 2, 8, generator=g), torch.randn(32, 2, 8, generator=g)
-    k_cache[fb.slot_mapping] = float("nan")  # this forward's slots are written before attention
-    store_kv(k_cache, torch.randn(fb.num_tokens, 2, 8, generator=g), fb)
-    store_kv(v_cache, torch.randn(fb.num_tokens, 2, 8, generator=g), fb)
-    q = torch.randn(fb.num_tokens, 4, 8, generator=g)
+    if poison:
+        k_cache[fb.slot_mapping] = float("nan")  # this forward's slots are written before attention
+    k, v = torch.randn(fb.num_tokens, 2, 8, generator=g), torch.randn(fb.num_tokens, 2, 8, generator=g)
+    store_kv(k_cache, k, fb)
+    store_kv(v_cache, v, fb)
+    return fb, k_cache, v_cache, k, v, torch.randn(fb.num_tokens, 4, 8, generator=g)
+
+
+def test_split_attention_equals_padded_attention() -> None:
+    from kvfence.models.attention import paged_attention
+
+    fb, k_cache, v_cache, _, _, q = _mixed_attention_case(0, SeqChunk([4] * 3, 5, [4, 6]), poison=True)
     split = paged_attention(q, k_cache, v_cache, fb, 0.3)
     padded = paged_attention(q, k_cache, v_cache, dataclasses.replace(fb, parts=()), 0.3)
     torch.testing.assert_close(split, padded, rtol=1e-6, atol=1e-6)
@@ -90,29 +96,14 @@ def test_split_attention_equals_padded_attention() -> None:
 def test_a_mixed_batchs_fresh_prompts_read_their_own_rows_of_the_new_kv() -> None:
     """Decode rows beside two fresh prompts: each part gets its own rows of this forward's K/V (the prompts' part
     is mask "causal" and reads them as given), with the bits of gathering everything from the pool."""
-    from kvfence.models.attention import paged_attention, store_kv
+    from kvfence.models.attention import paged_attention
 
-    g = torch.Generator().manual_seed(2)
-    chunks = [
-        SeqChunk([1], 9, [3, 0, 5]),
-        SeqChunk([2] * 6, 0, [1, 7]),
-        SeqChunk([3], 3, [2]),
-        SeqChunk([4] * 6, 0, [4, 6]),
-    ]
-    fb = build_forward_batch(chunks, 4)
+    fb, k_cache, v_cache, k, v, q = _mixed_attention_case(2, SeqChunk([4] * 6, 0, [4, 6]))
     assert [part.mask_mode for _, part in fb.parts][1] == "causal"
-    k_cache, v_cache = torch.randn(32, 2, 8, generator=g), torch.randn(32, 2, 8, generator=g)
-    k, v = torch.randn(fb.num_tokens, 2, 8, generator=g), torch.randn(fb.num_tokens, 2, 8, generator=g)
-    store_kv(k_cache, k, fb)
-    store_kv(v_cache, v, fb)
-    q = torch.randn(fb.num_tokens, 4, 8, generator=g)
-    assert torch.equal(
-        paged_attention(q, k_cache, v_cache, fb, 0.3, (k, v)), paged_attention(q, k_cache, v_cache, fb, 0.3)
-    )
+    gathered = paged_attention(q, k_cache, v_cache, fb, 0.3)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, fb, 0.3, (k, v)), gathered)
     wrong = (k.flip(0), v.flip(0))  # another order of the same rows: the prompts' part must not read these as its own
-    assert not torch.equal(
-        paged_attention(q, k_cache, v_cache, fb, 0.3, wrong), paged_attention(q, k_cache, v_cache, fb, 0.3)
-    )
+    assert not torch.equal(paged_attention(q, k_cache, v_cache, fb, 0.3, wrong), gathered)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
