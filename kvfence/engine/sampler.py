@@ -64,7 +64,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     compares them on ties, NaNs, infinities and signed zeros) from the calling thread alone: torch's argmax is an
     OpenMP region that wakes its pool for microseconds of work, after which the pool's threads spin on the cores the
     next decode step's kernels need. Greedy batch-8 decode of the 100M preset: 0.2 ms of the 5 ms step went to
-    torch's argmax; the step was ~3% faster with numpy's (docs/benchmarks.md, "software prefetch")."""
+    torch's argmax; the step was ~3% faster with numpy's (docs/benchmarks.md, "Greedy argmax through numpy")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))  # [N]
     return logits.argmax(dim=-1)

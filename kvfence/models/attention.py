@@ -101,7 +101,8 @@ def paged_attention(
         and q.device.type == "cpu"
     ):
         # fresh prompts of Q tokens each over the K/V just computed, [B, Q] row order: no copies, no SDPA
-        # (2.3x SDPA's time at 8-32 x 128 tokens, 12/4 heads, D = 64: docs/benchmarks.md, "prefill attention")
+        # (a 2.3x shorter layer than SDPA at 8-32 x 128 tokens, 12/4 heads, D = 64: docs/benchmarks.md, "bf16
+        # prefill attention in one native pass")
         from kvfence.models.native_kernels import causal_prefill_attention
 
         return causal_prefill_attention(q, new_kv[0], new_kv[1], B, scale)  # [T, H, D]

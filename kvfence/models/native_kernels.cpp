@@ -884,9 +884,33 @@ using AttendFn = void (*)(const Unit<T>&, float*);
 // address order instead of one head's 2-line slice of each row per pass. The scores of 16 tokens are summed
 // together (hsum16x16: the pairs hsum16 adds, 16 sums a vector). s [H, L]; acc [H, 256]: the 16 tokens'
 // product vectors, then the G * Hkv output rows (too many for the registers), which then go to u.out. The values'
-// pass takes 4 tokens of a page (D <= 64; one at D = 128) per load and store of an output row (each output the same FMA chain in token
-// order): on a scratch harness (4 sequences x 192 tokens, 12/4 heads, D = 64, bfloat16), 57 -> 42 ns a token with
-// the pools in cache, 132-157 -> 101-121 on shuffled pages from DRAM, no change (71-78) on pages in order.
+// pass (attend_values) takes 4 tokens of a page (D <= 64; one at D = 128) per load and store of an output row,
+// each output the same FMA chain in token order: on a scratch harness (4 sequences x 192 tokens, 12/4 heads,
+// D = 64, bfloat16), 57 -> 42 ns a token with the pools in cache, 132-157 -> 101-121 on shuffled pages from
+// DRAM, no change (71-78) on pages in order.
+// acc[h * D + d] += sum over KT consecutive slot rows t (from vrow, rows Hkv * D apart) of p[h * L + t] v_t[hk, d]
+// for every query head h (KV head hk = h / G), one FMA per token in order between one load and one store
+template <typename T, int NV, int G, int KT>
+inline void attend_values(const T* vrow, int64_t Hkv, const float* p, int64_t L, float* acc) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t hk = 0; hk < Hkv; ++hk) {
+    __m512 v[KT][NV];
+    for (int tt = 0; tt < KT; ++tt)
+      for (int j = 0; j < NV; ++j) v[tt][j] = load16(vrow + tt * Hkv * D + hk * D + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const int64_t h = hk * G + g;
+      __m512 w[KT];
+      for (int tt = 0; tt < KT; ++tt) w[tt] = _mm512_set1_ps(p[h * L + tt]);
+      float* a = acc + h * D;
+      for (int j = 0; j < NV; ++j) {
+        __m512 x = _mm512_loadu_ps(a + 16 * j);
+        for (int tt = 0; tt < KT; ++tt) x = _mm512_fmadd_ps(w[tt], v[tt][j], x);  // tokens in order
+        _mm512_storeu_ps(a + 16 * j, x);
+      }
+    }
+  }
+}
+
 template <typename T, int NV, int G>
 void attend_seq_avx512(const Unit<T>& u, float* s, float* acc) {
   constexpr int64_t D = 16 * NV;
@@ -922,38 +946,9 @@ void attend_seq_avx512(const Unit<T>& u, float* s, float* acc) {
   for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
     const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
     int64_t i = 0;
-    for (; i + kTokens <= n; i += kTokens) {
-      const T* vrow = u.v + (first + i) * Hkv * D;
-      for (int64_t hk = 0; hk < Hkv; ++hk) {
-        __m512 v[kTokens][NV];
-        for (int tt = 0; tt < kTokens; ++tt)
-          for (int j = 0; j < NV; ++j) v[tt][j] = load16(vrow + tt * Hkv * D + hk * D + 16 * j);
-        for (int g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          __m512 w[kTokens];
-          for (int tt = 0; tt < kTokens; ++tt) w[tt] = _mm512_set1_ps(s[h * L + t0 + i + tt]);
-          float* a = acc + h * D;
-          for (int j = 0; j < NV; ++j) {
-            __m512 x = _mm512_loadu_ps(a + 16 * j);
-            for (int tt = 0; tt < kTokens; ++tt) x = _mm512_fmadd_ps(w[tt], v[tt][j], x);  // tokens in order
-            _mm512_storeu_ps(a + 16 * j, x);
-          }
-        }
-      }
-    }
-    for (; i < n; ++i) {
-      const T* vrow = u.v + (first + i) * Hkv * D;
-      for (int64_t hk = 0; hk < Hkv; ++hk) {
-        __m512 v[NV];
-        for (int j = 0; j < NV; ++j) v[j] = load16(vrow + hk * D + 16 * j);
-        for (int g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          const __m512 w = _mm512_set1_ps(s[h * L + t0 + i]);
-          float* a = acc + h * D;
-          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(a + 16 * j)));
-        }
-      }
-    }
+    for (; i + kTokens <= n; i += kTokens)
+      attend_values<T, NV, G, kTokens>(u.v + (first + i) * Hkv * D, Hkv, s + t0 + i, L, acc);
+    for (; i < n; ++i) attend_values<T, NV, G, 1>(u.v + (first + i) * Hkv * D, Hkv, s + t0 + i, L, acc);
   }
   std::copy(acc, acc + H * D, u.out);
 }
@@ -1192,47 +1187,42 @@ namespace {
 
 constexpr int64_t kPrefillRows = 4;  // query rows a block (x G heads: the block's query vectors)
 
-// s[r * ld + j] = scale * sum_d qv[r][d] kt[d][j] (over d in order) for NR query vectors r, keys j in [0, n)
-// (n a multiple of 16, within kt's row length ld)
+// s[r * ld + j] = scale * sum_d qv[r][d] kt[d][j] (over d in order) for NR query vectors r and the 16 * NK keys
+// j0.. (each broadcast of q feeds NK FMAs)
+template <int NR, int NK>
+inline void prefill_scores_keys(const float* qv, int64_t D, const float* kt, int64_t ld, int64_t j0, float scale,
+                                float* s) {
+#ifdef KVF_AVX512
+  __m512 acc[NR][NK];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = _mm512_loadu_ps(kt + d * ld + j0 + 16 * c);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 qd = _mm512_set1_ps(qv[r * D + d]);
+      for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_fmadd_ps(qd, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c)
+      _mm512_storeu_ps(s + r * ld + j0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+#else
+  float acc[NR][16 * NK] = {};
+  for (int64_t d = 0; d < D; ++d)
+    for (int r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < 16 * NK; ++c) acc[r][c] = std::fma(qv[r * D + d], kt[d * ld + j0 + c], acc[r][c]);
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < 16 * NK; ++c) s[r * ld + j0 + c] = acc[r][c] * scale;
+#endif
+}
+
+// the same for keys j in [0, n) (n a multiple of 16, within kt's row length ld): 32 keys a pass, then 16
 template <int NR>
 inline void prefill_scores(const float* qv, int64_t D, const float* kt, int64_t ld, int64_t n, float scale, float* s) {
   int64_t j0 = 0;
-#ifdef KVF_AVX512
-  for (; j0 + 32 <= n; j0 += 32) {  // 32 keys a pass: each broadcast of q feeds two FMAs
-    __m512 acc[NR][2];
-    for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 k0 = _mm512_loadu_ps(kt + d * ld + j0), k1 = _mm512_loadu_ps(kt + d * ld + j0 + 16);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 qd = _mm512_set1_ps(qv[r * D + d]);
-        acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(s + r * ld + j0, _mm512_mul_ps(acc[r][0], _mm512_set1_ps(scale)));
-      _mm512_storeu_ps(s + r * ld + j0 + 16, _mm512_mul_ps(acc[r][1], _mm512_set1_ps(scale)));
-    }
-  }
-#endif
-  for (; j0 < n; j0 += 16) {
-#ifdef KVF_AVX512
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 kv = _mm512_loadu_ps(kt + d * ld + j0);
-      for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qv[r * D + d]), kv, acc[r]);
-    }
-    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s + r * ld + j0, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
-#else
-    float acc[NR][16] = {};
-    for (int64_t d = 0; d < D; ++d)
-      for (int r = 0; r < NR; ++r)
-        for (int64_t c = 0; c < 16; ++c) acc[r][c] = std::fma(qv[r * D + d], kt[d * ld + j0 + c], acc[r][c]);
-    for (int r = 0; r < NR; ++r)
-      for (int64_t c = 0; c < 16; ++c) s[r * ld + j0 + c] = acc[r][c] * scale;
-#endif
-  }
+  for (; j0 + 32 <= n; j0 += 32) prefill_scores_keys<NR, 2>(qv, D, kt, ld, j0, scale, s);
+  for (; j0 < n; j0 += 16) prefill_scores_keys<NR, 1>(qv, D, kt, ld, j0, scale, s);
 }
 
 // o[r * D + d] = sum_{j < n} p[r * ld + j] vf[j * D + d] (over j in order) for NR query vectors r and the
@@ -1287,10 +1277,10 @@ torch::Tensor causal_prefill_attention(torch::Tensor q, torch::Tensor k, torch::
   auto out = torch::empty({T, H, D}, q.options());
   bf16_t* op = static_cast<bf16_t*>(out.data_ptr());
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    // kt's columns Q..Qp-1 (padding keys) stay zero from here on: a unit writes only columns 0..Q-1
     std::vector<float> kt(D * Qp), vf(Q * D), qv(kPrefillRows * G * D), sb(kPrefillRows * G * Qp), ob(kPrefillRows * G * D);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
-      std::fill(kt.begin(), kt.end(), 0.f);
       for (int64_t j = 0; j < Q; ++j) {
         const bf16_t* kr = kp + (b * Q + j) * ldk + hk * D;
         const bf16_t* vr = vp + (b * Q + j) * ldv + hk * D;
