@@ -44,15 +44,18 @@ def test_bf16_projection_matches_a_float64_product_of_the_rounded_values(K: int)
 @pytest.mark.slow
 def test_bf16_projection_gives_the_same_bits_with_and_without_avx512_bf16() -> None:
     """VDPBF16PS adds the odd element's product, then the even one's, into float32; the builds without it
-    (AVX-512F FMAs, plain C++) do the same sums, and products of bfloat16s are exact: the same bits."""
+    (AVX-512F FMAs, AVX2 FMAs, plain C++) do the same sums, and products of bfloat16s are exact: the same bits,
+    at every row count the kernels group rows by."""
     from kvfence.models import native_kernels as nk
 
     g = torch.Generator().manual_seed(7)
     w, x = torch.randn(70, 300, generator=g).bfloat16(), torch.randn(11, 300, generator=g)
     packed = nk.pack_panels(w)
     fast = nk.packed_linear(x, packed, 70)
-    for flags in (("-mno-avx512bf16",), ("-mno-avx512f",)):
-        assert torch.equal(nk.load(flags).packed_linear(x, packed, 70, torch.empty(0), torch.empty(0)), fast), flags
+    for flags in (("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2",)):
+        for rows in (1, 2, 3, 8, 11):
+            other = nk.load(flags).packed_linear(x[:rows], packed, 70, torch.empty(0), torch.empty(0))
+            assert torch.equal(other, fast[:rows]), (flags, rows)
 
 
 @pytest.mark.slow

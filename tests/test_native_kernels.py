@@ -224,14 +224,38 @@ def test_native_decode_step_gives_a_sequence_the_same_logits_whatever_its_batch_
 
 
 @pytest.mark.slow
-def test_the_portable_build_without_avx512_gives_the_same_results(loaded: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The code path of CPUs without AVX-512 (built here with -mno-avx512f): projections against a float64
-    product, rows independent of their batch, and a whole decode step against the torch forward."""
+def test_float32_projections_give_the_same_bits_in_every_build() -> None:
+    """Each output of a float32 projection is one FMA chain over k in order in every build (AVX-512, AVX2 in
+    passes of 4 rows x 16 columns over blocks of k, plain C++), so the builds agree bit for bit, at every row
+    count the kernels group rows by, with a partial last panel and a K that is not a multiple of the k block."""
+    from kvfence.models import native_kernels as nk
+
+    g = torch.Generator().manual_seed(11)
+    w, b, x = torch.randn(70, 203, generator=g), torch.randn(70, generator=g), torch.randn(13, 203, generator=g)
+    res = torch.randn(13, 70, generator=g)
+    packed = nk.pack_panels(w)
+    want = nk.load().packed_linear(x, packed, 70, b, res)
+    exact = res.double() + torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(want.double(), exact, rtol=1e-5, atol=1e-5)
+    for flags in (("-mno-avx512f",), ("-mno-avx2",)):
+        for rows in (1, 2, 3, 4, 5, 8, 13):
+            got = nk.load(flags).packed_linear(x[:rows], packed, 70, b, res[:rows])
+            assert torch.equal(got, want[:rows]), (flags, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)], ids=["avx2", "plain"])
+def test_the_portable_builds_give_the_same_results(
+    loaded: Any, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...]
+) -> None:
+    """The code paths of CPUs without AVX-512 (AVX2 and FMA: built with -mno-avx512f on a CPU that has them) and
+    without AVX2 (plain C++: -mno-avx2): projections against a float64 product, rows independent of their batch,
+    and a whole decode step against the torch forward."""
     import dataclasses
 
     from kvfence.models import native_kernels
 
-    portable = native_kernels.load(("-mno-avx512f",))
+    portable = native_kernels.load(flags)
     g = torch.Generator().manual_seed(3)
     w, b, x = torch.randn(37, 200, generator=g), torch.randn(37, generator=g), torch.randn(19, 200, generator=g)
     packed = portable.pack_panels(w)

@@ -3,7 +3,8 @@ AMX-BF16 and the build targets it; a tile product's sums are close to a float64 
 and a row's result does not depend on its batch-mates at any batch size (the AMX path is taken for every batch
 size, because its bits differ from the AVX-512 path's). Projections whose K is not a multiple of 32 keep the
 AVX-512 path (tests/test_native_bf16.py compares its bits across builds). panel_gemm (prefill products from the
-panels) runs on AMX where it has it and on AVX512_BF16's VDPBF16PS otherwise; its tests run on either.
+panels) runs on AMX where it has it and on the decode step's panel kernel otherwise (VDPBF16PS, or the same
+sums by AVX-512, AVX2 or plain float FMAs); its tests run on any of them.
 
 Building the kernels takes a minute or more on two cores, so these tests are slow.
 """
@@ -80,7 +81,7 @@ def test_panel_gemm_is_torchs_bf16_linear_plus_residual_from_the_panels(M: int, 
     from kvfence.models import native_kernels as nk
 
     if not nk.load().panel_gemm_bf16_applies(K):
-        pytest.skip("neither AMX-BF16 nor AVX512_BF16 here")
+        pytest.skip("AMX takes every bfloat16 product here and K is not a multiple of 32")
     g = torch.Generator().manual_seed(M + N + K)
     w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
     x, b, r = (
@@ -108,14 +109,14 @@ def test_panel_gemm_is_torchs_bf16_linear_plus_residual_from_the_panels(M: int, 
 def test_llama_prefill_projections_take_panel_gemm_where_it_applies_and_unpack_where_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A bfloat16 prefill chunk of BF16_GEMM_MIN_ROWS rows or more computes from the panels (AMX or VDPBF16PS; no
-    unpacked weight); where panel_gemm does not apply it falls back to unpacking the weight for F.linear, with
-    results as close as bf16 allows."""
+    """A bfloat16 prefill chunk of BF16_GEMM_MIN_ROWS rows or more computes from the panels (AMX, or the decode
+    step's panel kernel; no unpacked weight); where panel_gemm does not apply it falls back to unpacking the
+    weight for F.linear, with results as close as bf16 allows."""
     import kvfence.models.native_kernels as nk
     from kvfence.models import llama
 
     if not nk.load().panel_gemm_bf16_applies(64):
-        pytest.skip("neither AMX-BF16 nor AVX512_BF16 here")
+        pytest.skip("AMX takes every bfloat16 product here and K is not a multiple of 32")
     cfg = type(
         "Cfg",
         (),

@@ -314,7 +314,7 @@ class DecoderLayer(nn.Module):
             from kvfence.models.native_kernels import packed_linear, panel_gemm, panel_gemm_applies, unpack_panels
 
             if x.dtype == torch.bfloat16 and (x.shape[0] if rows is None else rows) >= BF16_GEMM_MIN_ROWS:
-                if panel_gemm_applies(x, panels):  # AMX tiles or VDPBF16PS on the panels themselves
+                if panel_gemm_applies(x, panels):  # AMX tiles or the panel kernel on the panels themselves
                     return panel_gemm(x, panels, self.shapes[name][0], b, residual)
                 # a transient [out, in] copy for oneDNN
                 y = F.linear(x, unpack_panels(panels, *self.shapes[name]), b)

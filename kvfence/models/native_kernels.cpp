@@ -3,9 +3,10 @@
 //
 // What it knows: RMSNorm rows; decode attention reading the paged KV pool in place (float32 or bfloat16 pools);
 // causal attention of bfloat16 fresh prompts over their own new K/V;
-// projections (y = x W^T) from weights packed once into k-major panels (an AVX-512 FMA kernel where the CPU
-// has it; bfloat16 panels through AMX tiles where the CPU has AMX-BF16 and K is a multiple of 32, else through
-// AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs where it does not); SiLU and
+// projections (y = x W^T) from weights packed once into k-major panels (AVX-512 or AVX2 FMA kernels where the
+// CPU has them, plain C++ elsewhere; bfloat16 panels through AMX tiles where the CPU has AMX-BF16 and K is a
+// multiple of 32, else through AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs
+// where it does not); SiLU and
 // softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
 // built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
@@ -41,6 +42,12 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define KVF_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// CPUs with AVX2 and FMA but not AVX-512 (e.g. AMD Zen 2/3, Intel before Skylake-SP): the panel kernels, the
+// vector exp and decode attention in 8-lane registers, with the same float operations per output element as
+// the AVX-512 and plain C++ paths (see each kernel)
+#include <immintrin.h>
+#define KVF_AVX2 1
 #endif
 
 namespace {
@@ -290,6 +297,44 @@ inline __m512 hsum16x16(const float* v) {
 }
 #endif
 
+#ifdef KVF_AVX2
+// exp16's steps on 8 lanes; 2^n as two power-of-two factors (n is in [-126, 128] after the clamp, so each
+// factor's exponent field stays normal and the first product is exact): one rounding, as scalef's
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+// lanes [0, n) of p (n < 8: the rest zero) and the matching store mask
+inline __m256i tail_mask8(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), lane);
+}
+
+// the sum of a's 8 lanes, (i, i + 4) then (i, i + 2) then (0, 1): hsum16's last three steps
+inline float hsum8(__m256 a) {
+  const __m128 q = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+  const __m128 p = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(p) + _mm_cvtss_f32(_mm_shuffle_ps(p, p, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+#endif
+
 // s[i] = exp(s[i] - m) for i < n; returns their sum (in lane order, then across lanes: the same for any caller)
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
 #ifdef KVF_AVX512
@@ -302,6 +347,16 @@ inline float exp_shifted_sum(float* s, int64_t n, float m) {
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
   }
   return _mm512_reduce_add_ps(total);
+#elif defined(KVF_AVX2)
+  __m256 total = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + i, k), mv)), _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s + i, k, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return hsum8(total);
 #else
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - m));
@@ -318,6 +373,14 @@ inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
     const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
     const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     _mm512_mask_storeu_ps(a + i, k, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(k, u + i)));
+  }
+#elif defined(KVF_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i k = tail_mask8(n - i);
+    const __m256 gv = _mm256_maskload_ps(g + i, k);
+    const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+    _mm256_maskstore_ps(a + i, k, _mm256_mul_ps(sig, _mm256_maskload_ps(u + i, k)));
   }
 #else
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
@@ -347,10 +410,88 @@ inline int64_t prefetch_steps(const void* panel, int64_t steps, const void* pf_e
   return room <= 0 ? 0 : std::min(steps, room / 128);
 }
 
-#ifdef KVF_AVX512
+#if defined(KVF_AVX512) || defined(KVF_AVX2)
 inline void prefetch_step(const char* ahead, int64_t step) {
   _mm_prefetch(ahead + step * 128, _MM_HINT_T0);
   _mm_prefetch(ahead + step * 128 + 64, _MM_HINT_T0);
+}
+#endif
+
+#ifdef KVF_AVX2
+// AVX2 has 16 ymm registers, too few for 8 rows x 32 columns of accumulators: a panel kernel takes its rows in
+// groups of RS and the panel's columns in groups of 8 * NC, and k in blocks of kPanelBlock steps (16 KiB of
+// panel at most) so that each pass after the first over a block reads it from L1; a pass keeps its accumulators
+// in registers over the block and in `acc` ([R, kPanel] floats) between blocks. Every output element is still
+// one FMA chain over k in order.
+constexpr int64_t kPanelBlock = 64;
+
+// float32 panels: rows [RS] x columns c0..c0 + 8 * NC of acc, over k in [k0, k1)
+template <int RS, int NC>
+inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, int64_t c0,
+                            float* acc, int64_t kp) {
+  __m256 a[RS][NC];
+  for (int r = 0; r < RS; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + c0 + 8 * c);
+  const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchAhead;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k < kp) prefetch_step(ahead, k);
+    __m256 xv[RS];
+    for (int r = 0; r < RS; ++r) xv[r] = _mm256_broadcast_ss(x + r * K + k);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 w = _mm256_loadu_ps(panel + k * kPanel + c0 + 8 * c);
+      for (int r = 0; r < RS; ++r) a[r][c] = _mm256_fmadd_ps(xv[r], w, a[r][c]);
+    }
+  }
+  for (int r = 0; r < RS; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + r * kPanel + c0 + 8 * c, a[r][c]);
+}
+
+// bfloat16 panels, k pairs j in [k0, k1): a 32-byte load is 8 columns' (even k, odd k) weights, widened exactly
+// by a shift (even) and a mask (odd); the odd k's product is added first, as VDPBF16PS does
+template <int RS, int NC>
+inline void panel_pass_bf16_avx2(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t k0, int64_t k1,
+                                 int64_t c0, float* acc, int64_t kp) {
+  __m256 a[RS][NC];
+  for (int r = 0; r < RS; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + c0 + 8 * c);
+  const __m256i hi = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchAhead;
+  for (int64_t j = k0; j < k1; ++j) {
+    if (j < kp) prefetch_step(ahead, j);
+    __m256 xe[RS], xo[RS];
+    for (int r = 0; r < RS; ++r) {  // the row's (even, odd) pair broadcast, then widened as the weights are
+      int32_t pair;
+      std::memcpy(&pair, x + r * Kp + 2 * j, sizeof pair);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
+      xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xp, hi));
+    }
+    for (int c = 0; c < NC; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j * kPanel + c0 + 8 * c) * 2));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+      for (int r = 0; r < RS; ++r) a[r][c] = _mm256_fmadd_ps(xe[r], we, _mm256_fmadd_ps(xo[r], wo, a[r][c]));
+    }
+  }
+  for (int r = 0; r < RS; ++r)
+    for (int c = 0; c < NC; ++c) _mm256_store_ps(acc + r * kPanel + c0 + 8 * c, a[r][c]);
+}
+
+// R rows (a panel kernel's row count) over `steps` k steps (float32 k, or bfloat16 k pairs; x's rows `ldx`
+// elements apart) as passes of RS rows x 8 * NC columns per block of k; only the first pass over a block
+// prefetches, up to pf_end
+template <int R, int RS, int NC, typename T, typename Pass>
+inline void panel_passes(const T* x, int64_t ldx, int64_t steps, const T* panel, int64_t cols, float* y, int64_t ldy,
+                         const T* pf_end, Pass pass) {
+  static_assert(R % RS == 0, "whole row groups");
+  alignas(32) float acc[R * kPanel];
+  const int64_t kp = prefetch_steps(panel, steps, pf_end);
+  for (int64_t k0 = 0; k0 < steps; k0 += kPanelBlock) {
+    const int64_t k1 = std::min(steps, k0 + kPanelBlock);
+    for (int r0 = 0; r0 < R; r0 += RS)
+      for (int64_t c0 = 0; c0 < cols; c0 += 8 * NC)
+        pass(x + r0 * ldx, ldx, panel, k0, k1, c0, acc + r0 * kPanel, r0 == 0 && c0 == 0 ? kp : 0);
+  }
+  for (int r = 0; r < R; ++r) std::copy(acc + r * kPanel, acc + r * kPanel + cols, y + r * ldy);
 }
 #endif
 
@@ -377,6 +518,9 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
     _mm512_mask_storeu_ps(y + r * ldy, tail_mask(cols), acc[r][0]);
     if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
   }
+#elif defined(KVF_AVX2)
+  constexpr int RS = R < 4 ? R : 4;  // 4 rows x 16 columns: 8 accumulators, 4 broadcasts, a weight
+  panel_passes<R, RS, 2>(x, K, K, panel, cols, y, ldy, pf_end, panel_pass_avx2<RS, 2>);
 #else
   (void)pf_end;
   float acc[R][kPanel] = {};
@@ -426,6 +570,9 @@ inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, in
     _mm512_mask_storeu_ps(y + r * ldy, tail_mask(cols), acc[r][0]);
     if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
   }
+#elif defined(KVF_AVX2)
+  constexpr int RS = R < 2 ? R : 2;  // 2 rows x 32 columns: 8 accumulators, 4 broadcasts, a weight pair
+  panel_passes<R, RS, 4>(x, Kp, Kp / 2, panel, cols, y, ldy, pf_end, panel_pass_bf16_avx2<RS, 4>);
 #else
   (void)pf_end;
   float acc[R][kPanel] = {};
@@ -630,6 +777,14 @@ inline void gemm_epilogue_row(const float* out, int64_t n0, int64_t cols, const 
     _mm256_mask_storeu_epi16(y_row + n0 + c, k, h);
   }
 }
+#else
+inline void gemm_epilogue_row(const float* out, int64_t n0, int64_t cols, const float* bias, const bf16_t* residual_row,
+                              bf16_t* y_row) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const bf16_t h = round_bf16(bias != nullptr ? out[c] + bias[n0 + c] : out[c]);
+    y_row[n0 + c] = residual_row != nullptr ? round_bf16(to_f32(residual_row[n0 + c]) + to_f32(h)) : h;
+  }
+}
 #endif
 
 // y [M, N] = x [M, K] @ w^T for bfloat16 x and bfloat16 panels on AMX, for prefill chunks (M in the hundreds or
@@ -720,12 +875,12 @@ void panel_gemm_bf16_into(const bf16_t* xb, int64_t M, int64_t Kp, int64_t ldx, 
 }
 #endif
 
-// The same product without AMX, on AVX512_BF16's VDPBF16PS (panel_rows_bf16, packed_linear's own kernel, so a
-// row's sums are again the bits the decode step computes for it). The AMX version's cache blocking at half the
-// sizes (panel groups of ~256 KiB, row blocks of ~512 KiB: an AVX512_BF16 CPU without AMX, e.g. Zen 4, may have
-// 1 MiB of L2 a core), rows in groups of 8 inside; x: [M, Kp] bfloat16 rows Kp apart (K even: x itself).
-#if defined(KVF_AVX512) && defined(__AVX512BF16__)
-#define KVF_BF16_DOT 1
+// The same product without AMX, on panel_rows_bf16 (packed_linear's own kernel: AVX512_BF16's VDPBF16PS, or the
+// same sums by AVX-512, AVX2 or plain float FMAs), so a row's sums are again the bits the decode step computes
+// for it. The AMX version's cache blocking at half the sizes (panel groups of ~256 KiB, row blocks of ~512 KiB:
+// an AVX512_BF16 CPU without AMX, e.g. Zen 4, may have 1 MiB of L2 a core), rows in groups of 8 inside; x:
+// [M, Kp] bfloat16 rows Kp apart (K even: x itself). On an AVX2 CPU (Zen 3) torch's bfloat16 F.linear, the
+// alternative, ran at ~20 GFLOP/s against these kernels' ~85 (docs/benchmarks.md, "AVX2").
 void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf16_t* packed, int64_t N,
                               const float* bias, const bf16_t* residual, bf16_t* y) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -757,19 +912,14 @@ void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf1
     }
   });
 }
-#endif
 
-// whether panel_gemm_bf16 runs here for this K: AMX tiles (K a multiple of 32), else VDPBF16PS (K even)
+// whether panel_gemm_bf16 runs here for this K: AMX tiles (K a multiple of 32), else panel_rows_bf16 (K even)
 inline bool panel_gemm_applies(int64_t K) {
 #ifdef KVF_AMX
   if (amx_applies(K)) return true;
   if (amx_ready()) return false;  // AMX takes the other K's products too in packed_linear: no mixing (see above)
 #endif
-#ifdef KVF_BF16_DOT
   return K % 2 == 0;
-#else
-  return amx_applies(K);
-#endif
 }
 
 // --- RMSNorm -------------------------------------------------------------------------------------------------
@@ -1015,6 +1165,96 @@ AttendFn<T> attend_kernel(int64_t D, int64_t Dv, int64_t G) {
 }
 #endif
 
+#ifdef KVF_AVX2
+// 8 floats from memory, or 8 bfloat16s widened exactly to floats
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// lane i = the sum of v[i]'s 8 lanes (horizontal adds in a fixed order)
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [v0..v3 low halves | high halves]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One (sequence, KV head) unit in 8-lane registers, D = Dv a multiple of 8, G query heads: a key row is
+// loaded once per 8 columns for all G heads (G accumulators), the partial products of 8 tokens are summed
+// together (hsum8x8); the values' pass takes 4 tokens (widened once into `vf`) per load and store of an output
+// row, each output one FMA chain in token order. s [G, L]; acc [G, D] then the output; vf [4, D]. The float
+// operations of a unit depend only on its own q, keys and values, never on the batch.
+template <typename T, int G>
+void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
+  const int64_t NV = D / 8, L = u.L;
+  alignas(32) __m256 part[G][8];
+  const __m256 scale = _mm256_set1_ps(u.scale);
+  auto flush = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1's partial products -> their scores
+    for (int g = 0; g < G; ++g) {
+      for (int64_t i = n; i < 8; ++i) part[g][i] = _mm256_setzero_ps();
+      _mm256_maskstore_ps(s + g * L + t0, tail_mask8(n), _mm256_mul_ps(hsum8x8(part[g]), scale));
+    }
+  };
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    const T* kr = u.k + row * D;
+    __m256 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < NV; ++j) {
+      const __m256 kj = load8(kr + 8 * j);
+      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(u.q + g * D + 8 * j), kj, a[g]);
+    }
+    for (int g = 0; g < G; ++g) part[g][t % 8] = a[g];
+    if (t % 8 == 7) flush(t - 7, 8);
+  });
+  if (L % 8 != 0) flush(L - L % 8, L % 8);
+  softmax_rows(s, G, L);
+  std::fill(acc, acc + G * D, 0.f);
+  const T* vrows[4];
+  int64_t nt = 0, t_first = 0;
+  auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (rows in vrows)
+    for (int64_t tt = 0; tt < n; ++tt)
+      for (int64_t j = 0; j < NV; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + 8 * j));
+    for (int g = 0; g < G; ++g) {
+      __m256 w[4];
+      for (int64_t tt = 0; tt < n; ++tt) w[tt] = _mm256_broadcast_ss(s + g * L + t0 + tt);
+      float* a = acc + g * D;
+      for (int64_t j = 0; j < NV; ++j) {
+        __m256 x = _mm256_loadu_ps(a + 8 * j);
+        for (int64_t tt = 0; tt < n; ++tt) x = _mm256_fmadd_ps(w[tt], _mm256_loadu_ps(vf + tt * D + 8 * j), x);
+        _mm256_storeu_ps(a + 8 * j, x);
+      }
+    }
+  };
+  for_each_token(u, [&](int64_t t, int64_t row) {
+    if (nt == 0) t_first = t;
+    vrows[nt++] = u.v + row * D;
+    if (nt == 4) values(t_first, 4), nt = 0;
+  });
+  if (nt > 0) values(t_first, nt);
+  std::copy(acc, acc + G * D, u.out);
+}
+
+template <typename T>
+using AttendAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*);
+
+template <typename T>
+AttendAvx2Fn<T> attend_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
+  if (D != Dv || D % 8 != 0) return nullptr;
+  switch (G) {
+    case 1: return attend_avx2<T, 1>;
+    case 2: return attend_avx2<T, 2>;
+    case 3: return attend_avx2<T, 3>;
+    case 4: return attend_avx2<T, 4>;
+    case 5: return attend_avx2<T, 5>;
+    case 6: return attend_avx2<T, 6>;
+    case 7: return attend_avx2<T, 7>;
+    case 8: return attend_avx2<T, 8>;
+  }
+  return nullptr;
+}
+#endif
+
 // q [B, H, D]; k_pool [S, Hkv, D]; v_pool [S, Hkv, Dv]; pages [B, P]; lens [B] -> out [B, H, Dv]
 template <typename T>
 void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, const T* kp, const T* vp,
@@ -1038,8 +1278,11 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
     return;
   }
 #endif
+#ifdef KVF_AVX2
+  const AttendAvx2Fn<T> fast = attend_avx2_kernel<T>(D, Dv, G);
+#endif
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, acc;  // per thread, reused across chunks and calls
+    thread_local std::vector<float> scores, acc, vf;  // per thread, reused across chunks and calls
     acc.resize(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
@@ -1049,6 +1292,12 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #ifdef KVF_AVX512
       if (fast != nullptr) {
         fast(u, scores.data());
+        continue;
+      }
+#elif defined(KVF_AVX2)
+      if (fast != nullptr) {
+        vf.resize(4 * D);
+        fast(u, D, scores.data(), acc.data(), vf.data());
         continue;
       }
 #endif
@@ -1405,7 +1654,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, to
 
 // x [M, K] bfloat16 @ w^T (+ bias [N]) (+ residual [M, N] bfloat16; empty tensors for none) -> [M, N] bfloat16,
 // w given as bfloat16 pack_panels(w) with N rows, on AMX tiles (amx_bf16() true and K a multiple of 32) or else on
-// VDPBF16PS (built with AVX512_BF16, K even; panel_gemm_bf16_applies says which K run here):
+// panel_rows_bf16 (K even; panel_gemm_bf16_applies says which K run here):
 // float32 sums, rounded to bfloat16 (with the bias), then added to the residual and rounded (torch's
 // `residual + F.linear(x, w, b)` in bfloat16). For prefill chunks: see panel_gemm_bf16_into.
 torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias,
@@ -1414,8 +1663,8 @@ torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, 
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(is_bf16(packed) && packed_as<bf16_t>(packed, N, K), "panel_gemm_bf16: packed must be bfloat16 "
               "pack_panels of a [N, K] weight");
-  TORCH_CHECK(panel_gemm_applies(K), "panel_gemm_bf16: needs AMX-BF16 and K a multiple of 32, or AVX512_BF16 "
-              "and K even");
+  TORCH_CHECK(panel_gemm_applies(K), "panel_gemm_bf16: needs K even (a multiple of 32 where AMX-BF16 "
+              "is in use)");
   TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "panel_gemm_bf16: bias size");
   if (bias.numel() != 0) bias = bias.to(torch::kFloat32).contiguous();
   const bf16_t* rp = nullptr;
@@ -1427,14 +1676,12 @@ torch::Tensor panel_gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, 
   }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-#ifdef KVF_BF16_DOT
   if (!amx_applies(K)) {
     x = x.contiguous();
     panel_gemm_bf16_dot_into(data_as<bf16_t>(x, "x"), M, K, data_as<bf16_t>(packed, "packed weight"), N,
                              opt_ptr(bias), rp, data_as<bf16_t>(y, "y"));
     return y;
   }
-#endif
 #ifdef KVF_AMX
   // rows 32 elements further apart than K (as packed_linear_into's AMX path), so that a tile's 16 rows do not
   // share one L1 set when K * 2 bytes is a multiple of 4 KiB

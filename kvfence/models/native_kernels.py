@@ -209,8 +209,9 @@ def amx_bf16() -> bool:
 
 def panel_gemm_applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether `panel_gemm` can compute x @ w^T from these panels here: bfloat16 x [M, K] and bfloat16 panels on
-    the CPU, and either AMX-BF16 granted to this process with K a multiple of 32, or kernels built with
-    AVX512_BF16 (VDPBF16PS) and K even."""
+    the CPU, and K even (a multiple of 32 where AMX-BF16 is granted to this process: AMX takes every bfloat16
+    product then). Without AMX the product runs on the decode step's panel kernel (VDPBF16PS, or the same sums
+    by AVX-512, AVX2 or plain float FMAs)."""
     return (
         x.dtype == torch.bfloat16
         and packed.dtype == torch.bfloat16
@@ -234,7 +235,7 @@ def panel_gemm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] bfloat16; packed: bfloat16 pack_panels(w) of a w [n, K]; b: [n] or None; residual: [M, n]
-    bfloat16 or None -> residual + (x @ w^T + b) [M, n] bfloat16, on AMX tiles or VDPBF16PS straight from the
+    bfloat16 or None -> residual + (x @ w^T + b) [M, n] bfloat16, on AMX tiles or panel_rows_bf16 straight from the
     panels (no unpacked copy of w): float32 sums rounded to bfloat16 with the bias, then added to the residual
     and rounded, as torch's bfloat16 `residual + F.linear(x, w, b)` does. Each row's sums are the bits `packed_linear`
     computes for that row (the same products in the same order). Only where `panel_gemm_applies`."""
