@@ -1,0 +1,83 @@
+"""The native kernels of this machine's default build against another build of the same source (extra compiler
+flags, e.g. -mno-avx2 for the plain C++ path, -mno-avx512f for the AVX2 path on an AVX-512 CPU): the panel
+projections at the 100M preset's shapes and decode attention over a bfloat16 pool, interleaved, with a check
+that both builds give the same projection bits.
+
+What it knows: native_kernels.load(flags) (one build per flag set, cached), packed_linear and
+paged_decode_attention; times are the second-best of 7 interleaved rounds, each the mean of 40 calls (projections)
+or of 4 x 12 layers (attention, each layer's pages scattered over a pool too large for the cache).
+
+What it does not know: the engine around the kernels (see scripts/profile_batch.py); it is a measuring
+script, not a test.
+
+usage: python scripts/kernel_builds.py [--flags=-mno-avx2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def second_best(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(7):
+        for name, fn in fns.items():
+            fn()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls)
+    return {name: sorted(ts)[1] for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flags", default="-mno-avx2", help="comma-separated extra flags of the other build")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from kvfence.models import native_kernels as nk
+
+    flags = tuple(f for f in args.flags.split(",") if f)
+    builds = {"default": nk.load(), " ".join(flags): nk.load(flags)}
+    empty = torch.empty(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in ((4096, 768), (768, 2048)):
+            packed = nk.pack_panels(torch.randn(n, k).to(dtype))
+            for rows in (1, 8, 32):
+                x = torch.randn(rows, k)
+                outs = [m.packed_linear(x, packed, n, empty, empty) for m in builds.values()]
+                same = all(torch.equal(o, outs[0]) for o in outs)
+                fns = {
+                    name: (lambda m=m, x=x, p=packed, n=n: m.packed_linear(x, p, n, empty, empty))
+                    for name, m in builds.items()
+                }
+                t = second_best(fns, 40)
+                flops = 2 * rows * n * k
+                cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
+                print(f"{str(dtype)[6:]:8} [{n}x{k}] rows {rows:2}: {cells}  same bits: {same}")
+    page, hkv, h, d, layers = 16, 4, 12, 64, 12
+    for b, length in ((8, 256), (32, 192)):
+        pages_per_seq = length // page
+        slots = (b * pages_per_seq * layers + 8) * page
+        kc, vc = torch.randn(slots, hkv, d).bfloat16(), torch.randn(slots, hkv, d).bfloat16()
+        pages = torch.randperm(slots // page)[: b * pages_per_seq * layers].view(layers, b, pages_per_seq)
+        q, lens = torch.randn(b, h, d), torch.full((b,), length, dtype=torch.long)
+
+        def step(m: object, case: tuple[torch.Tensor, ...]) -> None:
+            q, kc, vc, pages, lens = case
+            for layer in range(layers):
+                m.paged_decode_attention(q, kc, vc, pages[layer], lens, page, d**-0.5)  # type: ignore[attr-defined]
+
+        case = (q, kc, vc, pages, lens)
+        t = second_best({name: (lambda m=m, c=case: step(m, c)) for name, m in builds.items()}, 4)
+        cells = "  ".join(f"{name} {s * 1e3:.2f} ms" for name, s in t.items())
+        print(f"attention, {layers} layers of {b} x {length} tokens, {h}/{hkv} heads, D {d}, bf16 pool: {cells}")
+
+
+if __name__ == "__main__":
+    main()
