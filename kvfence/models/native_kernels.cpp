@@ -316,7 +316,7 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
 }
 
-// lanes [0, n) of p (n < 8: the rest zero) and the matching store mask
+// the mask of lanes [0, min(n, 8)) for AVX2's masked loads and stores
 inline __m256i tail_mask8(int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(n, 8))), lane);
@@ -1431,76 +1431,53 @@ namespace {
 
 constexpr int64_t kPrefillRows = 4;  // query rows a block (x G heads: the block's query vectors)
 
-// s[r * ld + j] = scale * sum_d qv[r][d] kt[d][j] (over d in order) for NR query vectors r and the 16 * NK keys
-// j0.. (each broadcast of q feeds NK FMAs)
-template <int NR, int NK>
-inline void prefill_scores_keys(const float* qv, int64_t D, const float* kt, int64_t ld, int64_t j0, float scale,
-                                float* s) {
+// c[r * ldc + i] = scale * sum_k a[r * lda + k] b[k * ldb + i] (over k in order, one FMA chain each) for NR rows
+// of a and the 16 * NC columns i of b: each broadcast of a feeds NC FMAs, and the accumulators stay in registers.
+// Both halves of the prefill attention are this product: scores (a: query vectors, b: transposed keys) and values
+// (a: probabilities, b: widened values, scale 1, which is exact).
+template <int NR, int NC>
+inline void prefill_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float scale, float* c,
+                         int64_t ldc) {
 #ifdef KVF_AVX512
-  __m512 acc[NR][NK];
+  __m512 acc[NR][NC];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m512 kv[NK];
-    for (int c = 0; c < NK; ++c) kv[c] = _mm512_loadu_ps(kt + d * ld + j0 + 16 * c);
+    for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 bv[NC];
+    for (int i = 0; i < NC; ++i) bv[i] = _mm512_loadu_ps(b + k * ldb + 16 * i);
     for (int r = 0; r < NR; ++r) {
-      const __m512 qd = _mm512_set1_ps(qv[r * D + d]);
-      for (int c = 0; c < NK; ++c) acc[r][c] = _mm512_fmadd_ps(qd, kv[c], acc[r][c]);
+      const __m512 ak = _mm512_set1_ps(a[r * lda + k]);
+      for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_fmadd_ps(ak, bv[i], acc[r][i]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NK; ++c)
-      _mm512_storeu_ps(s + r * ld + j0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+    for (int i = 0; i < NC; ++i) _mm512_storeu_ps(c + r * ldc + 16 * i, _mm512_mul_ps(acc[r][i], _mm512_set1_ps(scale)));
 #else
-  float acc[NR][16 * NK] = {};
-  for (int64_t d = 0; d < D; ++d)
+  float acc[NR][16 * NC] = {};
+  for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < NR; ++r)
-      for (int64_t c = 0; c < 16 * NK; ++c) acc[r][c] = std::fma(qv[r * D + d], kt[d * ld + j0 + c], acc[r][c]);
+      for (int64_t i = 0; i < 16 * NC; ++i) acc[r][i] = std::fma(a[r * lda + k], b[k * ldb + i], acc[r][i]);
   for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < 16 * NK; ++c) s[r * ld + j0 + c] = acc[r][c] * scale;
+    for (int64_t i = 0; i < 16 * NC; ++i) c[r * ldc + i] = acc[r][i] * scale;
 #endif
 }
 
-// the same for keys j in [0, n) (n a multiple of 16, within kt's row length ld): 32 keys a pass, then 16
+// s[r * ld + j] = scale * qv[r] . k_j for NR query vectors (D apart) and keys j in [0, n) (n a multiple of 16,
+// within kt's row length ld; kt: [D, ld]): 32 keys a pass, then 16
 template <int NR>
 inline void prefill_scores(const float* qv, int64_t D, const float* kt, int64_t ld, int64_t n, float scale, float* s) {
   int64_t j0 = 0;
-  for (; j0 + 32 <= n; j0 += 32) prefill_scores_keys<NR, 2>(qv, D, kt, ld, j0, scale, s);
-  for (; j0 < n; j0 += 16) prefill_scores_keys<NR, 1>(qv, D, kt, ld, j0, scale, s);
+  for (; j0 + 32 <= n; j0 += 32) prefill_tile<NR, 2>(qv, D, kt + j0, ld, D, scale, s + j0, ld);
+  for (; j0 < n; j0 += 16) prefill_tile<NR, 1>(qv, D, kt + j0, ld, D, scale, s + j0, ld);
 }
 
-// o[r * D + d] = sum_{j < n} p[r * ld + j] vf[j * D + d] (over j in order) for NR query vectors r and the
-// 16 * NV columns d0.. of D (the accumulators stay in registers)
-template <int NR, int NV>
-inline void prefill_values_cols(const float* p, int64_t ld, const float* vf, int64_t D, int64_t d0, int64_t n, float* o) {
-#ifdef KVF_AVX512
-  __m512 acc[NR][NV];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vf + j * D + d0 + 16 * c);
-    for (int r = 0; r < NR; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * ld + j]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + d0 + 16 * c, acc[r][c]);
-#else
-  float acc[NR][16 * NV] = {};
-  for (int64_t j = 0; j < n; ++j)
-    for (int r = 0; r < NR; ++r)
-      for (int64_t c = 0; c < 16 * NV; ++c) acc[r][c] = std::fma(p[r * ld + j], vf[j * D + d0 + c], acc[r][c]);
-  for (int r = 0; r < NR; ++r) std::copy(acc[r], acc[r] + 16 * NV, o + r * D + d0);
-#endif
-}
-
+// o[r * D + d] = sum_{j < n} p[r * ld + j] vf[j * D + d] for NR probability rows and every d (D a multiple of 16):
+// 64 columns a pass, then 16
 template <int NR>
 inline void prefill_values(const float* p, int64_t ld, const float* vf, int64_t D, int64_t n, float* o) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) prefill_values_cols<NR, 4>(p, ld, vf, D, d0, n, o);
-  for (; d0 < D; d0 += 16) prefill_values_cols<NR, 1>(p, ld, vf, D, d0, n, o);
+  for (; d0 + 64 <= D; d0 += 64) prefill_tile<NR, 4>(p, ld, vf + d0, D, n, 1.f, o + d0, D);
+  for (; d0 < D; d0 += 16) prefill_tile<NR, 1>(p, ld, vf + d0, D, n, 1.f, o + d0, D);
 }
 
 }  // namespace
