@@ -11,7 +11,9 @@ sum, in float32) and the weighted sum of the values, with no contiguous copy of 
 Projections `x @ W^T` (`packed_linear`): the weight is packed once into panels of 32 output columns
 laid out k-major (`pack_panels`), and an AVX-512 kernel keeps 8 batch rows x 32 columns of
 accumulators in registers while it streams a panel (about 105 GFLOP/s on one core here, against
-oneDNN's 70-80 at 32 rows and 13-15 at one row, where oneDNN's per-call cost dominates). SiLU and
+oneDNN's 70-80 at 32 rows and 13-15 at one row, where oneDNN's per-call cost dominates). CPUs with AVX2
+but not AVX-512 take the rows in passes of fewer rows and columns over blocks of k (the same FMA chains,
+so the same bits); others, plain C++ loops. SiLU and
 the softmax use a vector exp (Cephes' polynomial, about 1 ulp). `llama_decode_layers` runs every
 layer of a decode step (norms, q/k/v, q/k norms, RoPE, the K/V store, attention, o, SwiGLU MLP,
 residuals) in one call: at batch 1 the torch forward's ~300 small ops cost more than its arithmetic.
@@ -42,8 +44,8 @@ float32. Where the CPU has AMX-BF16 (and Linux grants the tile state), projectio
 run on AMX tiles (TDPBF16PS, 16 rows a tile) instead, at every batch size: a tile sums its 16 k pairs in the
 hardware's order, whose bits differ from VDPBF16PS's in the last places, so the AMX and AVX-512 paths are not
 mixed within a process; `load().amx_bf16()` says which one runs (KVFENCE_NATIVE_AMX=0 turns AMX off).
-A bfloat16 prefill's products (`panel_gemm`) also read the panels, on AMX tiles or else on VDPBF16PS, with
-the decode path's bits for each row.
+A bfloat16 prefill's products (`panel_gemm`) also read the panels, on AMX tiles or else on the decode step's
+panel kernel, with the decode path's bits for each row.
 Decode attention and the decode step read and write bfloat16 pools, computing in float32. A bfloat16 prefill of
 fresh prompts of equal length (no cached prefix) attends over its own new K/V in place
 (`causal_prefill_attention`: float32 scores, softmax and sums, rounded once), instead of SDPA over copies.
