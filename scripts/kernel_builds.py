@@ -1,7 +1,8 @@
-"""The native kernels of this machine's default build against another build of the same source (extra compiler
-flags, e.g. -mno-avx2 for the plain C++ path, -mno-avx512f for the AVX2 path on an AVX-512 CPU): the panel
-projections at the 100M preset's shapes and decode attention over a bfloat16 pool, interleaved, with a check
-that both builds give the same projection bits.
+"""The native kernels of this machine's default build against another build (extra compiler flags, e.g. -mno-avx2
+for the plain C++ path, -mno-avx512f for the AVX2 path on an AVX-512 CPU, or another version of the source, e.g.
+`git show HEAD~1:kvfence/models/native_kernels.cpp > /tmp/base.cpp`): the panel projections at the 100M preset's
+shapes (decode rows, and a 512-row bfloat16 prefill product from the panels) and decode attention over a
+bfloat16 pool, interleaved, with a check that both builds give the same projection bits.
 
 What it knows: native_kernels.load(flags) (one build per flag set, cached), packed_linear and
 paged_decode_attention; times are the second-best of 7 interleaved rounds, each the mean of 40 calls (projections)
@@ -10,7 +11,7 @@ or of 4 x 12 layers (attention, each layer's pages scattered over a pool too lar
 What it does not know: the engine around the kernels (see scripts/profile_batch.py); it is a measuring
 script, not a test.
 
-usage: python scripts/kernel_builds.py [--flags=-mno-avx2] [--threads 2]
+usage: python scripts/kernel_builds.py [--flags=-mno-avx2] [--source OTHER.cpp] [--threads 2]
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,13 +40,25 @@ def second_best(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flags", default="-mno-avx2", help="comma-separated extra flags of the other build")
+    ap.add_argument("--source", type=Path, help="the other build's C++ source (default: this tree's)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvfence.models import native_kernels as nk
 
+    def other_build(flags: tuple[str, ...]) -> Any:
+        if args.source is None:
+            return nk.load(flags)
+        this = nk._SOURCE_FILE
+        nk._SOURCE_FILE = args.source  # load() names a build by a hash of its source and flags
+        try:
+            return nk.load.__wrapped__(flags)
+        finally:
+            nk._SOURCE_FILE = this
+
     flags = tuple(f for f in args.flags.split(",") if f)
-    builds = {"default": nk.load(), " ".join(flags): nk.load(flags)}
+    other = " ".join([*flags, *([args.source.name] if args.source else [])])
+    builds = {"default": nk.load(), other: other_build(flags)}
     empty = torch.empty(0)
     for dtype in (torch.float32, torch.bfloat16):
         for n, k in ((4096, 768), (768, 2048)):
@@ -60,6 +75,18 @@ def main() -> None:
                 flops = 2 * rows * n * k
                 cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
                 print(f"{str(dtype)[6:]:8} [{n}x{k}] rows {rows:2}: {cells}  same bits: {same}")
+            if dtype == torch.bfloat16 and all(m.panel_gemm_bf16_applies(k) for m in builds.values()):
+                x = torch.randn(512, k).bfloat16()  # a prefill chunk, from the panels
+                outs = [m.panel_gemm_bf16(x, packed, n, empty, empty) for m in builds.values()]
+                same = all(torch.equal(o, outs[0]) for o in outs)
+                fns = {
+                    name: (lambda m=m, x=x, p=packed, n=n: m.panel_gemm_bf16(x, p, n, empty, empty))
+                    for name, m in builds.items()
+                }
+                t = second_best(fns, 4)
+                flops = 2 * 512 * n * k
+                cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
+                print(f"{str(dtype)[6:]:8} [{n}x{k}] gemm 512: {cells}  same bits: {same}")
     page, hkv, h, d, layers = 16, 4, 12, 64, 12
     for b, length in ((8, 256), (32, 192)):
         pages_per_seq = length // page

@@ -49,10 +49,22 @@
 #include <immintrin.h>
 #define KVF_AVX2 1
 #endif
+#if defined(KVF_AVX512) && !defined(__AVX512BF16__)
+// AVX-512 without AVX512_BF16 (e.g. Intel Ice Lake and Cascade Lake): a bfloat16 product's x rows are widened
+// to floats once per call, so that the panel kernel's broadcasts of x are loads folded into its FMAs instead of
+// a bfloat16 -> float conversion and a shuffle per row and k (two uops on the port the FMAs share); widening is
+// exact, so the sums are the same bits
+#define KVF_WIDEN_X 1
+#endif
 
 namespace {
 
 using bf16_t = uint16_t;  // a bfloat16's bits (torch's at::BFloat16 layout)
+#ifdef KVF_WIDEN_X
+using panel_x_t = float;  // what a bfloat16 panel kernel reads x as: the bfloat16 values, widened (see above)
+#else
+using panel_x_t = bf16_t;
+#endif
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(bf16_t v) {
@@ -531,7 +543,7 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
 // layout of VDPBF16PS. x: R rows of Kp bfloat16s. Each output is one chain over the k pairs in order, adding
 // the odd k's product then the even k's (products of two bfloat16s are exact in float32).
 template <int R>
-inline void panel_rows_bf16(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy,
+inline void panel_rows_bf16(const panel_x_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy,
                             const bf16_t* pf_end) {
 #ifdef KVF_AVX512
   static_assert(2 * kPanel * sizeof(bf16_t) == 128, "a k pair is 128 bytes of panel");
@@ -727,6 +739,13 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
   const int64_t ldx = amx ? Kp + 32 : Kp;
   std::vector<bf16_t> xb(B * ldx, 0);
   for (int64_t b = 0; b < B; ++b) store_row(x + b * K, K, xb.data() + b * ldx);
+#ifdef KVF_WIDEN_X
+  std::vector<float> xw(amx ? 0 : B * Kp);  // ldx is Kp here
+  for (int64_t i = 0; i < static_cast<int64_t>(xw.size()); ++i) xw[i] = to_f32(xb[i]);
+  const panel_x_t* xp = xw.data();
+#else
+  const panel_x_t* xp = xb.data();
+#endif
   run_chunks(panels, panel_grain(panels, Kp * kPanel * int64_t{sizeof(bf16_t)}), [&](int64_t p0, int64_t p1) {
 #ifdef KVF_AMX
     if (amx) {
@@ -747,7 +766,7 @@ void packed_linear_into(const float* x, int64_t B, int64_t K, const bf16_t* pack
 #endif
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
-      panel_all_rows(xb.data(), B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
+      panel_all_rows(xp, B, Kp, packed + p * Kp * kPanel, n0, std::min(kPanel, N - n0), N, bias, residual, y,
                      packed + p1 * Kp * kPanel, panel_rows_bf16<8>, panel_rows_bf16<4>, panel_rows_bf16<2>,
                      panel_rows_bf16<1>);
     }
@@ -882,7 +901,16 @@ void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf1
   // panel groups as panel_chunk's (~256 KiB, at least 4 a thread: e.g. 24 panels at K = 768 would otherwise
   // leave one thread a last large group)
   const int64_t group = panel_chunk(panels, Kp * kPanel * int64_t{sizeof(bf16_t)});
-  const int64_t row_block = std::max<int64_t>(8, ((int64_t{512} << 10) / (Kp * int64_t{sizeof(bf16_t)})) / 8 * 8);
+  const int64_t row_block = std::max<int64_t>(8, ((int64_t{512} << 10) / (Kp * int64_t{sizeof(panel_x_t)})) / 8 * 8);
+#ifdef KVF_WIDEN_X
+  std::vector<float> xw(M * Kp);
+  run_chunks(M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0 * Kp; i < m1 * Kp; ++i) xw[i] = to_f32(xb[i]);
+  });
+  const panel_x_t* xp = xw.data();
+#else
+  const panel_x_t* xp = xb;
+#endif
   run_chunks(panels, group, [&](int64_t p0, int64_t p1) {
     alignas(64) float out[8 * kPanel];
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
@@ -892,7 +920,7 @@ void panel_gemm_bf16_dot_into(const bf16_t* xb, int64_t M, int64_t Kp, const bf1
         const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
         for (int64_t r = m0; r < m1;) {
           const int64_t rows = m1 - r >= 8 ? 8 : m1 - r >= 4 ? 4 : m1 - r >= 2 ? 2 : 1;
-          const bf16_t* xr = xb + r * Kp;
+          const panel_x_t* xr = xp + r * Kp;
           const bf16_t* pf = r == 0 ? packed + p1 * Kp * kPanel : nullptr;  // the group's first pass: from DRAM
           if (rows == 8) panel_rows_bf16<8>(xr, Kp, panel, kPanel, out, kPanel, pf);
           else if (rows == 4) panel_rows_bf16<4>(xr, Kp, panel, kPanel, out, kPanel, pf);
