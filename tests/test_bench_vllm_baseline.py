@@ -108,6 +108,38 @@ def test_bench_serve_sends_each_url_its_own_model_name(monkeypatch: pytest.Monke
     assert sent == list(names.items())
 
 
+@pytest.mark.parametrize(
+    ("flags", "asked", "want"),
+    [
+        (frozenset({"avx512f"}), None, "float32"),  # vLLM's auto would make the float32 model bf16, emulated
+        (frozenset({"avx512f", "avx512_bf16"}), None, "bfloat16"),
+        (frozenset({"avx512f"}), "bfloat16", "bfloat16"),
+    ],
+)
+def test_bench_serve_launches_vllm_at_its_fastest_dtype_here_unless_told(
+    monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], asked: str | None, want: str
+) -> None:
+    from kvfence.bench import serve as bs
+    from kvfence.integrations.vllm import launch as vllm_launch
+
+    started: list[list[str]] = []
+
+    class Server:
+        def wait_ready(self, timeout: float) -> None:
+            pass
+
+    def start(spec: vllm_launch.VllmSpec) -> Server:
+        started.append(spec.args("127.0.0.1", 1))
+        return Server()
+
+    monkeypatch.setattr(vllm_launch, "start", start)
+    monkeypatch.setattr(vllm_baseline, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("KVFENCE_VLLM_VENV", "/nonexistent-venv")
+    bs._launch_vllm(bs.BenchConfig(num_prompts=1), None, 1.0, sys.executable, asked)
+    (argv,) = started
+    assert argv[argv.index("--dtype") + 1] == want and argv.count("--dtype") == 1
+
+
 def _session(code: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 

