@@ -17,6 +17,7 @@ usage: python scripts/kernel_builds.py [--flags=-mno-avx2] [--source OTHER.cpp] 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,24 @@ def second_best(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, f
                 fn()
             times[name].append((time.perf_counter() - t) / calls)
     return {name: sorted(ts)[1] for name, ts in times.items()}
+
+
+def _packed_linear(m: Any, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return m.packed_linear(x, packed, n, torch.empty(0), torch.empty(0))
+
+
+def _panel_gemm(m: Any, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return m.panel_gemm_bf16(x, packed, n, torch.empty(0), torch.empty(0))
+
+
+def compare(label: str, builds: dict[str, Any], call: Callable[[Any], torch.Tensor], flops: int, calls: int) -> None:
+    """call(module) on every build, timed interleaved; prints each build's time and rate, and whether all builds
+    gave the same bits."""
+    outs = [call(m) for m in builds.values()]
+    same = all(torch.equal(o, outs[0]) for o in outs)
+    t = second_best({name: functools.partial(call, m) for name, m in builds.items()}, calls)
+    cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
+    print(f"{label}: {cells}  same bits: {same}")
 
 
 def main() -> None:
@@ -59,34 +78,17 @@ def main() -> None:
     flags = tuple(f for f in args.flags.split(",") if f)
     other = " ".join([*flags, *([args.source.name] if args.source else [])])
     builds = {"default": nk.load(), other: other_build(flags)}
-    empty = torch.empty(0)
     for dtype in (torch.float32, torch.bfloat16):
         for n, k in ((4096, 768), (768, 2048)):
             packed = nk.pack_panels(torch.randn(n, k).to(dtype))
+            shape = f"{str(dtype)[6:]:8} [{n}x{k}]"
             for rows in (1, 8, 32):
-                x = torch.randn(rows, k)
-                outs = [m.packed_linear(x, packed, n, empty, empty) for m in builds.values()]
-                same = all(torch.equal(o, outs[0]) for o in outs)
-                fns = {
-                    name: (lambda m=m, x=x, p=packed, n=n: m.packed_linear(x, p, n, empty, empty))
-                    for name, m in builds.items()
-                }
-                t = second_best(fns, 40)
-                flops = 2 * rows * n * k
-                cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
-                print(f"{str(dtype)[6:]:8} [{n}x{k}] rows {rows:2}: {cells}  same bits: {same}")
+                linear = functools.partial(_packed_linear, x=torch.randn(rows, k), packed=packed, n=n)
+                compare(f"{shape} rows {rows:2}", builds, linear, 2 * rows * n * k, 40)
             if dtype == torch.bfloat16 and all(m.panel_gemm_bf16_applies(k) for m in builds.values()):
                 x = torch.randn(512, k).bfloat16()  # a prefill chunk, from the panels
-                outs = [m.panel_gemm_bf16(x, packed, n, empty, empty) for m in builds.values()]
-                same = all(torch.equal(o, outs[0]) for o in outs)
-                fns = {
-                    name: (lambda m=m, x=x, p=packed, n=n: m.panel_gemm_bf16(x, p, n, empty, empty))
-                    for name, m in builds.items()
-                }
-                t = second_best(fns, 4)
-                flops = 2 * 512 * n * k
-                cells = "  ".join(f"{name} {s * 1e3:.3f} ms ({flops / s / 1e9:.0f} GFLOP/s)" for name, s in t.items())
-                print(f"{str(dtype)[6:]:8} [{n}x{k}] gemm 512: {cells}  same bits: {same}")
+                gemm = functools.partial(_panel_gemm, x=x, packed=packed, n=n)
+                compare(f"{shape} gemm 512", builds, gemm, 2 * 512 * n * k, 4)
     page, hkv, h, d, layers = 16, 4, 12, 64, 12
     for b, length in ((8, 256), (32, 192)):
         pages_per_seq = length // page
