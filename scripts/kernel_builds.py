@@ -38,12 +38,15 @@ def second_best(fns: dict[str, Callable[[], object]], calls: int) -> dict[str, f
     return {name: sorted(ts)[1] for name, ts in times.items()}
 
 
+_NONE = torch.empty(0)  # no bias, no residual (one tensor for every timed call)
+
+
 def _packed_linear(m: Any, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return m.packed_linear(x, packed, n, torch.empty(0), torch.empty(0))
+    return m.packed_linear(x, packed, n, _NONE, _NONE)
 
 
 def _panel_gemm(m: Any, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return m.panel_gemm_bf16(x, packed, n, torch.empty(0), torch.empty(0))
+    return m.panel_gemm_bf16(x, packed, n, _NONE, _NONE)
 
 
 def compare(label: str, builds: dict[str, Any], call: Callable[[Any], torch.Tensor], flops: int, calls: int) -> None:

@@ -100,25 +100,23 @@ def dep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         decode.stop()
 
 
-def _plain(server: VllmServer, ids: list[int], max_tokens: int) -> str:
-    """A single vLLM instance's greedy output for `ids` (no handoff: the instance computes the prompt itself), as the
-    text vLLM's detokenizer makes of its tokens (what the proxy relays from decode)."""
+def _plain_choice(server: VllmServer, ids: list[int], max_tokens: int, logprobs: int | None = None) -> dict:
+    """A single vLLM instance's greedy completion choice for `ids` (no handoff: the instance computes the prompt
+    itself), with the top `logprobs` of every output token if asked (legacy completions shape)."""
     body = {"model": server.spec.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}  # fmt: skip
+    if logprobs is not None:
+        body["logprobs"] = logprobs
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+    choice = dict(r.json()["choices"][0])
     assert len(choice["token_ids"]) == max_tokens
-    return str(choice["text"])
+    return choice
 
 
-def _plain_scored(server: VllmServer, ids: list[int], max_tokens: int) -> dict:
-    """_plain's completion choice with the top 2 logprobs of every output token (legacy completions shape)."""
-    body = {"model": server.spec.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2}  # fmt: skip
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return dict(r.json()["choices"][0])
+def _plain(server: VllmServer, ids: list[int], max_tokens: int) -> str:
+    """_plain_choice's text: what vLLM's detokenizer makes of its tokens (what the proxy relays from decode)."""
+    return str(_plain_choice(server, ids, max_tokens)["text"])
 
 
 # How close two candidates' logprobs may be for greedy to pick either under another batch: vLLM's CPU kernels are not
@@ -228,10 +226,12 @@ def test_fault_fails_closed_and_innocents_are_exact(dep: Deployment, fault: str,
     # stale page that happens to be the right page verifies (correctly), which would hide the stale_page fault
     bad_ids = _prompt(200 + [f for f, _ in FAULTS].index(fault), 150)
     innocent = [_prompt(2, 150), _prompt(3, 97)]
-    solos = [_plain_scored(dep.prefill, ids, 10) for ids in innocent]
+    solos = [_plain_choice(dep.prefill, ids, 10, logprobs=2) for ids in innocent]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         bad = pool.submit(_proxy, dep, bad_ids, 10, f"fault-{fault}-{secrets.token_hex(3)}")
-        good = [pool.submit(_proxy, dep, ids, 10, f"innocent-{fault}-{k}", False, 2) for k, ids in enumerate(innocent)]
+        good = [
+            pool.submit(_proxy, dep, ids, 10, f"innocent-{fault}-{k}", logprobs=2) for k, ids in enumerate(innocent)
+        ]
         status, body = bad.result()
         results = [g.result() for g in good]
     assert status == 500, f"{fault}: the client got {status} {body}"

@@ -540,8 +540,9 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
 
 // bfloat16 panels: [ceil(N / kPanel), Kp / 2, kPanel, 2] (Kp = K rounded up to even, zero-padded), i.e. for each
 // pair of k the kPanel columns' two weights side by side: one 64-byte load is 16 columns' pairs, the operand
-// layout of VDPBF16PS. x: R rows of Kp bfloat16s. Each output is one chain over the k pairs in order, adding
-// the odd k's product then the even k's (products of two bfloat16s are exact in float32).
+// layout of VDPBF16PS. x: R rows of Kp bfloat16 values (as floats where KVF_WIDEN_X). Each output is one chain
+// over the k pairs in order, adding the odd k's product then the even k's (products of two bfloat16s are exact
+// in float32).
 template <int R>
 inline void panel_rows_bf16(const panel_x_t* x, int64_t Kp, const bf16_t* panel, int64_t cols, float* y, int64_t ldy,
                             const bf16_t* pf_end) {
