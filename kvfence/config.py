@@ -85,11 +85,23 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # tokens per forward: decode tokens + prefill chunks
     chunked_prefill_size: int | None = 512  # longest prefill chunk; None -> a prompt is prefilled in one piece
+    # A decode batch of greedy requests that need nothing per token from Python (no logprobs, stop strings,
+    # penalties, grammar) may run up to this many steps in one native call (kernels "native", Llama family),
+    # tokens then reaching the engine's output together; 1 turns it off. The steps of one call are held to
+    # about decode_steps_ms of model time (measured on the batch size's previous steps), so a request that
+    # arrives meanwhile waits at most about that long for its prefill.
+    max_decode_steps: int = 8
+    decode_steps_ms: float = 4.0
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("chunked_prefill_size (--chunked-prefill-size)", self.chunked_prefill_size, allow_none=True)
+        _positive("max_decode_steps (--max-decode-steps)", self.max_decode_steps)
+        if not isinstance(self.decode_steps_ms, (int, float)) or not self.decode_steps_ms > 0:
+            raise ConfigError(
+                f"decode_steps_ms (--decode-steps-ms) must be a positive number, got {self.decode_steps_ms!r}"
+            )
 
     @property
     def chunk_limit(self) -> int:
@@ -230,6 +242,23 @@ def add_engine_arguments(parser: Any) -> None:
         metavar="N",
         help=f"tokens per step (default: {SchedulerConfig.max_num_batched_tokens})",
     )
+    g.add_argument(
+        "--max-decode-steps",
+        type=int,
+        default=SchedulerConfig.max_decode_steps,
+        metavar="N",
+        help="greedy decode steps one native call may run for a batch that needs nothing per token from Python "
+        f"(no logprobs, stop strings, penalties or response_format); 1: one step per call (default: "
+        f"{SchedulerConfig.max_decode_steps})",
+    )
+    g.add_argument(
+        "--decode-steps-ms",
+        type=float,
+        default=SchedulerConfig.decode_steps_ms,
+        metavar="MS",
+        help="model time one such call may take, from the batch size's previous steps: the longest a new "
+        f"request waits for it (default: {SchedulerConfig.decode_steps_ms})",
+    )
 
 
 def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> EngineConfig:
@@ -251,6 +280,8 @@ def engine_config_from_args(args: Any, model_dir: str, seed: int | None = 0) -> 
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             chunked_prefill_size=None if chunk == 0 else chunk,
+            max_decode_steps=getattr(args, "max_decode_steps", SchedulerConfig.max_decode_steps),
+            decode_steps_ms=getattr(args, "decode_steps_ms", SchedulerConfig.decode_steps_ms),
         ),
         context_length=args.context_length,
         seed=seed,

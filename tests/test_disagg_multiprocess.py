@@ -323,7 +323,8 @@ def test_kvfence_serve_forwards_every_engine_flag_to_every_worker() -> None:
     values = {
         "--model": "m", "--dtype": "bfloat16", "--device": "cpu", "--kernels": "native", "--page-size": "32",
         "--max-total-tokens": "4096", "--chunked-prefill-size": "64", "--max-num-seqs": "3",
-        "--max-num-batched-tokens": "128", "--context-length": "1024",
+        "--max-num-batched-tokens": "128", "--context-length": "1024", "--max-decode-steps": "3",
+        "--decode-steps-ms": "2.5",
     }  # fmt: skip
     engine_flags = argparse.ArgumentParser()
     add_engine_arguments(engine_flags)

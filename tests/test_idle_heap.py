@@ -11,14 +11,21 @@ from typing import Any
 
 import pytest
 
-from kvfence.config import CacheConfig, EngineConfig, ModelConfig
+from kvfence.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvfence.engine import llm_engine
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
 
 
 def test_the_heap_is_trimmed_when_the_engine_goes_idle(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model_dir=str(tiny_llama_dir)), cache=CacheConfig()))
+    # one decode step per forward, so that "b" runs several steps alone after "a" finished
+    engine = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model_dir=str(tiny_llama_dir)),
+            cache=CacheConfig(),
+            scheduler=SchedulerConfig(max_decode_steps=1),
+        )
+    )
     busy_at_trim: list[bool] = []
 
     def trim() -> None:

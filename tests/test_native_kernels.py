@@ -269,3 +269,67 @@ def test_the_portable_builds_give_the_same_results(
     want, native = torch_then_native(loaded, fb, pool, copy.deepcopy(pool))
     assert loaded.model._native_step_applies(dataclasses.replace(fb, native_decode=True))
     torch.testing.assert_close(native, want, rtol=1e-4, atol=1e-4)
+
+
+def _qkv_views(T: int, H: int, Hkv: int, D: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, Hkv, D] float32: strided views of one [T, (H + 2 Hkv) D] projection, as a layer
+    makes them."""
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=torch.Generator().manual_seed(seed))
+    return (
+        qkv[:, : H * D].view(T, H, D),
+        qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D),
+        qkv[:, (H + Hkv) * D :].view(T, Hkv, D),
+    )
+
+
+@pytest.mark.parametrize(("B", "Q", "H", "Hkv", "D"), [(1, 128, 4, 2, 64), (3, 37, 6, 2, 32), (2, 5, 4, 4, 16)])
+def test_float32_prefill_attention_matches_float64_causal_attention(B: int, Q: int, H: int, Hkv: int, D: int) -> None:
+    """Fresh float32 prompts over their own keys, read in place from the qkv projection's views, against float64
+    causal SDPA over the same values; a prompt's rows are the bits it gets alone."""
+    from kvfence.models.native_kernels import causal_prefill_attention
+
+    q, k, v = _qkv_views(B * Q, H, Hkv, D, seed=Q)
+    got = causal_prefill_attention(q, k, v, B, D**-0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    qq, kk, vv = (t.double().reshape(B, Q, -1, D).transpose(1, 2) for t in (q, k, v))
+    kk, vv = kk.repeat_interleave(H // Hkv, 1), vv.repeat_interleave(H // Hkv, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=D**-0.5)
+    torch.testing.assert_close(got.double(), want.transpose(1, 2).reshape(B * Q, H, D), rtol=1e-5, atol=1e-5)
+    rows = slice((B - 1) * Q, B * Q)
+    assert torch.equal(causal_prefill_attention(q[rows], k[rows], v[rows], 1, D**-0.5), got[rows])
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        causal_prefill_attention(q, k.bfloat16(), v, B, D**-0.5)
+
+
+def test_float32_rope_matches_the_rotate_half_expression_and_leaves_v_alone() -> None:
+    """RoPE in one native pass over strided float32 q/k heads: x * cos + roll(x, D/2) * sin within float32
+    rounding (one FMA or not), the v columns of the fused rows untouched, a position past the tables refused."""
+    from kvfence.models.native_kernels import rope_f32_
+
+    g = torch.Generator().manual_seed(3)
+    T, Hq, D, n = 21, 5, 64, 50
+    rows = torch.randn(T, Hq + 2, D, generator=g) * 4  # [T, Hq + 2, D]: q and k heads, then v
+    freqs = torch.arange(n).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))[None]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)  # [n, D]
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1)
+    pos = torch.randint(0, n, (T,), generator=g)
+    x = rows[:, :Hq].double()
+    want = x * cos.double()[pos][:, None] + x.roll(D // 2, -1) * sin.double()[pos][:, None]
+    got = rows.clone()
+    rope_f32_(got[:, :Hq], cos, sin, pos)
+    torch.testing.assert_close(got[:, :Hq].double(), want, rtol=1e-6, atol=1e-5)
+    assert not torch.equal(got[:, :Hq], rows[:, :Hq])
+    assert torch.equal(got[:, Hq:], rows[:, Hq:])
+    with pytest.raises(RuntimeError, match="past the tables"):
+        rope_f32_(got[:, :Hq], cos, sin, torch.full((T,), n))
+
+
+def test_silu_mul_into_a_column_block_matches_torch() -> None:
+    from kvfence.models.native_kernels import silu_mul_into
+
+    g = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(9, 100, generator=g) * 6, torch.randn(9, 100, generator=g)
+    out = torch.full((9, 300), 7.0)
+    silu_mul_into(gate, up, out[:, 100:200])  # a strided column block, as the MLP writes its result
+    torch.testing.assert_close(out[:, 100:200], torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    assert bool((out[:, :100] == 7).all() and (out[:, 200:] == 7).all())

@@ -374,6 +374,8 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--chunked-prefill-size", args.chunked_prefill_size),
         ("--max-num-seqs", args.max_num_seqs),
         ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-decode-steps", args.max_decode_steps),
+        ("--decode-steps-ms", args.decode_steps_ms),
         ("--seed", args.seed),
         ("--logprobs-mode", args.logprobs_mode),
         ("--log-level", args.log_level),

@@ -143,6 +143,21 @@ class _OutputState:
         self.num_text_sent = 0
 
 
+def _plain_greedy(req: Request) -> bool:
+    """Greedy, and nothing to do in Python between its tokens: no logprobs, penalties or bias, stop strings,
+    grammar, or prefill-only hand-off."""
+    p = req.sampling_params
+    return (
+        p.greedy
+        and not p.processes_logits
+        and p.logprobs is None
+        and p.prompt_logprobs is None
+        and not p.stop
+        and req.grammar is None
+        and not req.prefill_only
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Any = None, progress: bool = False) -> None:
         """Load the model (or take an already `loaded` one), check capacity, build the pool and scheduler."""
@@ -218,6 +233,7 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
         self._trim_thread: threading.Thread | None = None  # the idle heap trim in flight, if any
+        self.num_multi_step_forwards = 0  # forwards that ran several decode steps (_run_decode_steps)
         # the loader's code that ran once leaves the resident set; what runs again faults back from the page cache
         self.startup_pages_released_kib = release_startup_pages()
 
@@ -413,16 +429,48 @@ class LLMEngine:
         self._pending = []
         sched = self.scheduler.schedule()
         if sched.chunks:
-            result = self.runner.execute(sched)
-            self._keep_logprobs(sched, result)  # before the update: it may finish (and forget) requests
-            changed = self.scheduler.update_from_output(sched, result.token_ids)
-            for req in changed:
-                if req.grammar is not None and not req.grammar.accept(req.token_ids[-1]):
-                    raise KvfenceError(f"request {req.request_id}: sampled a token its grammar does not allow")
-            report += changed
+            steps = self._decode_steps(sched)
+            if steps > 1:
+                report += self._run_decode_steps(sched, steps)
+            else:
+                result = self.runner.execute(sched)
+                self._keep_logprobs(sched, result)  # before the update: it may finish (and forget) requests
+                changed = self.scheduler.update_from_output(sched, result.token_ids)
+                for req in changed:
+                    if req.grammar is not None and not req.grammar.accept(req.token_ids[-1]):
+                        raise KvfenceError(f"request {req.request_id}: sampled a token its grammar does not allow")
+                report += changed
             if not self.scheduler.has_unfinished():
                 self._release_when_idle()
         return self._outputs_of(report)
+
+    def _decode_steps(self, sched: SchedulerOutput) -> int:
+        """How many decode steps this forward runs: more than one only for a decode batch of greedy requests that
+        need nothing from Python between tokens (SchedulerConfig.max_decode_steps), as many as the requests' length
+        limits, the time budget and the pool allow."""
+        cfg = self.config.scheduler
+        B = len(sched.chunks)
+        if cfg.max_decode_steps <= 1 or not self.runner.can_run_steps(B):
+            return 1
+        steps = min(cfg.max_decode_steps, self.runner.steps_within(B, cfg.decode_steps_ms / 1e3))
+        for c in sched.chunks:
+            req = c.request
+            if c.num_tokens != 1 or not c.sample or not _plain_greedy(req):
+                return 1
+            steps = min(steps, self.scheduler.steps_left(req))
+        if steps <= 1 or not self.scheduler.grow_for_steps(sched, steps):
+            return 1
+        return steps
+
+    def _run_decode_steps(self, sched: SchedulerOutput, steps: int) -> list[Request]:
+        """Run up to `steps` decode steps of `sched` in one call and record each step's tokens as its own step
+        would have; returns the requests that got tokens or finished."""
+        stops = [self.scheduler.stop_tokens(c.request) for c in sched.chunks]
+        changed: list[Request] = []
+        for i, tokens in enumerate(self.runner.execute_steps(sched, stops, steps)):
+            changed += self.scheduler.update_from_output(self.scheduler.step_output(sched, i), list(tokens))
+        self.num_multi_step_forwards += 1
+        return changed
 
     def _release_when_idle(self) -> None:
         """After a forward that left nothing to run: hand the heap's free pages (the steps' activations, which

@@ -16,7 +16,8 @@ What it does not know: which requests should run, stop rules, or text.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import time
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,7 +26,7 @@ from kvfence.engine.sampler import History, Sampler, SamplerOutput, top_logprobs
 from kvfence.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvfence.engine.token_logprobs import TokenLogprobs
 from kvfence.kv.pool import KVPool
-from kvfence.math_utils import round_up
+from kvfence.math_utils import cdiv, round_up
 from kvfence.models.attention import gather_context
 from kvfence.models.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 
@@ -168,6 +169,44 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(eos_token_ids)
         self.context_cache = DecodeContextCache(pool.layout.bytes_per_token, context_cache_bytes)
+        # batch size -> seconds per native decode step, a running average of the last steps at that size
+        self.step_seconds: dict[int, float] = {}
+
+    def can_run_steps(self, batch_size: int) -> bool:
+        """Whether `execute_steps` can run a decode batch of this size (the model's native greedy steps)."""
+        applies = getattr(self.model, "decode_steps_apply", None)
+        return self.native_decode and applies is not None and bool(applies(batch_size))
+
+    def steps_within(self, batch_size: int, seconds: float) -> int:
+        """How many native decode steps of this batch size take about `seconds`, from the steps measured so far
+        (1 before any was: that step measures them)."""
+        per_step = self.step_seconds.get(batch_size)
+        return 1 if per_step is None else max(1, int(seconds / per_step))
+
+    def _note_step_time(self, batch_size: int, seconds: float) -> None:
+        old = self.step_seconds.get(batch_size)
+        self.step_seconds[batch_size] = seconds if old is None else 0.5 * (old + seconds)
+
+    def execute_steps(self, output: SchedulerOutput, stops: list[tuple[int, ...]], steps: int) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of a decode batch in one native call -> per step run, each chunk's
+        token (a list per step, in chunk order). stops: per chunk, the tokens that end its request; the call
+        ends after the first step where one is sampled. Each request's pages must already hold `steps` more
+        tokens (Scheduler.grow_for_steps)."""
+        chunks = output.chunks
+        assert chunks and all(c.num_tokens == 1 and c.sample for c in chunks), "a decode batch"
+        reqs = [c.request for c in chunks]
+        P = cdiv(max(c.start for c in chunks) + steps, self.page_size)
+        for c in chunks:
+            assert len(c.request.page_table) * self.page_size >= c.start + steps, (c.request, steps)
+        kv_pages = torch.tensor([(r.page_table[:P] + [0] * P)[:P] for r in reqs], dtype=torch.long)  # [B, P]
+        ids = torch.tensor([r.token_ids[c.start] for r, c in zip(reqs, chunks, strict=True)], dtype=torch.long)
+        positions = torch.tensor([c.start for c in chunks], dtype=torch.long)  # [B]
+        model: Any = self.model  # a model with decode_steps (can_run_steps)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            tokens = model.decode_steps(ids, positions, kv_pages, self.page_size, stops, steps, self.pool)
+        self._note_step_time(len(chunks), (time.perf_counter() - t0) / tokens.shape[0])
+        return tokens.tolist()  # [n, B]
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """One forward over every scheduled chunk; a token per chunk that samples, None for the others."""
@@ -188,8 +227,12 @@ class ModelRunner:
             fb = dataclasses.replace(fb, context_cache=self.context_cache)
         sampling = [c.request for c in output.chunks if c.sample]
         scored = _ScoredRows.of(output.chunks, spans) if any(n for _, n in spans) else None
+        t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self.model.forward(fb, self.pool)  # [R, V] float32; R = len(sampling) unless prompts are scored
+        if fb.native_decode:
+            self._note_step_time(len(output.chunks), time.perf_counter() - t0)
+        with torch.inference_mode():
             sample_logits = logits if scored is None else logits[scored.sample_rows]  # [len(sampling), V]
             result = self._sample(sample_logits, sampling)
             prompt = [[] for _ in output.chunks] if scored is None else scored.score(logits)

@@ -284,6 +284,29 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return changed
 
+    # -- several decode steps per forward ------------------------------------------
+    def steps_left(self, req: Request) -> int:
+        """Tokens a running request may still sample before max_tokens or the context length stops it (>= 1)."""
+        return min(req.sampling_params.max_tokens - req.num_output_tokens, self.context_length - req.num_tokens)
+
+    def stop_tokens(self, req: Request) -> tuple[int, ...]:
+        """The sampled tokens that finish the request (`_check_stop`'s eos and stop_token_ids)."""
+        eos = () if req.sampling_params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return eos + tuple(req.sampling_params.stop_token_ids)
+
+    def grow_for_steps(self, output: SchedulerOutput, steps: int) -> bool:
+        """Before a decode forward that runs `steps` steps: each request's pages then hold its tokens up to the
+        last step's; False if the pool is short (pages already added stay with their requests, which use them
+        on the next steps), and nothing is preempted for it."""
+        assert all(c.num_tokens == 1 for c in output.chunks), "several steps are for decode batches only"
+        return all(self._ensure_pages(c.request, c.start + steps) for c in output.chunks)
+
+    def step_output(self, output: SchedulerOutput, step: int) -> SchedulerOutput:
+        """The decode batch `output` as its `step`-th step (0: itself) would have been scheduled."""
+        if step == 0:
+            return output
+        return SchedulerOutput([c._replace(start=c.start + step) for c in output.chunks], [])
+
     # -- stopping -------------------------------------------------------------
     def _check_stop(self, req: Request, token: int) -> bool:
         """Apply token-level stop rules to a just-sampled token; sets the status when it stops."""

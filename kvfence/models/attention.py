@@ -67,7 +67,8 @@ def paged_attention(
     from it instead of a fresh gather from the pool. new_kv: this forward's K [T, Hkv, D]
     and V [T, Hkv, Dv] as stored; fresh prompts of equal length (mask "causal") then read
     them instead of gathering the same values back from the pool; with `native` (the layer runs the native
-    kernels) and bfloat16 K/V, models.native_kernels.causal_prefill_attention reads them in place instead of SDPA.
+    kernels) and float32 or bfloat16 K/V, models.native_kernels.causal_prefill_attention reads them in place
+    instead of SDPA.
     """
     T, H, _ = q.shape
     Hkv = k_cache.shape[1]
@@ -95,7 +96,8 @@ def paged_attention(
         and fb.mask_mode == "causal"
         and not fb.is_decode
         and new_kv is not None
-        and q.dtype == new_kv[0].dtype == new_kv[1].dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+        and q.dtype == new_kv[0].dtype == new_kv[1].dtype == k_cache.dtype == v_cache.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
         and q.shape[-1] == v_cache.shape[-1]
         and q.shape[-1] % 16 == 0
         and q.device.type == "cpu"

@@ -280,7 +280,7 @@ class DecoderLayer(nn.Module):
         By default one block (c = I): a prefill holds [T, I] twice (the product written over gate's buffer's
         copy) instead of [T, 2I] and [T, I] (resident peak: docs/benchmarks.md, "Aggregated peak memory").
         """
-        from kvfence.models.native_kernels import packed_linear
+        from kvfence.models.native_kernels import packed_linear, silu_mul_into
 
         T, I, P = h.shape[0], self.I, gate_up.shape[-1]
         b = self.gate_up_b
@@ -294,7 +294,10 @@ class DecoderLayer(nn.Module):
             gate_b, up_b = (None, None) if b is None else (b[c0:c1], b[I + c0 : I + c1])
             gate = packed_linear(h, gate_up[c0 // P : c1 // P], c1 - c0, gate_b)  # [T, c]
             up = packed_linear(h, gate_up[(I + c0) // P : (I + c1) // P], c1 - c0, up_b)  # [T, c]
-            torch.mul(F.silu(gate, inplace=True), up, out=act[:, c0:c1])
+            if self.native:  # the native decode step's SiLU, on the kernels' threads
+                silu_mul_into(gate, up, act[:, c0:c1])
+            else:
+                torch.mul(F.silu(gate, inplace=True), up, out=act[:, c0:c1])
             del gate, up
         return act
 
@@ -359,6 +362,10 @@ class DecoderLayer(nn.Module):
             from kvfence.models.native_kernels import rope_bf16_
 
             rope_bf16_(qk, rope.cos_table, rope.sin_table, rope.positions)
+        elif self.native and qk.dtype == torch.float32 and rope.cos_table.dtype == torch.float32:
+            from kvfence.models.native_kernels import rope_f32_
+
+            rope_f32_(qk, rope.cos_table, rope.sin_table, rope.positions)  # the native decode step's RoPE
         else:
             cos, sin = rope.cos, rope.sin  # [T, 1, D]
             for r0 in range(0, T, _ROPE_ROWS):  # a block of rows at a time: two [rows, H + Hkv, D] temporaries
@@ -707,6 +714,54 @@ class LlamaForCausalLM(nn.Module):
             self.scale,
             self.eps,
         )  # [N, vocab] float32
+
+    def decode_steps_apply(self, batch_size: int) -> bool:
+        """Whether `decode_steps` can run a decode batch of this size: the native weights are held."""
+        return self.panels and self._native_weights is not None and 0 < batch_size <= NATIVE_STEP_MAX_BATCH
+
+    @torch.no_grad()
+    def decode_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pages: torch.Tensor,
+        page_size: int,
+        stops: list[tuple[int, ...]],
+        steps: int,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        """Up to `steps` greedy decode steps in one native call -> sampled tokens [n, B] int64 (n <= steps).
+
+        input_ids [B]: each sequence's last token, at positions [B]; kv_pages [B, P] covers positions + steps
+        tokens; stops: per sequence, the tokens that end it (the call ends after the first step that samples
+        one). Each step is `_forward_native_decode`'s arithmetic followed by greedy argmax, so the tokens are
+        the ones that many single steps would sample."""
+        from kvfence.models import native_kernels
+
+        assert self.decode_steps_apply(int(input_ids.shape[0]))
+        assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
+        cos_table, sin_table = self._rope_tables(int(positions.max()) + steps, torch.float32)
+        return native_kernels.llama_decode_burst(
+            input_ids,
+            None if self.tie_word_embeddings else self.embed,
+            self._native_head,
+            self.vocab_size,
+            self._native_weights,
+            cos_table,
+            sin_table,
+            positions,
+            [pool.flat(i, "k") for i in range(self.num_layers)],
+            [pool.flat(i, "v") for i in range(self.num_layers)],
+            kv_pages,
+            stops,
+            steps,
+            self._native_norm,
+            page_size,
+            self.H,
+            self.Hkv,
+            self.scale,
+            self.eps,
+        )  # [n, B]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

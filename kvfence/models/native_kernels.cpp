@@ -1447,14 +1447,67 @@ void rope_bf16_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Te
   });
 }
 
+// RoPE (rotate-half) in place on float32 heads: x [T, Hq, D] (heads D apart, rows any stride), cos and sin [n, D]
+// float32 tables (sin's first half negated), positions [T]: each element becomes x[d] * cos[d] + x[d +- D/2] *
+// sin[d], the expression (and so, compiled here, the bits) of the decode step's RoPE (decode_layers). One pass
+// over x instead of torch's four, and no gathered [T, 1, D] tables.
+void rope_f32_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(x.dim() == 3 && x.dtype() == torch::kFloat32 && x.device().is_cpu() && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "rope_f32_: x [T, Hq, D] float32, heads contiguous");
+  const int64_t T = x.size(0), Hq = x.size(1), D = x.size(2), ld = x.stride(0), half = D / 2;
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "rope_f32_: cos, sin [n, D] float32");
+  positions = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(positions.numel() == T, "rope_f32_: one position per row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_f32_: position past the tables");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  run_chunks(T, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> src(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* sn = sp + pos[t] * D;
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float* dst = xp + t * ld + hq * D;
+        std::copy(dst, dst + D, src.data());
+        for (int64_t d = 0; d < half; ++d) dst[d] = src[d] * c[d] + src[d + half] * sn[d];
+        for (int64_t d = half; d < D; ++d) dst[d] = src[d] * c[d] + src[d - half] * sn[d];
+      }
+    }
+  });
+}
+
+// out[t, i] = silu(gate[t, i]) * up[t, i] for float32 [T, n] gate and up (rows any stride, columns contiguous),
+// written into out [T, n] (likewise): the decode step's SiLU and product (silu_mul), rows split over threads
+void silu_mul_into(torch::Tensor gate, torch::Tensor up, torch::Tensor out) {
+  for (const torch::Tensor* t : {&gate, &up, &out})
+    TORCH_CHECK(t->dim() == 2 && t->dtype() == torch::kFloat32 && t->device().is_cpu() && t->stride(1) == 1 &&
+                    t->sizes() == gate.sizes(),
+                "silu_mul_into: gate, up and out [T, n] float32, columns contiguous");
+  const int64_t T = gate.size(0), n = gate.size(1);
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t lg = gate.stride(0), lu = up.stride(0), lo = out.stride(0);
+  run_chunks(T, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul(g + t * lg, u + t * lu, o + t * lo, n);
+  });
+}
+
 // Causal attention of B fresh prompts of Q tokens each over their own keys (a prefill with no cached prefix):
-// q [T, H, D], k and v [T, Hkv, D], bfloat16, T = B * Q rows in [B, Q] order (rows may be strided, e.g. views
-// of the qkv projection; heads contiguous) -> out [T, H, D] bfloat16. Work is split over (sequence, KV head)
-// units. A unit widens its keys (transposed: [D, Q], so a score vector is 16 keys) and values to float32 once,
-// then takes its query rows in blocks: scores q . k over d in order, times scale, for keys 0..i only; an exact
-// softmax per row (softmax_rows: max, exp and sum, scale); the probability-weighted sum of the values in
-// float32, rounded to bfloat16 once. The float operations of a row depend only on that row, its sequence's keys
-// and values, and Q (never on B or the thread count). torch's SDPA took 3.1 ms a layer for 8 x 128 tokens
+// q [T, H, D], k and v [T, Hkv, D], all float32 or all bfloat16, T = B * Q rows in [B, Q] order (rows may be
+// strided, e.g. views of the qkv projection; heads contiguous) -> out [T, H, D] in their dtype. Work is split
+// over (sequence, KV head) units. A unit copies its keys (transposed: [D, Q], so a score vector is 16 keys) and
+// values as float32 once, then takes its query rows in blocks: scores q . k over d in order, times scale, for
+// keys 0..i only; an exact softmax per row (softmax_rows: max, exp and sum, scale); the probability-weighted sum
+// of the values in float32, rounded to bfloat16 once for bfloat16. The float operations of a row depend only on
+// that row, its sequence's keys and values, and Q (never on B or the thread count). torch's SDPA took 3.1 ms a
+// layer for 8 x 128 bfloat16 tokens
 // (12/4 heads, D = 64) here, plus copies of k and v into [B, Hkv, Q, D] and of the output back.
 namespace {
 
@@ -1509,31 +1562,27 @@ inline void prefill_values(const float* p, int64_t ld, const float* vf, int64_t 
   for (; d0 < D; d0 += 16) prefill_tile<NR, 1>(p, ld, vf + d0, D, n, 1.f, o + d0, D);
 }
 
-}  // namespace
-
-torch::Tensor causal_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t B, double scale) {
-  for (const torch::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 3 && is_bf16(*t) && t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "causal_prefill_attention: q, k, v [T, heads, D] bfloat16 on the CPU, heads contiguous");
+template <typename KV>
+torch::Tensor causal_prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t B, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
   TORCH_CHECK(B >= 1 && T % B == 0 && k.size(0) == T && v.size(0) == T && v.size(1) == Hkv && k.size(2) == D &&
                   v.size(2) == D && Hkv >= 1 && H % Hkv == 0 && D % 16 == 0,
               "causal_prefill_attention: shapes (T = B * Q rows; H a multiple of Hkv; D a multiple of 16)");
   const int64_t Q = T / B, G = H / Hkv, Qp = (Q + 15) / 16 * 16, ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
   const float sc = static_cast<float>(scale);
-  const bf16_t* qp = static_cast<const bf16_t*>(q.data_ptr());
-  const bf16_t* kp = static_cast<const bf16_t*>(k.data_ptr());
-  const bf16_t* vp = static_cast<const bf16_t*>(v.data_ptr());
+  const KV* qp = static_cast<const KV*>(q.data_ptr());
+  const KV* kp = static_cast<const KV*>(k.data_ptr());
+  const KV* vp = static_cast<const KV*>(v.data_ptr());
   auto out = torch::empty({T, H, D}, q.options());
-  bf16_t* op = static_cast<bf16_t*>(out.data_ptr());
+  KV* op = static_cast<KV*>(out.data_ptr());
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
     // kt's columns Q..Qp-1 (padding keys) stay zero from here on: a unit writes only columns 0..Q-1
     std::vector<float> kt(D * Qp), vf(Q * D), qv(kPrefillRows * G * D), sb(kPrefillRows * G * Qp), ob(kPrefillRows * G * D);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
       for (int64_t j = 0; j < Q; ++j) {
-        const bf16_t* kr = kp + (b * Q + j) * ldk + hk * D;
-        const bf16_t* vr = vp + (b * Q + j) * ldv + hk * D;
+        const KV* kr = kp + (b * Q + j) * ldk + hk * D;
+        const KV* vr = vp + (b * Q + j) * ldv + hk * D;
         for (int64_t d = 0; d < D; ++d) {
           kt[d * Qp + j] = to_f32(kr[d]);
           vf[j * D + d] = to_f32(vr[d]);
@@ -1544,7 +1593,7 @@ torch::Tensor causal_prefill_attention(torch::Tensor q, torch::Tensor k, torch::
         // query vectors of the block, row-major by (row, head): qv[(r * G + g) * D + d]
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t g = 0; g < G; ++g) {
-            const bf16_t* qr = qp + (b * Q + i0 + r) * ldq + (hk * G + g) * D;
+            const KV* qr = qp + (b * Q + i0 + r) * ldq + (hk * G + g) * D;
             for (int64_t d = 0; d < D; ++d) qv[(r * G + g) * D + d] = to_f32(qr[d]);
           }
         const int64_t nq = nr * G;
@@ -1562,13 +1611,23 @@ torch::Tensor causal_prefill_attention(torch::Tensor q, torch::Tensor k, torch::
         for (; r4 < nq; ++r4) prefill_values<1>(sb.data() + r4 * Qp, Qp, vf.data(), D, n, ob.data() + r4 * D);
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t g = 0; g < G; ++g) {
-            bf16_t* orow = op + ((b * Q + i0 + r) * H + hk * G + g) * D;
+            KV* orow = op + ((b * Q + i0 + r) * H + hk * G + g) * D;
             store_row(ob.data() + (r * G + g) * D, D, orow);
           }
       }
     }
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor causal_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t B, double scale) {
+  for (const torch::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == q.scalar_type() && (is_bf16(*t) || t->dtype() == torch::kFloat32) &&
+                    t->device().is_cpu() && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "causal_prefill_attention: q, k, v [T, heads, D], all float32 or all bfloat16, on the CPU, heads contiguous");
+  return is_bf16(q) ? causal_prefill<bf16_t>(q, k, v, B, scale) : causal_prefill<float>(q, k, v, B, scale);
 }
 
 // RMSNorm of each row of x [T, E]: float32 x and w: w * (x * rsqrt(mean(x^2) + eps)), in one pass over the row;
@@ -1907,6 +1966,84 @@ torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::T
                                slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
   return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
                             slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
+}
+
+namespace {
+
+// numpy's argmax of one row (torch.argmax's answer too): the first maximum, or the first NaN when there is one
+int64_t argmax_row(const float* v, int64_t n) {
+  int64_t best = 0;
+  float bv = v[0];
+  if (std::isnan(bv)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (std::isnan(v[i])) return i;
+    if (v[i] > bv) bv = v[i], best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+// Up to `steps` greedy decode steps in one call, each the arithmetic of llama_decode_step, so that a small batch
+// does not return to Python between tokens. ids [B]: each row's last token, at `positions` [B] (its context
+// length before this call); step s runs the previous step's argmax at position + s, its K/V written to the slot
+// its page table `pages` [B, P] gives (which must cover position + steps tokens). stop_ids / stop_offsets [B + 1]:
+// row b stops on stop_ids[stop_offsets[b] .. stop_offsets[b + 1]); the call ends after the first step where any
+// row samples one of its stops. Returns the sampled tokens [n, B] int64, n <= steps: row s is step s's argmax of
+// each row's logits (numpy's tie rule: the first maximum, or the first NaN). The tables must cover every
+// position it runs.
+torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::Tensor head, int64_t V,
+                                 std::vector<torch::Tensor> layer_weights, torch::Tensor cos_table,
+                                 torch::Tensor sin_table, torch::Tensor positions, std::vector<torch::Tensor> k_pools,
+                                 std::vector<torch::Tensor> v_pools, torch::Tensor pages, torch::Tensor stop_ids,
+                                 torch::Tensor stop_offsets, int64_t steps, torch::Tensor norm, int64_t page_size,
+                                 int64_t H, int64_t Hkv, double scale, double eps) {
+  for (torch::Tensor* t : {&ids, &positions, &pages, &stop_ids, &stop_offsets}) {
+    TORCH_CHECK(t->dtype() == torch::kInt64, "ids, positions, pages, stop_ids and stop_offsets must be int64");
+    *t = t->contiguous();
+  }
+  const int64_t B = ids.size(0), P = pages.size(1);
+  TORCH_CHECK(B >= 1 && steps >= 1 && positions.size(0) == B && pages.size(0) == B && stop_offsets.size(0) == B + 1,
+              "llama_decode_burst: shapes");
+  const int64_t* so = stop_offsets.data_ptr<int64_t>();
+  TORCH_CHECK(so[0] == 0 && so[B] == stop_ids.size(0), "llama_decode_burst: stop_offsets must span stop_ids");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(so[b] <= so[b + 1], "llama_decode_burst: stop_offsets must not decrease");
+  const int64_t* pos0 = positions.data_ptr<int64_t>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos0[b] >= 0 && pos0[b] + steps <= P * page_size, "llama_decode_burst: the page table is too short");
+  }
+  const int64_t* stops = stop_ids.data_ptr<int64_t>();
+  auto opts = ids.options();
+  torch::Tensor cur = ids.clone(), pos = torch::empty({B}, opts), slots = torch::empty({B}, opts),
+                lens = torch::empty({B}, opts), rows = torch::arange(B, opts);
+  auto out = torch::empty({steps, B}, opts);
+  int64_t* cp = cur.data_ptr<int64_t>();
+  int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t* sp = slots.data_ptr<int64_t>();
+  int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  int64_t n = 0;
+  while (n < steps) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = pos0[b] + n;
+      pp[b] = p;
+      sp[b] = pg[b * P + p / page_size] * page_size + p % page_size;
+      lp[b] = p + 1;
+    }
+    torch::Tensor logits = llama_decode_step(cur, embed, head, V, layer_weights, cos_table, sin_table, pos, k_pools,
+                                             v_pools, slots, pages, lens, rows, norm, page_size, H, Hkv, scale, eps);
+    const float* lg = logits.data_ptr<float>();
+    bool stop = false;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t t = argmax_row(lg + b * V, V);
+      op[n * B + b] = cp[b] = t;
+      stop = stop || std::find(stops + so[b], stops + so[b + 1], t) != stops + so[b + 1];
+    }
+    ++n;
+    if (stop) break;
+  }
+  return out.narrow(0, 0, n).clone();
 }
 
 // whether bfloat16 projections whose K is a multiple of 32 run on AMX tiles in this process

@@ -102,10 +102,13 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
                 "paged_decode_attention",
                 "rms_norm",
                 "rope_bf16_",
+                "rope_f32_",
+                "silu_mul_into",
                 "pack_panels",
                 "packed_linear",
                 "llama_decode_layers",
                 "llama_decode_step",
+                "llama_decode_burst",
                 "amx_bf16",
                 "panel_gemm_bf16",
                 "panel_gemm_bf16_applies",
@@ -157,6 +160,19 @@ def rope_bf16_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     bfloat16 tables (sin's first half negated) at positions [T]: the bits of torch's bfloat16
     `torch.addcmul(x * cos, x.roll(D // 2, -1), sin)` in one pass."""
     load().rope_bf16_(x, cos, sin, positions)
+
+
+def rope_f32_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """RoPE in place on float32 heads x [T, Hq, D] (each head contiguous), rotate-half, with cos and sin [n, D]
+    float32 tables (sin's first half negated) at positions [T]: x * cos + roll(x, D // 2) * sin per element, as
+    the native decode step computes it, in one pass."""
+    load().rope_f32_(x, cos, sin, positions)
+
+
+def silu_mul_into(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    """out = silu(gate) * up for float32 [T, n] tensors (columns contiguous, rows any stride; out may be a column
+    block of a larger buffer), with the native decode step's SiLU."""
+    load().silu_mul_into(gate, up, out)
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -313,6 +329,46 @@ def llama_decode_step(
         ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
         positions, k_pools, v_pools, slots, kv_pages, kv_lens, logits_index, norm, int(page_size), int(num_heads),
         int(num_kv_heads), float(scale), float(eps),
+    )  # fmt: skip
+
+
+def llama_decode_burst(
+    ids: torch.Tensor,
+    embed: torch.Tensor | None,
+    head: torch.Tensor,
+    vocab_size: int,
+    layer_weights: list[torch.Tensor],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    k_pools: list[torch.Tensor],
+    v_pools: list[torch.Tensor],
+    kv_pages: torch.Tensor,
+    stops: list[tuple[int, ...]],
+    steps: int,
+    norm: torch.Tensor,
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """Up to `steps` greedy decode steps in one call (native_kernels.cpp, llama_decode_burst) -> tokens [n, B]
+    int64, n <= steps: each step is llama_decode_step's arithmetic over the previous step's argmax (numpy's tie
+    rule), so row s is what `steps` separate steps with greedy sampling would give.
+
+    ids [B]: each sequence's last token, at positions [B] (its context length before the call); kv_pages [B, P]
+    must cover positions + steps tokens. stops: per sequence, the token ids that end it (eos, stop_token_ids);
+    the call ends after the first step where any sequence samples one of its own.
+    """
+    offsets = [0]
+    for s in stops:
+        offsets.append(offsets[-1] + len(s))
+    return load().llama_decode_burst(
+        ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
+        positions, k_pools, v_pools, kv_pages,
+        torch.tensor([t for s in stops for t in s], dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
+        int(steps), norm, int(page_size), int(num_heads), int(num_kv_heads), float(scale), float(eps),
     )  # fmt: skip
 
 
