@@ -6,8 +6,10 @@ request into clear errors, and how to turn sampled tokens into incremental
 `RequestOutput`s with text (incremental detokenization; stop strings are found in
 the text once min_tokens are out, cut from it, and finish the request) and the log
 probabilities a request asked for (its prompt's with its first output). It keeps each
-`response_format` request's grammar in step with the tokens it appends. It also exposes the disaggregation
-hooks: `prefill_only` requests that keep their pages until `release`, and
+`response_format` request's grammar in step with the tokens it appends. A decode batch of greedy requests that
+need nothing from Python between tokens runs several steps in one forward where the runner can
+(`SchedulerConfig.max_decode_steps`), each step's tokens recorded as its own forward would have. It also exposes
+the disaggregation hooks: `prefill_only` requests that keep their pages until `release`, and
 `reserve` + `add_prefilled_request` for a decode worker that receives KV from
 elsewhere, and `first_token_text`, so a prefill worker can say what text that decode
 worker's output will start with.

@@ -8,7 +8,9 @@ logprobs return every row, which scores the prompt tokens they predict. For a st
 decode batch (the same requests as last step, each one token longer) it keeps a
 contiguous copy of the batch's context per layer, so a step appends one token instead
 of gathering every page again; the pool stays the only source of truth (the copy is
-rebuilt from it whenever the batch changes).
+rebuilt from it whenever the batch changes). With the native kernels it also runs several greedy decode
+steps of a decode batch in one model call (`execute_steps`), and times each batch size's native steps so the
+engine can size those calls.
 
 What it does not know: which requests should run, stop rules, or text.
 """

@@ -7,7 +7,9 @@ into chunks of at most `chunked_prefill_size`); pages taken from the
 most recently admitted running request gives its pages back and waits again). After
 the forward it records the sampled tokens and applies the token-level stop rules
 (max_tokens, eos, stop token ids, context length); stop strings need text, so the
-engine reports those back through `finish_request`.
+engine reports those back through `finish_request`. For a forward that runs several decode steps it grows
+each request's pages ahead (without preempting anyone), says how many tokens each request may still sample and
+which tokens stop it, and records each step's tokens as that step's own forward.
 
 Hooks for disaggregation: a `prefill_only` request finishes as "prefill_done" once
 its first token is sampled but keeps its pages (held by request id until `release`),

@@ -13,7 +13,8 @@ writes this forward's K/V at fb.slot_mapping and returns float32 logits for
 fb.logits_index rows only. With kernels "native" a decode batch of up to
 NATIVE_STEP_MAX_BATCH sequences runs every layer in one C++ call (models.native_kernels),
 the same math with float sums in another order, in float32 or with bfloat16 weights and KV
-(float32 arithmetic). Weights are held once: plain (each projection [out, in], plus a
+(float32 arithmetic); `decode_steps` runs several such steps with greedy argmax in one call.
+Weights are held once: plain (each projection [out, in], plus a
 oneDNN-blocked copy for torch's kernels) or, for the native kernels, as native panels only
 (`hold_panels`: the originals and oneDNN copies freed, a tied embedding read from the head's
 panels); every forward runs from either. Sliding-window attention is not implemented: the

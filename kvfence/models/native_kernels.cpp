@@ -2,13 +2,14 @@
 // use by models/native_kernels.py.
 //
 // What it knows: RMSNorm rows; decode attention reading the paged KV pool in place (float32 or bfloat16 pools);
-// causal attention of bfloat16 fresh prompts over their own new K/V;
+// causal attention of fresh prompts over their own new K/V; RoPE and SiLU * up of prefill rows;
 // projections (y = x W^T) from weights packed once into k-major panels (AVX-512 or AVX2 FMA kernels where the
 // CPU has them, plain C++ elsewhere; bfloat16 panels through AMX tiles where the CPU has AMX-BF16 and K is a
 // multiple of 32, else through AVX512_BF16's dot product where the CPU has it, the same sums by float FMAs
 // where it does not); SiLU and
 // softmax through a vector exp; and a whole Llama-family decode step (every layer, one token per sequence)
-// built from those, so a step is one call instead of a few hundred torch ops. Every output element is computed by the same sequence of float operations
+// built from those, so a step is one call instead of a few hundred torch ops (and several greedy steps, argmax
+// between them, in one call). Every output element is computed by the same sequence of float operations
 // whatever its batch-mates are (no split that depends on the batch size), so a sequence's logits do not
 // depend on which other sequences share its step.
 //
@@ -17,7 +18,7 @@
 // activations are) and each product pair summed into a float32 accumulator (VDPBF16PS's order: the odd
 // element's product, then the even one's); K/V are rounded to bfloat16 (nearest even, as torch) when stored.
 //
-// What it does not know: prefill beyond the projections and bfloat16 fresh prompts' causal attention (no cached
+// What it does not know: prefill beyond the projections, fresh prompts' causal attention, RoPE and SiLU (no cached
 // prefix), float16, devices other than the CPU, or model
 // variants beyond the Llama-family switches the Python side passes (q/k/v, o, MLP biases; Qwen3's q/k norms).
 

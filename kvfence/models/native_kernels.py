@@ -17,6 +17,8 @@ so the same bits); others, plain C++ loops. SiLU and
 the softmax use a vector exp (Cephes' polynomial, about 1 ulp). `llama_decode_layers` runs every
 layer of a decode step (norms, q/k/v, q/k norms, RoPE, the K/V store, attention, o, SwiGLU MLP,
 residuals) in one call: at batch 1 the torch forward's ~300 small ops cost more than its arithmetic.
+`llama_decode_burst` runs several such steps, each followed by greedy argmax, without returning to Python.
+A float32 prefill's attention over fresh prompts, RoPE and SiLU * up have kernels of their own.
 
 Every output element of these kernels is computed by the same float operations whatever its
 batch-mates are (work is split over weight panels and (sequence, KV head), never over a row's own
