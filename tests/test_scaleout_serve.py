@@ -189,7 +189,7 @@ def test_two_by_two_survives_kill_9_of_a_prefill_and_a_decode_during_transfers(
 
         # new requests are served by all four, the restarted ones included
         results, _ = asyncio.run(send_all(s, model, after, kill=False))
-        assert {status for status, _, _ in results.values()} == {200}
+        assert {status for status, _, _ in results.values()} == {200}, _failures(results)
         assert_served_exactly(results, want)
         ws = workers(s.url)
         assert all(ws[w]["routed"] > 0 for w in killed), {w: ws[w]["routed"] for w in ws}
@@ -202,8 +202,13 @@ def test_two_by_two_survives_kill_9_of_a_prefill_and_a_decode_during_transfers(
         wait_for(lambda: _health(s.url) == 200, 120, "the restarted router to serve")
         assert {w: x["pid"] for w, x in workers(s.url).items()} == pids
         results, _ = asyncio.run(send_all(s, model, after[:4], kill=False))
-        assert {status for status, _, _ in results.values()} == {200}
+        assert {status for status, _, _ in results.values()} == {200}, _failures(results)
         assert_served_exactly(results, want)
+
+
+def _failures(results: dict[str, Any]) -> dict[str, Any]:
+    """The requests that did not get 200, with what they got: the assertion's message."""
+    return {rid: (status, body) for rid, (status, body, _) in results.items() if status != 200}
 
 
 def _health(url: str) -> int | None:
