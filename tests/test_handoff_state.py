@@ -311,3 +311,23 @@ def test_a_verdict_landing_between_two_reads_of_the_send_status_is_not_a_failure
     assert pre.state == PrefillState.FINISHED and pre.released and p_alloc.num_free == N
     p_alloc.check()
     receiver.close()
+
+
+def test_a_new_transfer_under_a_request_id_decode_ended_before_is_parked_not_refused() -> None:
+    """A client may send its X-Request-Id again once the first request has ended: the router then issues a new
+    transfer id. A manifest for the old transfer is still refused at once; one for the new transfer that comes
+    before decode reserves it waits for the reservation like any other."""
+    _, _, p_pool, receiver, _, _ = setup()
+    core, link = receiver.core, FakeLink()
+    first, again = cap("r"), cap("r-again")
+    core.expect("r", [5], first)
+    core.forget("r")  # decode is done with the first request
+    core.on_frame(link, Manifest("r", first), sealed(build_manifest("r", first, [1, 2, 3], p_pool, [0]), AUTH))
+    assert isinstance(link.sent[-1], Error) and "no longer expects request r" in link.sent[-1].reason
+    n = len(link.sent)
+    m = build_manifest("r", again, [1, 2, 3], p_pool, [0])
+    core.on_frame(link, Manifest("r", again), sealed(m, AUTH))
+    assert len(link.sent) == n  # parked: no reply until decode reserves
+    core.expect("r", [6], again)
+    assert link.sent[-1] == Ready("r", again) and core.slot("r").manifest == m
+    receiver.close()

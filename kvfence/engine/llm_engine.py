@@ -235,7 +235,7 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
         self._trim_thread: threading.Thread | None = None  # the idle heap trim in flight, if any
-        self.num_multi_step_forwards = 0  # forwards that ran several decode steps (_run_decode_steps)
+        self.num_multi_step_forwards = 0  # forwards that ran more than one decode step (_run_decode_steps)
         # the loader's code that ran once leaves the resident set; what runs again faults back from the page cache
         self.startup_pages_released_kib = release_startup_pages()
 
@@ -469,9 +469,10 @@ class LLMEngine:
         would have; returns the requests that got tokens or finished."""
         stops = [self.scheduler.stop_tokens(c.request) for c in sched.chunks]
         changed: list[Request] = []
-        for i, tokens in enumerate(self.runner.execute_steps(sched, stops, steps)):
+        ran = self.runner.execute_steps(sched, stops, steps)
+        for i, tokens in enumerate(ran):
             changed += self.scheduler.update_from_output(self.scheduler.step_output(sched, i), list(tokens))
-        self.num_multi_step_forwards += 1
+        self.num_multi_step_forwards += len(ran) > 1  # a stop token sampled at the first step ends the call there
         return changed
 
     def _release_when_idle(self) -> None:

@@ -199,8 +199,10 @@ class ModelRunner:
         reqs = [c.request for c in chunks]
         P = cdiv(max(c.start for c in chunks) + steps, self.page_size)
         for c in chunks:
-            assert len(c.request.page_table) * self.page_size >= c.start + steps, (c.request, steps)
-        kv_pages = torch.tensor([(r.page_table[:P] + [0] * P)[:P] for r in reqs], dtype=torch.long)  # [B, P]
+            if len(c.request.page_table) * self.page_size < c.start + steps:
+                raise RuntimeError(f"{c.request}: its pages do not hold {steps} more tokens (grow_for_steps first)")
+        # -1 past a row's own pages: the native call refuses to use a page outside the pool
+        kv_pages = torch.tensor([(r.page_table[:P] + [-1] * P)[:P] for r in reqs], dtype=torch.long)  # [B, P]
         ids = torch.tensor([r.token_ids[c.start] for r, c in zip(reqs, chunks, strict=True)], dtype=torch.long)
         positions = torch.tensor([c.start for c in chunks], dtype=torch.long)  # [B]
         model: Any = self.model  # a model with decode_steps (can_run_steps)

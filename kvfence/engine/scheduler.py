@@ -298,10 +298,16 @@ class Scheduler:
 
     def grow_for_steps(self, output: SchedulerOutput, steps: int) -> bool:
         """Before a decode forward that runs `steps` steps: each request's pages then hold its tokens up to the
-        last step's; False if the pool is short (pages already added stay with their requests, which use them
-        on the next steps), and nothing is preempted for it."""
+        last step's. All or nothing: False, with no page taken and nothing evicted or preempted, unless the
+        free pages (and the prefix cache's unreferenced ones) cover every request's shortfall."""
         assert all(c.num_tokens == 1 for c in output.chunks), "several steps are for decode batches only"
-        return all(self._ensure_pages(c.request, c.start + steps) for c in output.chunks)
+        need = [self.pages_for(c.start + steps) - len(c.request.page_table) for c in output.chunks]
+        if not self._make_room(sum(n for n in need if n > 0)):
+            return False
+        for c, n in zip(output.chunks, need, strict=True):
+            if n > 0:
+                c.request.page_table.extend(self.allocator.allocate(c.request.request_id, n))
+        return True
 
     def step_output(self, output: SchedulerOutput, step: int) -> SchedulerOutput:
         """The decode batch `output` as its `step`-th step (0: itself) would have been scheduled."""

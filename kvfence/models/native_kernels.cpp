@@ -2011,8 +2011,14 @@ torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(so[b] <= so[b + 1], "llama_decode_burst: stop_offsets must not decrease");
   const int64_t* pos0 = positions.data_ptr<int64_t>();
   const int64_t* pg = pages.data_ptr<int64_t>();
+  TORCH_CHECK(!k_pools.empty() && page_size >= 1, "llama_decode_burst: pools and page size");
+  const int64_t num_pages = k_pools[0].size(0) / page_size;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(pos0[b] >= 0 && pos0[b] + steps <= P * page_size, "llama_decode_burst: the page table is too short");
+    for (int64_t i = 0; i <= (pos0[b] + steps - 1) / page_size; ++i) {  // every page the row reads or writes
+      TORCH_CHECK(pg[b * P + i] >= 0 && pg[b * P + i] < num_pages,
+                  "llama_decode_burst: the page table is too short or names a page outside the pool");
+    }
   }
   const int64_t* stops = stop_ids.data_ptr<int64_t>();
   auto opts = ids.options();
@@ -2025,6 +2031,8 @@ torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::
   int64_t* lp = lens.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   int64_t n = 0;
+  // only tensors from here on: Python threads (the server's event loop) run meanwhile
+  pybind11::gil_scoped_release no_gil;
   while (n < steps) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = pos0[b] + n;

@@ -361,7 +361,8 @@ def llama_decode_burst(
 
     ids [B]: each sequence's last token, at positions [B] (its context length before the call); kv_pages [B, P]
     must cover positions + steps tokens. stops: per sequence, the token ids that end it (eos, stop_token_ids);
-    the call ends after the first step where any sequence samples one of its own.
+    the call ends after the first step where any sequence samples one of its own. Every page a row reads or
+    writes must be a page of the pool (pad a shorter table with -1). The GIL is released for the steps.
     """
     offsets = [0]
     for s in stops:

@@ -213,9 +213,11 @@ class ReceiverCore:
         self.max_pending = max_pending
         self._slots: dict[str, ReceiveSlot] = {}
         self._pending: dict[str, _Parked] = {}  # rid -> a manifest that came before its slot
-        # rids decode ended (forgot or aborted), newest last, at most `max_pending`: a late manifest for one of them is
-        # refused at once rather than parked until its time to live
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # transfers decode ended, newest last, at most `max_pending`: (rid, transfer id) of a slot it forgot, or
+        # (rid, None) for a request it aborted before reserving it (any transfer of it). A late manifest for one of
+        # them is refused at once rather than parked until its time to live; a new transfer under a request id a
+        # client used before (its X-Request-Id again) is not one of them.
+        self._ended: OrderedDict[tuple[str, str | None], None] = OrderedDict()
         self._lock = threading.Lock()
         # called (on a transport's thread) with the link and slot of each manifest accepted, before its `ready` goes
         # out: a transport that needs to tell the sender more (Mooncake: where to write) does it here
@@ -241,7 +243,8 @@ class ReceiverCore:
         with self._lock:
             assert request_id not in self._slots, f"request {request_id} is already expected"
             self._slots[request_id] = slot
-            self._ended.pop(request_id, None)
+            self._ended.pop((request_id, transfer_id), None)
+            self._ended.pop((request_id, None), None)
             parked = self._pending.pop(request_id, None)
         if parked is not None:  # its sender came first: take its manifest up now
             self._on_manifest(parked.link, slot, request_id, parked.xid, parked.payload)
@@ -264,7 +267,7 @@ class ReceiverCore:
         with self._lock:
             parked = self._pending.pop(request_id, None)
             if request_id not in self._slots:
-                self._end(request_id)
+                self._end(request_id, None)
         if parked is not None:
             _reply(parked.link, Abort(request_id, parked.xid, reason))
         self._close(request_id, lambda rid, xid: Abort(rid, xid, reason))
@@ -276,12 +279,14 @@ class ReceiverCore:
     def forget(self, request_id: str) -> None:
         """Drop the slot; later frames for it are discarded as unknown."""
         with self._lock:
-            if self._slots.pop(request_id, None) is not None:
-                self._end(request_id)
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                self._end(request_id, slot.transfer_id)
 
-    def _end(self, request_id: str) -> None:
-        """Remember that decode is done with `request_id` (called with `_lock` held)."""
-        self._ended[request_id] = None
+    def _end(self, request_id: str, transfer_id: str | None) -> None:
+        """Remember that decode is done with this transfer of `request_id` (None: with every transfer of it; called
+        with `_lock` held)."""
+        self._ended[(request_id, transfer_id)] = None
         while len(self._ended) > self.max_pending:
             self._ended.popitem(last=False)
 
@@ -413,7 +418,7 @@ class ReceiverCore:
                 slot = self._slots[rid]
             else:
                 slot = None
-                if rid in self._ended:
+                if (rid, xid) in self._ended or (rid, None) in self._ended:
                     refused.append((rid, _Parked(link, xid, b"", 0.0), f"decode no longer expects request {rid}"))
                 elif rid in self._pending:
                     refused.append((rid, _Parked(link, xid, b"", 0.0), f"second manifest for request {rid}"))

@@ -30,11 +30,14 @@ def make_engine(
     page_size: int = 16,
     context_length: int | None = None,
     kernels: str = ModelConfig.kernels,
+    enable_prefix_caching: bool = False,
     **sched: Any,
 ) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(str(loaded.model_dir), kernels=kernels),
-        cache=CacheConfig(page_size=page_size, max_total_tokens=max_total_tokens),
+        cache=CacheConfig(
+            page_size=page_size, max_total_tokens=max_total_tokens, enable_prefix_caching=enable_prefix_caching
+        ),
         scheduler=SchedulerConfig(**sched),
         context_length=context_length,
     )
@@ -60,7 +63,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | li
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-        engine.allocator.check()
+        engine.scheduler.check()  # the allocator's conservation, and the prefix cache's refcounts when it has one
     assert engine.allocator.num_free == free0 == engine.allocator.num_pages
     return [out[f"r{i}"] for i in range(len(prompts))]
 
