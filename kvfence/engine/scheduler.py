@@ -141,10 +141,14 @@ class Scheduler:
     def pages_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.page_size)
 
+    def _shortfall(self, request: Request, num_tokens: int) -> int:
+        """Pages the request's table lacks to hold `num_tokens` tokens."""
+        return max(0, self.pages_for(num_tokens) - len(request.page_table))
+
     def _ensure_pages(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's page table to hold `num_tokens` tokens; False if the pool is short."""
-        need = self.pages_for(num_tokens) - len(request.page_table)
-        if need <= 0:
+        need = self._shortfall(request, num_tokens)
+        if need == 0:
             return True
         if not self._make_room(need):
             return False
@@ -301,12 +305,11 @@ class Scheduler:
         last step's. All or nothing: False, with no page taken and nothing evicted or preempted, unless the
         free pages (and the prefix cache's unreferenced ones) cover every request's shortfall."""
         assert all(c.num_tokens == 1 for c in output.chunks), "several steps are for decode batches only"
-        need = [self.pages_for(c.start + steps) - len(c.request.page_table) for c in output.chunks]
-        if not self._make_room(sum(n for n in need if n > 0)):
+        if not self._make_room(sum(self._shortfall(c.request, c.start + steps) for c in output.chunks)):
             return False
-        for c, n in zip(output.chunks, need, strict=True):
-            if n > 0:
-                c.request.page_table.extend(self.allocator.allocate(c.request.request_id, n))
+        for c in output.chunks:  # the room is there: each request takes its share as a single step would
+            grown = self._ensure_pages(c.request, c.start + steps)
+            assert grown, c.request
         return True
 
     def step_output(self, output: SchedulerOutput, step: int) -> SchedulerOutput:
