@@ -34,9 +34,9 @@ def count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = native_kernels.llama_decode_step
 
-    def counted(ids: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(weights: Any, ids: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(ids.shape[0])
-        return real(ids, *args)
+        return real(weights, ids, *args)
 
     monkeypatch.setattr(native_kernels, "llama_decode_step", counted)
     return calls

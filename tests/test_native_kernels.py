@@ -224,6 +224,32 @@ def test_native_decode_step_gives_a_sequence_the_same_logits_whatever_its_batch_
 
 
 @pytest.mark.slow
+def test_llama_weights_refuse_what_the_decode_step_cannot_read() -> None:
+    from kvfence.models.native_kernels import llama_weights, pack_panels
+
+    V, E = 64, 32
+    head, norm = pack_panels(torch.randn(V, E)), torch.ones(E)
+    layers = [torch.empty(0)] * 12
+
+    def make(**kw: Any) -> Any:
+        args = dict(embed=None, head=head, vocab_size=V, layer_weights=layers, norm=norm, num_heads=4,
+                    num_kv_heads=2, scale=0.25, eps=1e-6)  # fmt: skip
+        return llama_weights(**(args | kw))
+
+    assert make().num_layers == 1 and make().vocab_size == V
+    with pytest.raises(RuntimeError, match="head must be pack_panels"):
+        make(vocab_size=V + 32)
+    with pytest.raises(RuntimeError, match="12 weights per layer"):
+        make(layer_weights=layers[:11])
+    with pytest.raises(RuntimeError, match="head counts must divide"):
+        make(num_kv_heads=3)
+    with pytest.raises(RuntimeError, match="embed must be"):
+        make(embed=torch.randn(V, E).bfloat16())
+    with pytest.raises(RuntimeError, match="float32"):
+        make(norm=norm.double())
+
+
+@pytest.mark.slow
 def test_float32_projections_give_the_same_bits_in_every_build() -> None:
     """Each output of a float32 projection is one FMA chain over k in order in every build (AVX-512, AVX2 in
     passes of 4 rows x 16 columns over blocks of k, plain C++), so the builds agree bit for bit, at every row

@@ -54,7 +54,7 @@ def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..
         EngineConfig(model=ModelConfig(str(model_dir), kernels="native"), cache=CacheConfig(page_size=8))
     )
     model: Any = engine.runner.model
-    assert model.panels and model._native_weights is not None  # built at load, before any step
+    assert model.panels and model._native is not None  # built at load, before any step
     for layer in model.layers:
         assert layer.packed == {}  # no oneDNN copies
         for name in PROJECTIONS:
@@ -63,8 +63,8 @@ def test_a_native_engine_holds_only_the_panels_from_load(make_model: Callable[..
     assert model.lm_head_packed is None and _storage_bytes(model.lm_head) == 0
     assert (_storage_bytes(model.embed) == 0) == tied  # a tied embedding is read from the head's panels
     # the native step's list holds the very panels, not copies
-    fields = len(model._native_weights) // len(model.layers)
-    assert model._native_weights[1].data_ptr() == model.layers[0].panels["qkv_w"].data_ptr() and fields == 12
+    fields = len(model._native.layers) // len(model.layers)
+    assert model._native.layers[1].data_ptr() == model.layers[0].panels["qkv_w"].data_ptr() and fields == 12
     plain = LLMEngine(EngineConfig(model=ModelConfig(str(model_dir), kernels="torch"), cache=CacheConfig(page_size=8)))
     weights = sum(p.numel() * p.element_size() for p in plain.runner.model.parameters())
     assert _held_bytes(plain.runner.model) > 1.5 * weights  # torch kernels: originals + oneDNN copies (not embed)
@@ -120,7 +120,7 @@ def test_processes_loading_one_model_map_one_file_of_panels(
     for model in (first, second):
         head = model._native_head
         assert _mapped_file(head) == str(path)  # file-backed, not anonymous memory
-        assert _mapped_file(model._native_weights[1]) == str(path)  # the step reads the mapping
+        assert _mapped_file(model._native.layers[1]) == str(path)  # the step reads the mapping
         assert torch.equal(head, alone._native_head)
         for a, b in zip(model.blocks, alone.blocks, strict=True):
             assert all(torch.equal(a.panels[n], b.panels[n]) for n in PROJECTIONS)

@@ -445,9 +445,8 @@ class LlamaForCausalLM(nn.Module):
         self.native = False  # final RMSNorm by models.native_kernels
         self.panels = False  # projections and head held as native panels only (hold_panels)
         self.skip_dead_rows = True  # with panels: the last layer after attention only for the logits' rows
-        self._native_weights: list[torch.Tensor] | None = None  # per layer, native_kernels.LAYER_FIELDS
         self._native_head: torch.Tensor | None = None  # lm_head's panels (the only copy while self.panels)
-        self._native_norm: torch.Tensor | None = None  # the final norm's weight in float32
+        self._native: Any = None  # native_kernels.llama_weights: what the native step reads, while self.panels
 
     # --- weights -------------------------------------------------------------------------------------
 
@@ -560,18 +559,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.data = self.lm_head.data.new_empty(0)  # tied: the embedding goes too (read from the panels)
             if shared_file is not None:
                 self._map_panels(shared_file)
-            self._native_norm = self.norm.detach().float()
-            self._native_weights = [
+            layer_weights = [
                 _EMPTY if (t := getattr(layer, name)) is None
                 else layer.panels[name] if name in native_kernels.PACKED_FIELDS
                 else t.detach().float().contiguous()
                 for layer in self.blocks
                 for name in native_kernels.LAYER_FIELDS
             ]  # fmt: skip
+            self._native = native_kernels.llama_weights(
+                None if self.tie_word_embeddings else self.embed,  # tied: rows from the head's panels
+                self._native_head, self.vocab_size, layer_weights, self.norm.detach().float(), self.H, self.Hkv,
+                self.scale, self.eps,
+            )  # fmt: skip
             self.panels = True
         elif not enabled and self.panels:
             assert self._native_head is not None
-            self._native_weights = self._native_norm = None
+            self._native = None
             for layer in self.blocks:
                 layer.hold_panels(False)
             self.lm_head.data = native_kernels.unpack_panels(self._native_head, self.vocab_size, self.hidden_size)
@@ -690,35 +693,17 @@ class LlamaForCausalLM(nn.Module):
         weights' dtype); float sums in another order."""
         from kvfence.models import native_kernels
 
-        assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
-        assert fb.kv_pages is not None and fb.kv_lens is not None
+        assert self._native is not None and fb.kv_pages is not None and fb.kv_lens is not None
         cos_table, sin_table = self._rope_tables(int(fb.positions.max()) + 1, torch.float32)
         return native_kernels.llama_decode_step(
-            fb.input_ids,
-            None if self.tie_word_embeddings else self.embed,  # tied: rows from the head's panels
-            self._native_head,
-            self.vocab_size,
-            self._native_weights,
-            cos_table,
-            sin_table,
-            fb.positions,
-            [pool.flat(i, "k") for i in range(self.num_layers)],
-            [pool.flat(i, "v") for i in range(self.num_layers)],
-            fb.slot_mapping,
-            fb.kv_pages,
-            fb.kv_lens,
-            fb.logits_index,
-            self._native_norm,
-            fb.page_size,
-            self.H,
-            self.Hkv,
-            self.scale,
-            self.eps,
-        )  # [N, vocab] float32
+            self._native, fb.input_ids, cos_table, sin_table, fb.positions,
+            [pool.flat(i, "k") for i in range(self.num_layers)], [pool.flat(i, "v") for i in range(self.num_layers)],
+            fb.slot_mapping, fb.kv_pages, fb.kv_lens, fb.logits_index, fb.page_size,
+        )  # fmt: skip  # [N, vocab] float32
 
     def decode_steps_apply(self, batch_size: int) -> bool:
         """Whether `decode_steps` can run a decode batch of this size: the native weights are held."""
-        return self.panels and self._native_weights is not None and 0 < batch_size <= NATIVE_STEP_MAX_BATCH
+        return self._native is not None and 0 < batch_size <= NATIVE_STEP_MAX_BATCH
 
     @torch.no_grad()
     def decode_steps(
@@ -740,29 +725,12 @@ class LlamaForCausalLM(nn.Module):
         from kvfence.models import native_kernels
 
         assert self.decode_steps_apply(int(input_ids.shape[0]))
-        assert self._native_weights is not None and self._native_head is not None and self._native_norm is not None
         cos_table, sin_table = self._rope_tables(int(positions.max()) + steps, torch.float32)
         return native_kernels.llama_decode_burst(
-            input_ids,
-            None if self.tie_word_embeddings else self.embed,
-            self._native_head,
-            self.vocab_size,
-            self._native_weights,
-            cos_table,
-            sin_table,
-            positions,
-            [pool.flat(i, "k") for i in range(self.num_layers)],
-            [pool.flat(i, "v") for i in range(self.num_layers)],
-            kv_pages,
-            stops,
-            steps,
-            self._native_norm,
-            page_size,
-            self.H,
-            self.Hkv,
-            self.scale,
-            self.eps,
-        )  # [n, B]
+            self._native, input_ids, cos_table, sin_table, positions,
+            [pool.flat(i, "k") for i in range(self.num_layers)], [pool.flat(i, "v") for i in range(self.num_layers)],
+            kv_pages, stops, steps, page_size,
+        )  # fmt: skip  # [n, B]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1871,6 +1871,35 @@ torch::Tensor llama_decode_layers(torch::Tensor x, std::vector<torch::Tensor> la
   return x;
 }
 
+// A Llama-family model's weights as the decode step reads them, checked once where the object is made (Python
+// holds one per model: native_kernels.LlamaWeights). embed [V, E] in the weights' dtype, or empty when tied (rows
+// then come from the head's panels); head: pack_panels of the [V, E] lm_head; layers: 12 per layer in
+// LAYER_FIELDS order (see llama_decode_layers); norm [E] float32; H query and Hkv KV heads.
+struct LlamaWeights {
+  torch::Tensor embed, head, norm;
+  std::vector<torch::Tensor> layers;
+  int64_t vocab_size, num_heads, num_kv_heads;
+  double scale, eps;
+
+  LlamaWeights(torch::Tensor embed_, torch::Tensor head_, int64_t V, std::vector<torch::Tensor> layers_,
+               torch::Tensor norm_, int64_t H, int64_t Hkv, double scale_, double eps_)
+      : embed(std::move(embed_)), head(std::move(head_)), norm(std::move(norm_)), layers(std::move(layers_)),
+        vocab_size(V), num_heads(H), num_kv_heads(Hkv), scale(scale_), eps(eps_) {
+    check_f32(norm, "norm");
+    const int64_t E = norm.size(0);
+    TORCH_CHECK(norm.dim() == 1 && V >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0,
+                "LlamaWeights: norm must be [E]; the head counts must divide");
+    TORCH_CHECK(!layers.empty() && layers.size() % 12 == 0, "LlamaWeights: 12 weights per layer");
+    TORCH_CHECK(is_bf16(head) ? packed_as<bf16_t>(head, V, E) : packed_as<float>(head, V, E),
+                "LlamaWeights: head must be pack_panels of a [V, E] weight");
+    TORCH_CHECK(embed.numel() == 0 || (embed.dim() == 2 && embed.size(0) == V && embed.size(1) == E &&
+                                       embed.scalar_type() == head.scalar_type()),
+                "LlamaWeights: embed must be [V, E] in the head's dtype, or empty (tied)");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()) / 12; }
+};
+
 namespace {
 
 // row v of the weight [V, E] that `panels` packs (float32 [P, E, kPanel] or bfloat16 [P, E/2, kPanel, 2]), as floats
@@ -1886,17 +1915,16 @@ void panel_row(const T* panels, int64_t v, int64_t E, float* out) {
 }
 
 template <typename T>
-torch::Tensor decode_step(const torch::Tensor& ids, const torch::Tensor& embed, const torch::Tensor& head,
-                          int64_t V, const std::vector<torch::Tensor>& layer_weights, const torch::Tensor& cos_table,
+torch::Tensor decode_step(const LlamaWeights& w, const torch::Tensor& ids, const torch::Tensor& cos_table,
                           const torch::Tensor& sin_table, const torch::Tensor& positions,
                           std::vector<torch::Tensor>& k_pools, std::vector<torch::Tensor>& v_pools,
                           const torch::Tensor& slots, const torch::Tensor& pages, const torch::Tensor& lens,
-                          const torch::Tensor& logits_index, const torch::Tensor& norm, int64_t page_size, int64_t H,
-                          int64_t Hkv, float sc, float e) {
+                          const torch::Tensor& logits_index, int64_t page_size) {
+  const torch::Tensor &embed = w.embed, &head = w.head, &norm = w.norm;
+  const int64_t V = w.vocab_size;
   const int64_t B = ids.size(0), E = norm.size(0), D = cos_table.size(1), n_pos = cos_table.size(0);
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
-  TORCH_CHECK(packed_as<T>(head, V, E), "llama_decode_step: head must be pack_panels of a [V, E] weight");
   auto x = torch::empty({B, E}, cos_table.options());
   auto cos = torch::empty({B, D}, cos_table.options());
   auto sin = torch::empty({B, D}, cos_table.options());
@@ -1913,15 +1941,15 @@ torch::Tensor decode_step(const torch::Tensor& ids, const torch::Tensor& embed, 
     std::copy_n(cos_table.data_ptr<float>() + pos[b] * D, D, cos.data_ptr<float>() + b * D);
     std::copy_n(sin_table.data_ptr<float>() + pos[b] * D, D, sin.data_ptr<float>() + b * D);
   }
-  decode_layers<T>(xp, B, E, layer_weights, cos.data_ptr<float>(), sin.data_ptr<float>(), D, k_pools, v_pools,
+  decode_layers<T>(xp, B, E, w.layers, cos.data_ptr<float>(), sin.data_ptr<float>(), D, k_pools, v_pools,
                    slots.data_ptr<int64_t>(), pages.data_ptr<int64_t>(), pages.size(1), lens.data_ptr<int64_t>(),
-                   page_size, H, Hkv, sc, e);
+                   page_size, w.num_heads, w.num_kv_heads, static_cast<float>(w.scale), static_cast<float>(w.eps));
   const int64_t N = logits_index.size(0);
   const int64_t* li = logits_index.data_ptr<int64_t>();
   std::vector<float> h(N * E);
   for (int64_t r = 0; r < N; ++r) {
     TORCH_CHECK(li[r] >= 0 && li[r] < B, "logits row outside the batch");
-    rms_norm_into(xp + li[r] * E, 1, E, norm.data_ptr<float>(), e, h.data() + r * E);
+    rms_norm_into(xp + li[r] * E, 1, E, norm.data_ptr<float>(), static_cast<float>(w.eps), h.data() + r * E);
   }
   auto logits = torch::empty({N, V}, cos_table.options());
   packed_linear_into(h.data(), N, E, data_as<T>(head, "head"), V, nullptr, nullptr, logits.data_ptr<float>());
@@ -1931,42 +1959,37 @@ torch::Tensor decode_step(const torch::Tensor& ids, const torch::Tensor& embed, 
 }  // namespace
 
 // A whole decode step in one call: token ids [B] -> float32 logits [N, V] of the rows `logits_index` [N].
-// Embeds each token (from `embed` [V, E], or, when `embed` is empty, from the tied head's panels), gathers its
-// RoPE row from cos_table/sin_table [n, D] (float32) at `positions` [B], runs llama_decode_layers, the final
-// RMSNorm (`norm` [E] float32) of the wanted rows and the head (`head`: pack_panels of the [V, E] lm_head).
-// Weights, embed and pools in one dtype (float32 or bfloat16); the same arithmetic as the separate calls.
-torch::Tensor llama_decode_step(torch::Tensor ids, torch::Tensor embed, torch::Tensor head, int64_t V,
-                                std::vector<torch::Tensor> layer_weights, torch::Tensor cos_table,
+// Embeds each token (from w.embed, or, when tied, from the head's panels), gathers its RoPE row from
+// cos_table/sin_table [n, D] (float32) at `positions` [B], runs llama_decode_layers, the final RMSNorm of the
+// wanted rows and the head. Weights and pools in one dtype (float32 or bfloat16); the same arithmetic as the
+// separate calls.
+torch::Tensor llama_decode_step(const LlamaWeights& w, torch::Tensor ids, torch::Tensor cos_table,
                                 torch::Tensor sin_table, torch::Tensor positions, std::vector<torch::Tensor> k_pools,
                                 std::vector<torch::Tensor> v_pools, torch::Tensor slots, torch::Tensor pages,
-                                torch::Tensor lens, torch::Tensor logits_index, torch::Tensor norm, int64_t page_size,
-                                int64_t H, int64_t Hkv, double scale, double eps) {
-  constexpr int64_t kFields = 12;
+                                torch::Tensor lens, torch::Tensor logits_index, int64_t page_size) {
   const int64_t L = static_cast<int64_t>(k_pools.size());
-  TORCH_CHECK(L >= 1 && static_cast<int64_t>(layer_weights.size()) == L * kFields &&
-                  static_cast<int64_t>(v_pools.size()) == L,
-              "llama_decode_step: 12 weights and two pool views per layer");
+  TORCH_CHECK(L == w.num_layers() && static_cast<int64_t>(v_pools.size()) == L,
+              "llama_decode_step: two pool views per layer of the weights");
   for (torch::Tensor* t : {&ids, &positions, &slots, &pages, &lens, &logits_index}) {
     TORCH_CHECK(t->dtype() == torch::kInt64, "ids, positions, slots, pages, lens and logits_index must be int64");
     *t = t->contiguous();
   }
   check_f32(cos_table, "cos_table");
   check_f32(sin_table, "sin_table");
-  check_f32(norm, "norm");
   const int64_t B = ids.size(0), P = pages.size(1);
   TORCH_CHECK(B >= 1 && positions.size(0) == B && slots.size(0) == B && lens.size(0) == B && pages.size(0) == B &&
-                  sin_table.sizes() == cos_table.sizes() && cos_table.size(1) % 2 == 0 && H % Hkv == 0,
+                  sin_table.sizes() == cos_table.sizes() && cos_table.size(1) % 2 == 0,
               "llama_decode_step: shapes");
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ln[b] >= 1 && ln[b] <= P * page_size, "context length outside the page table");
   }
-  const float sc = static_cast<float>(scale), e = static_cast<float>(eps);
+  TORCH_CHECK(is_bf16(k_pools[0]) == is_bf16(w.head), "llama_decode_step: the pools must be in the weights' dtype");
   if (is_bf16(k_pools[0]))
-    return decode_step<bf16_t>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
-                               slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
-  return decode_step<float>(ids, embed, head, V, layer_weights, cos_table, sin_table, positions, k_pools, v_pools,
-                            slots, pages, lens, logits_index, norm, page_size, H, Hkv, sc, e);
+    return decode_step<bf16_t>(w, ids, cos_table, sin_table, positions, k_pools, v_pools, slots, pages, lens,
+                               logits_index, page_size);
+  return decode_step<float>(w, ids, cos_table, sin_table, positions, k_pools, v_pools, slots, pages, lens,
+                            logits_index, page_size);
 }
 
 namespace {
@@ -1993,12 +2016,10 @@ int64_t argmax_row(const float* v, int64_t n) {
 // row samples one of its stops. Returns the sampled tokens [n, B] int64, n <= steps: row s is step s's argmax of
 // each row's logits (numpy's tie rule: the first maximum, or the first NaN). The tables must cover every
 // position it runs.
-torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::Tensor head, int64_t V,
-                                 std::vector<torch::Tensor> layer_weights, torch::Tensor cos_table,
+torch::Tensor llama_decode_burst(const LlamaWeights& w, torch::Tensor ids, torch::Tensor cos_table,
                                  torch::Tensor sin_table, torch::Tensor positions, std::vector<torch::Tensor> k_pools,
                                  std::vector<torch::Tensor> v_pools, torch::Tensor pages, torch::Tensor stop_ids,
-                                 torch::Tensor stop_offsets, int64_t steps, torch::Tensor norm, int64_t page_size,
-                                 int64_t H, int64_t Hkv, double scale, double eps) {
+                                 torch::Tensor stop_offsets, int64_t steps, int64_t page_size) {
   for (torch::Tensor* t : {&ids, &positions, &pages, &stop_ids, &stop_offsets}) {
     TORCH_CHECK(t->dtype() == torch::kInt64, "ids, positions, pages, stop_ids and stop_offsets must be int64");
     *t = t->contiguous();
@@ -2031,8 +2052,6 @@ torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::
   int64_t* lp = lens.data_ptr<int64_t>();
   int64_t* op = out.data_ptr<int64_t>();
   int64_t n = 0;
-  // only tensors from here on: Python threads (the server's event loop) run meanwhile
-  pybind11::gil_scoped_release no_gil;
   while (n < steps) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = pos0[b] + n;
@@ -2040,12 +2059,12 @@ torch::Tensor llama_decode_burst(torch::Tensor ids, torch::Tensor embed, torch::
       sp[b] = pg[b * P + p / page_size] * page_size + p % page_size;
       lp[b] = p + 1;
     }
-    torch::Tensor logits = llama_decode_step(cur, embed, head, V, layer_weights, cos_table, sin_table, pos, k_pools,
-                                             v_pools, slots, pages, lens, rows, norm, page_size, H, Hkv, scale, eps);
+    torch::Tensor logits =
+        llama_decode_step(w, cur, cos_table, sin_table, pos, k_pools, v_pools, slots, pages, lens, rows, page_size);
     const float* lg = logits.data_ptr<float>();
     bool stop = false;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t t = argmax_row(lg + b * V, V);
+      const int64_t t = argmax_row(lg + b * w.vocab_size, w.vocab_size);
       op[n * B + b] = cp[b] = t;
       stop = stop || std::find(stops + so[b], stops + so[b + 1], t) != stops + so[b + 1];
     }
@@ -2060,3 +2079,42 @@ bool amx_bf16() { return amx_applies(32); }
 
 // whether panel_gemm_bf16 takes bfloat16 products with this K here (AMX tiles or VDPBF16PS)
 bool panel_gemm_bf16_applies(int64_t K) { return panel_gemm_applies(K); }
+
+// Python's view (torch's extension builder names the module). Every kernel runs without the GIL: arguments are
+// converted and results returned with it held, the arithmetic runs with it released, so the server's event loop
+// and other Python threads go on meanwhile (a 0.5B model's batch-32 step is ~0.3 s). The kernels touch no Python
+// object; a TORCH_CHECK failure comes back as a Python exception as before.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<LlamaWeights>(m, "LlamaWeights", py::module_local())  // local: variant builds load side by side
+      .def(py::init<torch::Tensor, torch::Tensor, int64_t, std::vector<torch::Tensor>, torch::Tensor, int64_t,
+                    int64_t, double, double>(),
+           py::arg("embed"), py::arg("head"), py::arg("vocab_size"), py::arg("layers"), py::arg("norm"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"), py::arg("eps"))
+      .def_readonly("embed", &LlamaWeights::embed)
+      .def_readonly("head", &LlamaWeights::head)
+      .def_readonly("norm", &LlamaWeights::norm)
+      .def_readonly("layers", &LlamaWeights::layers)
+      .def_readonly("vocab_size", &LlamaWeights::vocab_size)
+      .def_readonly("num_heads", &LlamaWeights::num_heads)
+      .def_readonly("num_kv_heads", &LlamaWeights::num_kv_heads)
+      .def_readonly("scale", &LlamaWeights::scale)
+      .def_readonly("eps", &LlamaWeights::eps)
+      .def_property_readonly("num_layers", &LlamaWeights::num_layers);
+#define KVFENCE_NO_GIL(f) m.def(#f, torch::wrap_pybind_function_no_gil(f), #f)
+  KVFENCE_NO_GIL(paged_decode_attention);
+  KVFENCE_NO_GIL(causal_prefill_attention);
+  KVFENCE_NO_GIL(rms_norm);
+  KVFENCE_NO_GIL(rope_bf16_);
+  KVFENCE_NO_GIL(rope_f32_);
+  KVFENCE_NO_GIL(silu_mul_into);
+  KVFENCE_NO_GIL(pack_panels);
+  KVFENCE_NO_GIL(packed_linear);
+  KVFENCE_NO_GIL(panel_gemm_bf16);
+  KVFENCE_NO_GIL(llama_decode_layers);
+  KVFENCE_NO_GIL(llama_decode_step);
+  KVFENCE_NO_GIL(llama_decode_burst);
+  KVFENCE_NO_GIL(amx_bf16);
+  KVFENCE_NO_GIL(panel_gemm_bf16_applies);
+#undef KVFENCE_NO_GIL
+}

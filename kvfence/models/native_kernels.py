@@ -17,7 +17,8 @@ so the same bits); others, plain C++ loops. SiLU and
 the softmax use a vector exp (Cephes' polynomial, about 1 ulp). `llama_decode_layers` runs every
 layer of a decode step (norms, q/k/v, q/k norms, RoPE, the K/V store, attention, o, SwiGLU MLP,
 residuals) in one call: at batch 1 the torch forward's ~300 small ops cost more than its arithmetic.
-`llama_decode_burst` runs several such steps, each followed by greedy argmax, without returning to Python.
+`llama_decode_burst` runs several such steps, each followed by greedy argmax, without returning to Python; both
+read the model's weights from one `llama_weights` object, checked once where it is made.
 A float32 prefill's attention over fresh prompts, RoPE and SiLU * up have kernels of their own.
 
 Every output element of these kernels is computed by the same float operations whatever its
@@ -30,6 +31,9 @@ counter to the calling thread and `torch.get_num_threads() - 1` helper threads o
 waits only for chunks another thread has taken (not, as at::parallel_for's static split and barrier do, for a
 thread the OS has descheduled). Idle helpers spin for $GOMP_SPINCOUNT pause iterations (0 with
 OMP_WAIT_POLICY=PASSIVE; libgomp's variables, read once when the kernels load), then sleep on a futex.
+Every kernel runs with the GIL released (arguments are converted and results returned with it held): the server's
+event loop, transfer threads and other engines' threads run Python meanwhile, and two Python threads may call the
+kernels at once (the second caller's chunks then run on its own thread, each call's bits unchanged).
 
 The kernels are compiled on first use with torch's C++ extension builder (a C++ compiler and ninja
 needed; 35-45 s on two cores here, then cached under torch's extensions directory, keyed by a hash of
@@ -81,7 +85,8 @@ class NativeKernelsUnavailable(RuntimeError):
 
 @functools.cache
 def load(extra_cflags: tuple[str, ...] = ()) -> Any:
-    """Build (first use) or load the extension module (the functions listed below); `extra_cflags` builds a
+    """Build (first use) or load the extension module (the functions below; its bindings are the C++ file's
+    PYBIND11_MODULE, every kernel with the GIL released); `extra_cflags` builds a
     variant (the tests build one without AVX-512, to check the portable code path on this machine)."""
     bin_dir = str(Path(sys.executable).parent)  # pip's ninja lives beside the interpreter, maybe not on PATH
     if (Path(bin_dir) / "ninja").exists() and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -100,22 +105,6 @@ def load(extra_cflags: tuple[str, ...] = ()) -> Any:
         module = load_inline(
             name=name,
             cpp_sources=[source],
-            functions=[
-                "paged_decode_attention",
-                "rms_norm",
-                "rope_bf16_",
-                "rope_f32_",
-                "silu_mul_into",
-                "pack_panels",
-                "packed_linear",
-                "llama_decode_layers",
-                "llama_decode_step",
-                "llama_decode_burst",
-                "amx_bf16",
-                "panel_gemm_bf16",
-                "panel_gemm_bf16_applies",
-                "causal_prefill_attention",
-            ],  # fmt: skip
             # -fopenmp: torch's thread count and parallel-region query (at::get_num_threads, in_parallel_region)
             extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
@@ -298,12 +287,33 @@ def llama_decode_layers(
     )  # fmt: skip
 
 
-def llama_decode_step(
-    ids: torch.Tensor,
+def llama_weights(
     embed: torch.Tensor | None,
     head: torch.Tensor,
     vocab_size: int,
     layer_weights: list[torch.Tensor],
+    norm: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> Any:
+    """A Llama-family model's weights as llama_decode_step and llama_decode_burst read them, checked once here
+    (native_kernels.cpp, LlamaWeights; a bad shape or dtype raises RuntimeError saying which).
+
+    embed: [vocab, E] in the weights' dtype, or None when tied (rows then read from `head`); head: pack_panels of
+    the [vocab, E] lm_head; layer_weights: 12 per layer as in llama_decode_layers; norm: [E] float32. The object
+    holds references to these tensors, not copies.
+    """
+    return load().LlamaWeights(
+        _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, norm, int(num_heads),
+        int(num_kv_heads), float(scale), float(eps),
+    )  # fmt: skip
+
+
+def llama_decode_step(
+    weights: Any,
+    ids: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     positions: torch.Tensor,
@@ -313,33 +323,24 @@ def llama_decode_step(
     kv_pages: torch.Tensor,
     kv_lens: torch.Tensor,
     logits_index: torch.Tensor,
-    norm: torch.Tensor,
     page_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    eps: float,
 ) -> torch.Tensor:
     """A whole decode step in one call (native_kernels.cpp, llama_decode_step): ids [B] -> float32 logits [N,
     vocab] of the rows logits_index [N]; the embedding, the RoPE gathers, llama_decode_layers, the final norm and
     the head, with no torch op between them (each costs microseconds at batch 1).
 
-    embed: [vocab, E] or None when tied (rows read from `head`, pack_panels of the lm_head); cos_table/sin_table:
-    [n, D] float32 (n > every position); norm: [E] float32; the rest as in llama_decode_layers.
+    weights: from `llama_weights`; cos_table/sin_table: [n, D] float32 (n > every position); k_pools/v_pools: one
+    per layer of `weights`, in its dtype; the rest as in llama_decode_layers.
     """
     return load().llama_decode_step(
-        ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
-        positions, k_pools, v_pools, slots, kv_pages, kv_lens, logits_index, norm, int(page_size), int(num_heads),
-        int(num_kv_heads), float(scale), float(eps),
+        weights, ids, cos_table, sin_table, positions, k_pools, v_pools, slots, kv_pages, kv_lens, logits_index,
+        int(page_size),
     )  # fmt: skip
 
 
 def llama_decode_burst(
+    weights: Any,
     ids: torch.Tensor,
-    embed: torch.Tensor | None,
-    head: torch.Tensor,
-    vocab_size: int,
-    layer_weights: list[torch.Tensor],
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     positions: torch.Tensor,
@@ -348,12 +349,7 @@ def llama_decode_burst(
     kv_pages: torch.Tensor,
     stops: list[tuple[int, ...]],
     steps: int,
-    norm: torch.Tensor,
     page_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    eps: float,
 ) -> torch.Tensor:
     """Up to `steps` greedy decode steps in one call (native_kernels.cpp, llama_decode_burst) -> tokens [n, B]
     int64, n <= steps: each step is llama_decode_step's arithmetic over the previous step's argmax (numpy's tie
@@ -362,16 +358,15 @@ def llama_decode_burst(
     ids [B]: each sequence's last token, at positions [B] (its context length before the call); kv_pages [B, P]
     must cover positions + steps tokens. stops: per sequence, the token ids that end it (eos, stop_token_ids);
     the call ends after the first step where any sequence samples one of its own. Every page a row reads or
-    writes must be a page of the pool (pad a shorter table with -1). The GIL is released for the steps.
+    writes must be a page of the pool (pad a shorter table with -1).
     """
     offsets = [0]
     for s in stops:
         offsets.append(offsets[-1] + len(s))
     return load().llama_decode_burst(
-        ids, _EMPTY if embed is None else embed, head, int(vocab_size), layer_weights, cos_table, sin_table,
-        positions, k_pools, v_pools, kv_pages,
+        weights, ids, cos_table, sin_table, positions, k_pools, v_pools, kv_pages,
         torch.tensor([t for s in stops for t in s], dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
-        int(steps), norm, int(page_size), int(num_heads), int(num_kv_heads), float(scale), float(eps),
+        int(steps), int(page_size),
     )  # fmt: skip
 
 
