@@ -65,8 +65,8 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16  # tokens per KV page
     max_total_tokens: int | None = None  # KV pool capacity in tokens; None -> max(context length, 16384)
-    # reuse full KV pages of shared prefixes (per cache_salt, digest-checked); off by default, see docs/prefix_cache.md
-    enable_prefix_caching: bool = False
+    # reuse full KV pages of shared prefixes (per cache_salt, digest-checked), as vLLM and SGLang do by default
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive("page_size (--page-size)", self.page_size)
@@ -210,7 +210,7 @@ def add_engine_arguments(parser: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=CacheConfig.enable_prefix_caching,
         help="reuse the KV of full pages of a prompt prefix computed before, per tenant cache_salt, each page "
-        "digest-checked when reused (default: off; docs/prefix_cache.md says why)",
+        "digest-checked when reused (default here: %(default)s; docs/prefix_cache.md)",
     )
     g.add_argument(
         "--context-length",

@@ -1,4 +1,5 @@
-"""`cache_salt` and the prefix-cache metrics through the HTTP server with the official openai client: a salt is
+"""`cache_salt` and the prefix-cache metrics through the HTTP server (prefix caching on by default, as in vLLM and
+SGLang) with the official openai client: a salt is
 validated (400 with param), the same prompt under the same salt is served from the cache (the hit counter moves,
 in tokens, read back with prometheus_client's own parser) and under another salt is not; output is unchanged.
 """
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.cli import build_parser
 from kvfence.commands.serve import build_aggregated
+from kvfence.config import engine_config_from_args
 from kvfence.server.launch import ServerThread
 
 FLAGS = ["--page-size", "4", "--max-total-tokens", "512", "--context-length", "256", "--served-model-name", "tiny"]
@@ -24,7 +26,7 @@ FLAGS = ["--page-size", "4", "--max-total-tokens", "512", "--context-length", "2
 @pytest.fixture(scope="module")
 def url(tiny_llama_dir: Path) -> Iterator[str]:
     args = build_parser().parse_args(
-        ["serve", "--role", "aggregated", "--model", str(tiny_llama_dir), *FLAGS, "--enable-prefix-caching"]
+        ["serve", "--role", "aggregated", "--model", str(tiny_llama_dir), *FLAGS]  # the default: caching on
     )
     app, client = build_aggregated(args)
     client.start()
@@ -80,3 +82,12 @@ def test_empty_cache_salt_is_refused(url: str, path: str) -> None:
     r = httpx.post(url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert "cache_salt" in r.text
+
+
+def test_serve_caches_prefixes_unless_told_not_to_and_bench_offline_does_not() -> None:
+    def caching(*argv: str) -> bool:
+        return engine_config_from_args(build_parser().parse_args(argv), "m").cache.enable_prefix_caching
+
+    assert caching("serve") and not caching("serve", "--no-enable-prefix-caching")
+    # bench offline runs the same prompts in every repeat: a cache would skip most of the later runs' prefill
+    assert not caching("bench", "offline") and caching("bench", "offline", "--enable-prefix-caching")

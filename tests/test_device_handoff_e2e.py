@@ -77,8 +77,8 @@ def test_disaggregated_through_device_paths_equals_aggregated(
         got = run(dep, reqs)
         assert dep.wait_idle(15)
         for engine in (dep.prefill_engine, dep.decode_engine):
-            engine.allocator.check()
-            assert engine.allocator.num_free == engine.allocator.num_pages
+            engine.scheduler.check()
+            assert engine.scheduler.num_free_pages == engine.allocator.num_pages
         assert not dep.errors
     finally:
         dep.close()

@@ -83,8 +83,8 @@ def reference(loaded: Any, reqs: list[Req], pool_tokens: int = 8192) -> dict[str
 def assert_baseline(dep: InProcessDeployment) -> None:
     assert dep.wait_idle(15), (dep.prefill.stats(), dep.decode.stats())
     for engine in (dep.prefill_engine, dep.decode_engine):
-        engine.allocator.check()
-        assert engine.allocator.num_free == engine.allocator.num_pages, engine.stats()
+        engine.scheduler.check()  # the allocator's and the prefix cache's conservation
+        assert engine.scheduler.num_free_pages == engine.allocator.num_pages, engine.stats()
     assert not dep.errors
 
 

@@ -117,6 +117,18 @@ def _wait_pools_free(router: Router, timeout: float = 10.0) -> dict[str, Any]:
     raise AssertionError(f"pools not back to baseline: {roles}")
 
 
+def _prefix_cache_hits(metrics: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(metrics)
+        if fam.name == "kvfence_prefix_cache_hits"
+        for s in fam.samples
+        if s.name == "kvfence_prefix_cache_hits_total"
+    )
+
+
 def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesses, tiny_llama_dir: Path) -> None:
     from kvfence.models.tokenizer import Tokenizer
     from kvfence.server.api import ApiSettings, build_app
@@ -143,6 +155,17 @@ def test_worker_processes_serve_http_through_the_api_app(workers: WorkerProcesse
         r = httpx.post(f"{server.url}/v1/completions", json=too_long, timeout=30)
         assert r.status_code == 400 and "256" in r.text
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        # one prompt twice: the second is served from the prefill worker's prefix cache (on by default), and the
+        # router's page counts the hit, in tokens, from the worker's stats (sent every 250 ms)
+        hits0 = _prefix_cache_hits(metrics)
+        twice = {"model": workers.router.model_name, "prompt": list(range(100, 200)), "max_tokens": 1}
+        for _ in range(2):
+            assert httpx.post(f"{server.url}/v1/completions", json=twice, timeout=30).status_code == 200
+        deadline = time.monotonic() + 10
+        while (hits := _prefix_cache_hits(httpx.get(f"{server.url}/metrics", timeout=10).text)) == hits0:
+            assert time.monotonic() < deadline, "the router never reported the prefill worker's prefix-cache hit"
+            time.sleep(0.1)
+        assert hits - hits0 == 96, (hits0, hits)  # the 6 full pages of 16 before the last token
     want = reference(tiny_llama_dir, [p for _, p, _ in reqs], [sp for _, _, sp in reqs])
     for body, ref in zip(got, want, strict=True):
         choice = body["choices"][0]
@@ -304,7 +327,10 @@ def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify
     common, prefill, decode = launch_command_args(args)
     assert ("--model", "m") == common[common.index("--model") : common.index("--model") + 2]
     assert "32" in common and "--no-verify" not in common
-    assert prefill == ("--max-total-tokens", "512") and decode == ("--max-total-tokens", "1024", "--no-verify")
+    assert prefill == ("--max-total-tokens", "512", "--enable-prefix-caching")
+    assert decode == ("--max-total-tokens", "1024", "--no-enable-prefix-caching", "--no-verify")
+    off = launch_command_args(build_parser().parse_args([*argv, "--no-enable-prefix-caching"]))
+    assert "--no-enable-prefix-caching" in off[1] and "--enable-prefix-caching" not in off[1]  # reaches prefill
     roles = build_parser().parse_args(["serve", "--role", "decode", "--handoff-port", "5"])
     assert roles.role == "decode" and roles.handoff_port == 5
     scaled = build_parser().parse_args(["serve", "--prefill-workers", "2", "--decode-workers", "3"])

@@ -74,8 +74,8 @@ def assert_at_baseline(workers: list[Any]) -> None:
         time.sleep(0.01)
     for w in workers:
         assert w.idle(), (w.identity.worker_id, w.stats())
-        w.engine.allocator.check()
-        assert w.engine.allocator.num_free == w.engine.allocator.num_pages, (w.identity.worker_id, w.stats())
+        w.engine.scheduler.check()
+        assert w.engine.scheduler.num_free_pages == w.engine.allocator.num_pages, (w.identity.worker_id, w.stats())
 
 
 def test_two_by_two_matches_aggregated_and_every_worker_serves(loaded: Any) -> None:

@@ -82,9 +82,9 @@ class Pair:
     def assert_nothing_held(self) -> None:
         for w in (self.prefill, self.decode):
             assert w.held_request_ids() == []
-            a = w.engine.allocator
-            a.check()
-            assert a.num_free == a.num_pages, f"{w.role}: {a.num_pages - a.num_free} page(s) still held"
+            w.engine.scheduler.check()
+            free, total = w.engine.scheduler.num_free_pages, w.engine.allocator.num_pages
+            assert free == total, f"{w.role}: {total - free} page(s) still held"
 
     def close(self) -> None:
         self.prefill.close()

@@ -368,7 +368,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _run_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 20) -> list[list[int]]:
     """Run to completion, checking pool conservation after every step."""
-    free0 = engine.allocator.num_free
+    free0 = engine.scheduler.num_free_pages
     for i, p in enumerate(prompts):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens)
         engine.add_request(f"r{i}", sampling_params=sp, prompt_token_ids=p)
@@ -376,8 +376,8 @@ def _run_all(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 20) 
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-        engine.allocator.check()
-    assert engine.allocator.num_free == free0
+        engine.scheduler.check()
+    assert engine.scheduler.num_free_pages == free0
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 

@@ -96,4 +96,4 @@ def test_decode_refuses_a_first_token_the_grammar_forbids(engine: LLMEngine) -> 
     with pytest.raises(InvalidRequestError, match="grammar"):
         engine.add_prefilled_request("e", ids, x, sp)
     engine.release("e")
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages

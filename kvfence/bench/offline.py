@@ -297,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         f"offline throughput: {n} requests x ({i} prompt + {o} output) tokens, greedy, ignore_eos; "
         f"model {model_dir}; torch threads {torch.get_num_threads()}; kvfence kernels {engine.resolved.kernels} "
         f"(projections outside the native decode step: {kernel}); "
+        f"prefix caching {'on' if args.enable_prefix_caching else 'off'} (kvfence and vLLM); "
         f"best of {args.repeats} interleaved runs"
     )
     pad_id = 0
@@ -428,8 +429,9 @@ def _vllm_systems(
     for dt in dtypes:
         log(f"starting vLLM ({dt}); its first start on a machine compiles for minutes")
         w = vllm_baseline.VllmWorker(
-            python, model_dir, dt, len(prompts[0]) + output_len + 8, max(len(prompts), 1), threads
-        )
+            python, model_dir, dt, len(prompts[0]) + output_len + 8, max(len(prompts), 1), threads,
+            args.enable_prefix_caching,
+        )  # fmt: skip
         workers.append(w)
         w.run([p[:8] for p in prompts[:2]], 4)  # warm-up, untimed
         name = f"vllm {dt}"
@@ -510,4 +512,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=2, metavar="R", help="runs per system, interleaved; best is kept")
     p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: torch's choice)")
     add_engine_arguments(p)
-    p.set_defaults(func=run)
+    # every run repeats the same prompts: with a prefix cache the later runs would skip most of their prefill
+    p.set_defaults(func=run, enable_prefix_caching=False)

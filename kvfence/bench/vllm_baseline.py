@@ -116,9 +116,22 @@ class VllmWorker:
     """One vLLM `LLM` in its own process (bench/vllm_worker.py), kept up across rounds."""
 
     def __init__(
-        self, python: str, model_dir: str, dtype: str, max_model_len: int, max_num_seqs: int, threads: int
+        self,
+        python: str,
+        model_dir: str,
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        threads: int,
+        prefix_caching: bool = False,
     ) -> None:
-        spec = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs}
+        spec = {
+            "model": model_dir,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "enable_prefix_caching": prefix_caching,  # vLLM's default is on; the bench repeats its prompts
+        }
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # vLLM's venv must not see kvfence's packages
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

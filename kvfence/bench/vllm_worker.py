@@ -21,7 +21,7 @@ MARK = "KVFENCE-VLLM "
 
 
 def main() -> int:
-    spec = json.loads(sys.argv[1])  # {"model", "dtype", "max_model_len", "max_num_seqs"}
+    spec = json.loads(sys.argv[1])  # {"model", "dtype", "max_model_len", "max_num_seqs", "enable_prefix_caching"}
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -30,6 +30,7 @@ def main() -> int:
         dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec["max_num_seqs"],
+        enable_prefix_caching=spec["enable_prefix_caching"],
         enforce_eager=False,
         seed=0,
     )

@@ -362,6 +362,8 @@ def run_worker_role(args: argparse.Namespace) -> int:
 
 def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """(common, prefill, decode) flags for the three processes of `--disagg`, from this process's flags."""
+    from kvfence.config import CacheConfig
+
     common: list[str] = []
     for flag, value in (
         ("--model", args.model),
@@ -410,8 +412,9 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         prefill += ["--max-total-tokens", str(n)]
     if (n := args.decode_max_total_tokens or args.max_total_tokens) is not None:
         decode += ["--max-total-tokens", str(n)]
-    if getattr(args, "enable_prefix_caching", False):
-        prefill.append("--enable-prefix-caching")  # decode never matches: its prompts' KV arrives by handoff
+    caching = getattr(args, "enable_prefix_caching", CacheConfig.enable_prefix_caching)
+    prefill.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+    decode.append("--no-enable-prefix-caching")  # decode never matches: its prompts' KV arrives by handoff
     if args.no_verify:
         decode.append("--no-verify")
     if args.throttle_kv_send:

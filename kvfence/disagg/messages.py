@@ -147,7 +147,7 @@ class Abort(Message, frozen=True, tag="abort"):
 class WorkerStats(Message, frozen=True, tag="worker_stats"):
     """Worker -> router, every few hundred ms: its load (the router routes by it) and live numbers for /metrics.
 
-    Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting,
+    Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting, prefix_cache,
     handoffs_in_flight; prefill: queued_prompt_tokens; decode: pages_wanted (pages its
     queued requests wait for); and orders_seen, the orders the worker had handled since it
     registered when it made the report.
@@ -236,6 +236,13 @@ def engine_pool_stats(engine: WorkerEngine) -> dict[str, Any]:
         "page_size": engine.resolved.page_size,
         "num_running": s.num_running,
         "num_waiting": s.num_waiting,
+        # the prefix cache's numbers (prefill workers; zeros without one): the router sums them for /metrics
+        "prefix_cache": {
+            "queries": s.prefix_cache_queries,
+            "hits": s.prefix_cache_hits,
+            "corrupt_pages": s.prefix_cache_corrupt,
+            "pages": s.num_cached_pages,
+        },
     }
 
 

@@ -523,9 +523,12 @@ class Router:
             page_size = self.workers.identity.page_size if self.workers.identity is not None else None
         roles: dict[str, Any] = {}
         num_running = num_waiting = 0
+        prefix_cache: dict[str, int] = {}  # summed over the workers that report one (prefill)
         for w in workers.values():
             if not w["up"] or "pages_total" not in w:
                 continue
+            for k, v in (w.get("prefix_cache") or {}).items():
+                prefix_cache[k] = prefix_cache.get(k, 0) + int(v)
             r = roles.setdefault(w["role"], {"workers": 0, "page_size": page_size})
             r["workers"] += 1
             for k in ("pages_total", "pages_used", "pages_free", "pages_quarantined"):
@@ -536,6 +539,7 @@ class Router:
             "roles": roles,
             "num_running": num_running,
             "num_waiting": num_waiting,
+            "prefix_cache": prefix_cache,
             "in_flight": in_flight,
             "transfers": dict(self.transfer_counts),
             "integrity": dict(self.integrity_counts),

@@ -155,6 +155,12 @@ class Scheduler:
         request.page_table.extend(self.allocator.allocate(request.request_id, need))
         return True
 
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can have now: the free ones and the cached ones no request reads (evicted on
+        demand). Equals the pool's pages when the engine is idle, whatever the prefix cache holds."""
+        return self.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache is not None else 0)
+
     def _make_room(self, num_pages: int) -> bool:
         """Whether `num_pages` can be allocated now, evicting unreferenced cached pages if that makes it so."""
         short = num_pages - self.allocator.num_free

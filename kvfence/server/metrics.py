@@ -11,7 +11,7 @@ scrape time from `EngineClient.stats()`, whose shape is:
 
     {"roles": {role: {"pages_total", "pages_used", "pages_free", "pages_quarantined", "page_size"}},
      "num_running": int, "num_waiting": int, "num_preemptions": int,  # preemptions since start
-     "prefix_cache": {"queries", "hits", "corrupt_pages", "pages"},  # aggregated; queries/hits in tokens
+     "prefix_cache": {"queries", "hits", "corrupt_pages", "pages"},  # aggregated, or the prefill workers summed; tokens
      "transfers": {result: count, ...},          # PD mode; e.g. {"ok": 12, "failed": 1}
      "workers": {worker_id: {"role", "up", "routed", "pages_free", "num_running", ...}},  # PD mode, per worker
      "worker_deaths": {role: count}}             # PD mode

@@ -54,8 +54,9 @@ def hf_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    """Run to completion, checking conservation after every step and pages back to baseline at the end."""
-    free0 = engine.allocator.num_free
+    """Run to completion, checking conservation after every step and pages back to baseline at the end (pages the
+    prefix cache holds that no request reads count as free, as they do for allocation)."""
+    free0 = engine.scheduler.num_free_pages
     plist = params if isinstance(params, list) else [params] * len(prompts)
     for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
         engine.add_request(f"r{i}", sampling_params=sp, prompt_token_ids=p)
@@ -64,7 +65,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | li
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
         engine.scheduler.check()  # the allocator's conservation, and the prefix cache's refcounts when it has one
-    assert engine.allocator.num_free == free0 == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == free0 == engine.allocator.num_pages
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
