@@ -68,7 +68,7 @@ def main() -> None:
         return LLMEngine(
             EngineConfig(
                 model=ModelConfig(model_dir=model_dir, kernels="native", dtype=dtype),
-                cache=CacheConfig(max_total_tokens=max(16384, n * (i + o))),
+                cache=CacheConfig(max_total_tokens=max(16384, n * (i + o)), enable_prefix_caching=False),
                 scheduler=SchedulerConfig(max_num_seqs=max(n, 1)),
             )
         )

@@ -192,7 +192,7 @@ def _engine(model_dir: Path, device: str, dtype: str, pool_tokens: int, **sched:
     return LLMEngine(
         EngineConfig(
             ModelConfig(str(model_dir), dtype=dtype, device=device, kernels="torch"),
-            CacheConfig(page_size=16, max_total_tokens=pool_tokens),
+            CacheConfig(page_size=16, max_total_tokens=pool_tokens, enable_prefix_caching=False),
             SchedulerConfig(**sched) if sched else SchedulerConfig(),
         )
     )
@@ -261,7 +261,7 @@ def _deployment(model_dir: Path, device: str, dtype: str, pool_tokens: int, faul
 
     cfg = EngineConfig(
         ModelConfig(str(model_dir), dtype=dtype, device=device, kernels="torch"),
-        CacheConfig(page_size=16, max_total_tokens=pool_tokens),
+        CacheConfig(page_size=16, max_total_tokens=pool_tokens, enable_prefix_caching=False),
         SchedulerConfig(**sched) if sched else SchedulerConfig(),
     )
     return InProcessDeployment(cfg, cfg, model_fingerprint="gpu-check", faults=faults, deadline_s=60.0)

@@ -91,3 +91,15 @@ def test_serve_caches_prefixes_unless_told_not_to_and_bench_offline_does_not() -
     assert caching("serve") and not caching("serve", "--no-enable-prefix-caching")
     # bench offline runs the same prompts in every repeat: a cache would skip most of the later runs' prefill
     assert not caching("bench", "offline") and caching("bench", "offline", "--enable-prefix-caching")
+
+
+@pytest.mark.parametrize(("role", "caches"), [("aggregated", True), ("prefill", True), ("decode", False)])
+def test_a_decode_worker_started_by_hand_has_no_prefix_cache(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, role: str, caches: bool
+) -> None:
+    from kvfence.server.role_engine import build_role_engine
+
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(tmp_path))  # the workers' shared panel file goes here
+    args = build_parser().parse_args(["serve", "--role", role, "--model", str(tiny_llama_dir), *FLAGS])
+    engine = build_role_engine(args, str(tiny_llama_dir), role).engine
+    assert (engine.prefix_cache is not None) == caches  # decode's prompts' KV arrives by handoff

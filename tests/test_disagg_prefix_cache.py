@@ -124,3 +124,18 @@ def test_a_cached_page_corrupted_in_prefills_pool_is_not_served_and_outputs_stay
     for rid, chunks in {"a": first, **rest}.items():
         record = chunks[-1].integrity
         assert tokens(chunks) == want[rid] and record is not None and record["status"] == "verified"
+
+
+def test_strict_prefill_poisons_cached_pages_when_it_evicts_them(loaded: Any) -> None:
+    from kvfence.kv.prefix_cache import CACHE_OWNER
+
+    with deploy(loaded) as dep:  # strict
+        run_one(dep, "a", PROMPTS["a"], SP)
+        assert dep.wait_idle(15)
+        engine = dep.prefill_engine
+        cached = engine.allocator.pages_of(CACHE_OWNER)
+        assert cached and not engine.pool.tensors[0]["k"][cached].isnan().any()  # live cache: never poisoned
+        assert engine.prefix_cache is not None and engine.prefix_cache.clear() == len(cached)
+        assert engine.pool.tensors[0]["k"][cached].isnan().all()  # evicted: wiped before reuse, as a request's are
+        engine.scheduler.check()
+        assert engine.allocator.num_free == engine.allocator.num_pages

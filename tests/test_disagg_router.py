@@ -384,6 +384,19 @@ def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_
     assert not any(m.request_id == "huge" for w in fleet.workers.values() for m in w.got(P.Order))
 
 
+def test_prefix_cache_counters_sum_over_prefill_workers_and_keep_a_dead_workers_counts(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    fleet = fleet_of(two_by_two())
+    for i, wid in enumerate(("prefill-0", "prefill-1")):
+        cache = {"queries": 100 * (i + 1), "hits": 10 * (i + 1), "corrupt_pages": i, "pages": 4 * (i + 1)}
+        fleet.workers[wid].report(fleet.router, **idle(32), prefix_cache=cache)
+    assert fleet.router.stats()["prefix_cache"] == {"queries": 300, "hits": 30, "corrupt_pages": 1, "pages": 12}
+    fleet.silence_until_dead("prefill-1")
+    # its counts stay in the sums (a Prometheus counter must not go back); its pages are gone with it
+    assert fleet.router.stats()["prefix_cache"] == {"queries": 300, "hits": 30, "corrupt_pages": 1, "pages": 4}
+
+
 def test_a_silent_worker_is_declared_dead_a_request_that_streamed_a_token_fails_and_new_ones_go_to_the_others(
     fleet_of: Callable[..., Fleet],
 ) -> None:

@@ -225,6 +225,9 @@ def params_from_wire(data: dict[str, Any]) -> SamplingParams:
         raise WireError(f"sampling params: {e}") from None
 
 
+PREFIX_CACHE_COUNTERS = ("queries", "hits", "corrupt_pages")  # counters of a worker's "prefix_cache" stats
+
+
 def engine_pool_stats(engine: WorkerEngine) -> dict[str, Any]:
     """The engine half of a worker's WorkerStats payload: its KV pool and request queues."""
     s = engine.stats()

@@ -125,6 +125,8 @@ class PrefillWorker:
                 sender = TcpSender(engine.pool, self.config.transfer, faults, auth=auth)
         self.sender = sender
         self._pages = _EnginePages(engine)
+        if self.config.strict and engine.prefix_cache is not None:
+            engine.prefix_cache.before_free = engine.pool.poison  # evicted cached KV is wiped too
         self._handoff_config = HandoffConfig(
             transfer_timeout_s=self.config.deadline_s,
             verdict_timeout_s=self.config.deadline_s,

@@ -101,6 +101,9 @@ class Router:
         self._lock = threading.RLock()  # flights, wire ids, deliveries and the worker table
         self.integrity_counts: Counter[str] = Counter()
         self.transfer_counts: Counter[str] = Counter()  # handoffs by result ("ok", "failed"), from their records
+        # (worker id, process) -> its prefix-cache counters as last reported: kept after the process goes, so the
+        # sums on /metrics never go back when a prefill worker dies, restarts or is marked down
+        self._prefix_counts: dict[tuple[str, str], dict[str, int]] = {}
         self.records: list[IntegrityRecord] = []  # last records (bounded), for tests
         self.integrity_metrics = IntegrityMetrics()  # Prometheus counters, in a registry of this router
         self.integrity_metrics.registry.register(SecurityEventsCollector(self.security_event_counts))
@@ -519,16 +522,21 @@ class Router:
         now = self._clock()
         with self._lock:
             workers = self.workers.describe(now)
+            prefix_counts = list(self._prefix_counts.values())
             in_flight = len(self._flights)
             page_size = self.workers.identity.page_size if self.workers.identity is not None else None
         roles: dict[str, Any] = {}
         num_running = num_waiting = 0
-        prefix_cache: dict[str, int] = {}  # summed over the workers that report one (prefill)
+        # counters over every worker process that reported one (gone ones too: a counter never goes back); the
+        # pages gauge over the workers up now
+        prefix_cache = {k: sum(c[k] for c in prefix_counts) for k in P.PREFIX_CACHE_COUNTERS} if prefix_counts else {}
+        if prefix_cache:
+            prefix_cache["pages"] = 0
         for w in workers.values():
             if not w["up"] or "pages_total" not in w:
                 continue
-            for k, v in (w.get("prefix_cache") or {}).items():
-                prefix_cache[k] = prefix_cache.get(k, 0) + int(v)
+            if prefix_cache:
+                prefix_cache["pages"] += int((w.get("prefix_cache") or {}).get("pages", 0))
             r = roles.setdefault(w["role"], {"workers": 0, "page_size": page_size})
             r["workers"] += 1
             for k in ("pages_total", "pages_used", "pages_free", "pages_quarantined"):
@@ -593,8 +601,12 @@ class Router:
             logger.warning("router: ignoring a report for %s from another process (instance %s)", wid, instance)
             return
         if isinstance(msg, P.WorkerStats):
+            counts = msg.stats.get("prefix_cache")
             with self._lock:
                 self.workers.report(wid, msg.stats, now)
+                if isinstance(counts, dict):
+                    keep = {k: int(counts.get(k, 0)) for k in P.PREFIX_CACHE_COUNTERS}
+                    self._prefix_counts[(wid, msg.instance)] = keep
             return
         if not isinstance(msg, (P.Tokens, P.RequestFailed)):
             logger.warning("router: unexpected %s from %s", msg.kind, wid)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvfence.engine.token_logprobs import TokenLogprobs
     from kvfence.kv.allocator import PageAllocator
     from kvfence.kv.pool import KVPool
+    from kvfence.kv.prefix_cache import PrefixCache
 
 
 class WorkerEngine(Protocol):
@@ -39,6 +40,8 @@ class WorkerEngine(Protocol):
 
 class PrefillEngine(WorkerEngine, Protocol):
     """Prefill: prompts run `prefill_only` and keep their pages until `release`."""
+
+    prefix_cache: PrefixCache | None  # strict mode has it poison the pages it evicts
 
     def add_request(
         self,

@@ -605,7 +605,7 @@ class LLMEngine:
                 outs = self.step()
                 if not outs and not self.scheduler.running and self.scheduler.waiting:
                     raise KvfenceError(
-                        f"no request can be scheduled: {self.allocator.num_free} free pages, "
+                        f"no request can be scheduled: {self.scheduler.num_free_pages} free pages, "
                         f"{len(self.scheduler.held)} held and {len(self.scheduler.reserved)} reserved requests"
                     )
                 for o in outs:

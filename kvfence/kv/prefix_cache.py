@@ -65,6 +65,9 @@ class PrefixCache:
         self.num_hits = 0  # of those, tokens served from the cache (vLLM's prefix_cache_hits)
         self.num_corrupt = 0  # cached pages whose digest no longer matched when reused
         self.num_evicted = 0
+        # called with pages just before they go back to the allocator (strict mode poisons them, as it does a
+        # request's own pages when they are freed); None: freed as they are
+        self.before_free: Callable[[Sequence[int]], None] | None = None
 
     # -- counters -------------------------------------------------------------
     @property
@@ -149,18 +152,18 @@ class PrefixCache:
                 if page in self._key_of:
                     self._lru[page] = None
                 else:  # dropped while read: nobody can reach it any more
-                    self._free(page)
+                    self._free([page])
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` unreferenced cached pages, least recently used first; returns how many."""
-        n = 0
-        while n < num_pages and self._lru:
+        pages: list[int] = []
+        while len(pages) < num_pages and self._lru:
             page, _ = self._lru.popitem(last=False)
             self._unindex(page)
-            self._free(page)
-            n += 1
-        self.num_evicted += n
-        return n
+            pages.append(page)
+        self._free(pages)
+        self.num_evicted += len(pages)
+        return len(pages)
 
     def clear(self) -> int:
         """Evict every unreferenced cached page (referenced ones stay until released); returns how many."""
@@ -181,11 +184,16 @@ class PrefixCache:
         self._unindex(page)
         if self._refs[page] == 0:
             self._lru.pop(page, None)
-            self._free(page)
+            self._free([page])
 
-    def _free(self, page: int) -> None:
-        del self._refs[page]
-        self.allocator.free_pages(CACHE_OWNER, [page])
+    def _free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        if self.before_free is not None:
+            self.before_free(pages)
+        for page in pages:
+            del self._refs[page]
+        self.allocator.free_pages(CACHE_OWNER, pages)
 
     # -- invariants -----------------------------------------------------------
     def check(self) -> None:

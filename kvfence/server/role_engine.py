@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from kvfence.config import engine_config_from_args
 from kvfence.errors import KvfenceError
 from kvfence.models.tokenizer import Tokenizer, read_eos_token_ids
-from kvfence.roles import WORKER_ROLES
+from kvfence.roles import DECODE, WORKER_ROLES
 
 
 def chat_template_from(value: str | None) -> str | None:
@@ -82,6 +82,8 @@ def build_role_engine(args: argparse.Namespace, model_dir: str, role: str) -> Ro
     from kvfence.models.loader import load_model
 
     config = engine_config_from_args(args, model_dir, seed=args.seed)
+    if role == DECODE:  # its prompts' KV arrives by handoff, never from a cache of its own (started by hand too)
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[config.model.dtype]
     native = resolve_kernels(config) == "native"  # then the model holds the native panels only, from load
     shared = None
