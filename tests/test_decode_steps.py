@@ -100,7 +100,7 @@ def test_eos_inside_a_call_ends_its_request_there(loaded: Any, monkeypatch: pyte
     assert [t for o in outs for t in o.new_token_ids] == free[: i + 1]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
     assert any(len(rows) > 1 and rows[-1][0] == free[i] for rows in calls), calls
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 @pytest.mark.parametrize(
@@ -149,9 +149,9 @@ def test_a_pool_without_pages_for_more_steps_runs_one_step_per_forward_and_preem
     engine.scheduler.release("squatter")
     while engine.has_unfinished_requests():
         got += [t for o in engine.step() for t in o.new_token_ids]
-        engine.allocator.check()
+        engine.scheduler.check()
     assert got == want and engine.num_multi_step_forwards > 0
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 def test_growing_pages_for_several_steps_takes_all_or_nothing_and_preempts_no_one(loaded: Any) -> None:

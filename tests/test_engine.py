@@ -116,16 +116,18 @@ def test_requests_joining_mid_run_get_the_same_tokens(loaded: Any, reference: li
             engine.add_request(f"r{i}", sampling_params=GREEDY, prompt_token_ids=p)
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        engine.allocator.check()
+        engine.scheduler.check()
     assert [out[f"r{i}"] for i in range(len(prompts))] == reference
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 # --- disaggregation hooks: prefill-only on one engine, prefilled decode on another -----------------------
 
 
 def test_prefill_only_then_prefilled_decode_equals_aggregated(loaded: Any, reference: list[list[int]]) -> None:
-    prefill, decode = make_engine(loaded, page_size=8), make_engine(loaded, page_size=8)
+    # no prefix cache on prefill: `release` then gives back every page the request held
+    prefill = make_engine(loaded, page_size=8, enable_prefix_caching=False)
+    decode = make_engine(loaded, page_size=8)
     decode.pool.poison(range(decode.pool.num_pages))  # any page not copied over would show up as NaN
     prompts = prompts_of(LENGTHS)
     for i, p in enumerate(prompts):
@@ -145,14 +147,14 @@ def test_prefill_only_then_prefilled_decode_equals_aggregated(loaded: Any, refer
             decode.pool.write_page(d, prefill.pool.read_page(s))
         assert prefill.release(rid) == src
         decode.add_prefilled_request(rid, p, firsts[rid], GREEDY, page_table=dst)
-    assert prefill.allocator.num_free == prefill.allocator.num_pages
+    assert prefill.scheduler.num_free_pages == prefill.allocator.num_pages
     out: dict[str, list[int]] = {}
     while decode.has_unfinished_requests():
         for o in decode.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        decode.allocator.check()
+        decode.scheduler.check()
     assert [out[f"r{i}"] for i in range(len(prompts))] == reference
-    assert decode.allocator.num_free == decode.allocator.num_pages
+    assert decode.scheduler.num_free_pages == decode.allocator.num_pages
 
 
 def test_report_pending_gives_a_prefilled_first_token_without_a_forward(loaded: Any, monkeypatch) -> None:
@@ -174,7 +176,7 @@ def test_report_pending_gives_a_prefilled_first_token_without_a_forward(loaded: 
     assert len(rest) == 1  # the next step brings only the second token, not the first again
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 def test_reserve_refuses_when_the_pool_is_short_and_release_undoes_it(loaded: Any) -> None:
@@ -182,7 +184,7 @@ def test_reserve_refuses_when_the_pool_is_short_and_release_undoes_it(loaded: An
     assert engine.reserve("a", 2000) is not None  # 125 pages
     assert engine.reserve("b", 100) is None  # 7 pages needed, 3 free
     assert len(engine.release("a")) == 125 and engine.allocator.num_free == 128
-    engine.allocator.check()
+    engine.scheduler.check()
 
 
 def test_a_prefill_only_request_needs_room_for_its_prompt_and_first_token_only(loaded: Any) -> None:
@@ -197,7 +199,7 @@ def test_a_prefill_only_request_needs_room_for_its_prompt_and_first_token_only(l
     with pytest.raises(InvalidRequestError, match="first token do not fit"):
         engine.add_request("long", prompt_token_ids=list(range(1, 129)), sampling_params=params, prefill_only=True)
     engine.release("prefill")
-    engine.allocator.check()
+    engine.scheduler.check()
 
 
 def test_prefilled_request_with_wrong_page_table_is_refused(loaded: Any) -> None:
@@ -206,7 +208,7 @@ def test_prefilled_request_with_wrong_page_table_is_refused(loaded: Any) -> None
     with pytest.raises(InvalidRequestError, match="does not match"):
         engine.add_prefilled_request("a", list(range(10, 30)), 5, GREEDY, page_table=list(reversed(pages)))
     engine.release("a")
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 # --- sampling, stop strings, text -----------------------------------------------------------------------
@@ -242,7 +244,7 @@ def test_stop_string_is_cut_from_the_text_and_finishes_the_request(loaded: Any) 
     assert c.text == full.text[:first]
     assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 20
     assert loaded.tokenizer.decode(c.token_ids).startswith(c.text + stop)
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 def test_stop_token_id_and_eos(loaded: Any) -> None:
@@ -269,7 +271,7 @@ def test_abort_at_any_time_frees_pages(loaded: Any) -> None:
         engine.add_request(f"r{i}", sampling_params=GREEDY, prompt_token_ids=p)
     engine.step()  # r0 mid-prefill, the rest waiting
     assert engine.abort_request("r0") and engine.abort_request("r3")
-    engine.allocator.check()
+    engine.scheduler.check()
     for _ in range(5):
         engine.step()
     assert engine.abort_request("r1")  # decoding now
@@ -277,8 +279,8 @@ def test_abort_at_any_time_frees_pages(loaded: Any) -> None:
     while engine.has_unfinished_requests():
         outs = engine.step()
         assert all(o.request_id == "r2" for o in outs)
-        engine.allocator.check()
-    assert engine.allocator.num_free == engine.allocator.num_pages
+        engine.scheduler.check()
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
     assert engine.stats().num_running == engine.stats().num_waiting == 0
 
 
@@ -300,7 +302,7 @@ def test_bad_requests_raise_clear_errors(loaded: Any) -> None:
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("a", "hi")
     engine.abort_request("a")
-    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert engine.scheduler.num_free_pages == engine.allocator.num_pages
 
 
 def test_prompt_of_exactly_the_context_length_gets_one_token(loaded: Any) -> None:

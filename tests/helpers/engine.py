@@ -30,7 +30,7 @@ def make_engine(
     page_size: int = 16,
     context_length: int | None = None,
     kernels: str = ModelConfig.kernels,
-    enable_prefix_caching: bool = False,
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     **sched: Any,
 ) -> LLMEngine:
     config = EngineConfig(
