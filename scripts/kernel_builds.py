@@ -106,7 +106,7 @@ def main() -> None:
                 m.paged_decode_attention(q, kc, vc, pages[layer], lens, page, d**-0.5)  # type: ignore[attr-defined]
 
         case = (q, kc, vc, pages, lens)
-        t = second_best({name: (lambda m=m, c=case: step(m, c)) for name, m in builds.items()}, 4)
+        t = second_best({name: functools.partial(step, m, case) for name, m in builds.items()}, 4)
         cells = "  ".join(f"{name} {s * 1e3:.2f} ms" for name, s in t.items())
         print(f"attention, {layers} layers of {b} x {length} tokens, {h}/{hkv} heads, D {d}, bf16 pool: {cells}")
 
