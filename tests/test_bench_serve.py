@@ -246,3 +246,15 @@ def test_shared_prefix_fraction_gives_every_prompt_the_same_leading_tokens() -> 
     assert len(heads) == 1 and len(tails) == 4 and all(len(r.prompt) == 50 for r in reqs)
     plain = build_requests(4, LengthSpec(50, 50), LengthSpec(4, 4), seed=1, vocab_size=1000)
     assert len({tuple(r.prompt[:45]) for r in plain}) == 4  # type: ignore[index]
+
+
+def test_prefix_groups_give_prompt_i_the_prefix_of_group_i_mod_n() -> None:
+    from kvfence.bench.serve import LengthSpec, build_requests
+
+    one = build_requests(6, LengthSpec(50, 50), LengthSpec(4, 4), seed=1, vocab_size=1000, shared_prefix_fraction=0.9)
+    reqs = build_requests(
+        6, LengthSpec(50, 50), LengthSpec(4, 4), seed=1, vocab_size=1000, shared_prefix_fraction=0.9, prefix_groups=3
+    )
+    heads = [tuple(r.prompt[:45]) for r in reqs]  # type: ignore[index]
+    assert heads[:3] == heads[3:] and len(set(heads)) == 3
+    assert heads[0] == tuple(one[0].prompt[:45])  # type: ignore[index]  # group 0 is the one-group prefix

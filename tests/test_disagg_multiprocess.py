@@ -331,6 +331,8 @@ def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify
     assert decode == ("--max-total-tokens", "1024", "--no-enable-prefix-caching", "--no-verify")
     off = launch_command_args(build_parser().parse_args([*argv, "--no-enable-prefix-caching"]))
     assert "--no-enable-prefix-caching" in off[1] and "--enable-prefix-caching" not in off[1]  # reaches prefill
+    load_only = launch_command_args(build_parser().parse_args([*argv, "--no-prefix-affinity"]))
+    assert "--no-prefix-affinity" in load_only[0] and "--no-prefix-affinity" not in common  # reaches the router
     roles = build_parser().parse_args(["serve", "--role", "decode", "--handoff-port", "5"])
     assert roles.role == "decode" and roles.handoff_port == 5
     scaled = build_parser().parse_args(["serve", "--prefill-workers", "2", "--decode-workers", "3"])

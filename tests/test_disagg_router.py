@@ -239,10 +239,12 @@ class Fleet:
         self.thread.start()
         self.results: dict[str, Any] = {}
 
-    def submit(self, rid: str, prompt_len: int = 20, max_tokens: int = 10) -> None:
+    def submit(
+        self, rid: str, prompt_len: int = 20, max_tokens: int = 10, prompt: list[int] | None = None, **params: Any
+    ) -> None:
         async def run() -> list[Any]:
-            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            return [c async for c in self.router.generate(rid, [5] * prompt_len, sp)]
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+            return [c async for c in self.router.generate(rid, prompt or [5] * prompt_len, sp)]
 
         self.results[rid] = asyncio.run_coroutine_threadsafe(run(), self.loop)
         deadline = time.monotonic() + 5
@@ -382,6 +384,47 @@ def test_mixed_pools_send_a_large_request_to_the_large_decode_and_refuse_one_no_
     with pytest.raises(ContextLengthExceededError, match="2100 tokens .* decode KV pool \\(2048 tokens\\)"):
         asyncio.run(too_large())
     assert not any(m.request_id == "huge" for w in fleet.workers.values() for m in w.got(P.Order))
+
+
+def test_a_prompt_goes_back_to_the_prefill_worker_that_cached_its_prefix_while_that_saves_more_than_it_waits(
+    fleet_of: Callable[..., Fleet],
+) -> None:
+    fleet = fleet_of(two_by_two())
+    caching = {"prefix_caching": True}
+    for w in fleet.workers.values():
+        w.report(fleet.router, **idle(32), **(caching if w.id.startswith("prefill") else {}))
+    shared = list(range(100, 164))  # 4 full pages of 16: a cache serves 64 tokens of a longer prompt
+    fleet.submit("a", prompt=[*shared, 1], max_tokens=2)
+    home = fleet.prefill_of("a")
+    other = next(w for w in ("prefill-0", "prefill-1") if w != home)
+    fleet.workers[other].report(fleet.router, **idle(32), **caching)
+    fleet.workers[home].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=40)  # 40 more than other
+    fleet.submit("b", prompt=[*shared, 2, 3], max_tokens=2)
+    assert fleet.prefill_of("b") == home  # waits for 40 queued tokens, saves 64
+    fleet.submit("c", prompt=[*shared, 4], max_tokens=2, cache_salt="another tenant")  # cached under another key
+    assert fleet.prefill_of("c") == other
+    fleet.workers[home].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=64)
+    fleet.workers[other].report(fleet.router, **idle(32), **caching)
+    fleet.submit("d", prompt=[*shared, 5], max_tokens=2)
+    assert fleet.prefill_of("d") == other  # 64 more queued tokens: no saving, load decides
+    fleet.workers[other].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=500)
+    fleet.workers[home].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=10)  # d made `other` home...
+    fleet.submit("e", prompt=[*shared, 6], max_tokens=2)
+    assert fleet.prefill_of("e") == home  # ...but 490 more queued tokens there are worth more than 64
+
+
+def test_without_prefix_affinity_or_a_cache_on_the_worker_prompts_go_by_load(fleet_of: Callable[..., Fleet]) -> None:
+    for affinity, caching in ((False, True), (True, False)):
+        fleet = fleet_of(two_by_two(), prefix_affinity=affinity)
+        for w in fleet.workers.values():
+            w.report(fleet.router, **idle(32), **({"prefix_caching": caching} if w.id.startswith("prefill") else {}))
+        fleet.submit("a", prompt=list(range(100, 165)), max_tokens=2)
+        home = fleet.prefill_of("a")
+        other = next(w for w in ("prefill-0", "prefill-1") if w != home)
+        fleet.workers[home].report(fleet.router, **idle(32), prefix_caching=caching, queued_prompt_tokens=40)
+        fleet.workers[other].report(fleet.router, **idle(32), prefix_caching=caching)
+        fleet.submit("b", prompt=list(range(100, 165)), max_tokens=2)
+        assert fleet.prefill_of("b") == other, (affinity, caching)
 
 
 def test_prefix_cache_counters_sum_over_prefill_workers_and_keep_a_dead_workers_counts(

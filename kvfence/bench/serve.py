@@ -140,22 +140,27 @@ def build_requests(
     dataset: str = "random-ids",
     exclude_ids: frozenset[int] = frozenset(),
     shared_prefix_fraction: float = 0.0,
+    prefix_groups: int = 1,
 ) -> list[BenchRequest]:
     """The same list for every target of a run: lengths and contents depend only on the arguments.
 
     shared_prefix_fraction: the first round(fraction * input length) tokens (words) of every prompt are the same
-    sequence, drawn once (a shared system prompt), the rest is drawn per prompt."""
+    sequence, drawn once (a shared system prompt), the rest is drawn per prompt. prefix_groups: that many such
+    sequences (tenants' system prompts); prompt i starts with sequence i mod prefix_groups."""
     assert 1 <= num_prompts <= MAX_PROMPTS, num_prompts
     assert 0.0 <= shared_prefix_fraction <= 1.0, (
         f"--shared-prefix-fraction must be in [0, 1], got {shared_prefix_fraction}"
     )
+    assert prefix_groups >= 1, f"--prefix-groups must be positive, got {prefix_groups}"
     lengths, rng = random.Random(seed), random.Random(seed + 1)  # lengths do not depend on the contents
-    shared_rng = random.Random(seed + 2)
-    shared_ids: list[int] = []
-    shared_words: list[str] = []
+    group_rngs = [random.Random(seed + 2 if g == 0 else f"{seed}-prefix-{g}") for g in range(prefix_groups)]
+    group_ids: list[list[int]] = [[] for _ in range(prefix_groups)]
+    group_words: list[list[str]] = [[] for _ in range(prefix_groups)]
     out = []
-    for _ in range(num_prompts):
+    for i in range(num_prompts):
         n_in, n_out = input_len.sample(lengths), output_len.sample(lengths)
+        group = i % prefix_groups
+        shared_rng, shared_ids, shared_words = group_rngs[group], group_ids[group], group_words[group]
         n_shared = round(shared_prefix_fraction * n_in)
         if dataset == "random-ids":
             assert vocab_size and vocab_size > len(exclude_ids), "random-ids prompts need the vocabulary size"
@@ -212,6 +217,7 @@ class BenchConfig:
     tokenizer_dir: str | None = None  # for the special ids random prompts leave out
     allow_remote: bool = False
     shared_prefix_fraction: float = 0.0  # of each prompt, the leading part every prompt shares
+    prefix_groups: int = 1  # that many distinct shared prefixes, prompt i taking prefix i mod groups
 
     def __post_init__(self) -> None:
         assert 1 <= self.num_prompts <= MAX_PROMPTS, f"--num-prompts must be in [1, {MAX_PROMPTS}]"
@@ -220,6 +226,7 @@ class BenchConfig:
         assert self.max_concurrency is None or self.max_concurrency >= 1
         assert self.dataset in ("random-ids", "random-words"), self.dataset
         assert 0.0 <= self.shared_prefix_fraction <= 1.0, "--shared-prefix-fraction must be in [0, 1]"
+        assert self.prefix_groups >= 1, "--prefix-groups must be positive"
 
 
 @dataclass
@@ -735,6 +742,7 @@ def _requests_for(cfg: BenchConfig, facts: ServerFacts, tokenizer_dir: str | Non
         dataset=dataset,
         exclude_ids=special_token_ids(tokenizer_dir),
         shared_prefix_fraction=cfg.shared_prefix_fraction,
+        prefix_groups=cfg.prefix_groups,
     )
 
 
@@ -800,6 +808,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the first F of every prompt is one shared sequence (a system prompt; prefix caching), the rest "
         "random per prompt (default: 0)",
     )
+    p.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --shared-prefix-fraction: N shared sequences (tenants' system prompts), prompt i starting with "
+        "sequence i mod N (default: 1)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per target, not measured")
@@ -842,6 +858,7 @@ def _run(args: argparse.Namespace) -> int:
             tokenizer_dir=args.tokenizer,
             allow_remote=args.allow_remote,
             shared_prefix_fraction=args.shared_prefix_fraction,
+            prefix_groups=args.prefix_groups,
         )
         urls = [_parse_url_arg(u, i) for i, u in enumerate(args.url)]
         for _, u in urls:

@@ -185,6 +185,12 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
         "token at once; docs/handoff.md, 'What the client sees before the verdict')",
     )
     g.add_argument(
+        "--no-prefix-affinity",
+        action="store_true",
+        help="router: route prompts by load only (default: a prompt goes back to the prefill worker whose prefix "
+        "cache holds its leading pages, while that worker's extra queue is less than the prefill it saves)",
+    )
+    g.add_argument(
         "--no-verify",
         action="store_true",
         help="decode: admit handoffs WITHOUT verifying them -- only to demonstrate what the checks protect against",

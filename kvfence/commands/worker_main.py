@@ -256,6 +256,7 @@ def run_router(args: argparse.Namespace) -> int:
             wait_prefill_workers=args.prefill_workers,
             wait_decode_workers=args.decode_workers,
             first_token_before_verdict=not args.first_token_after_verify,
+            prefix_affinity=not args.no_prefix_affinity,
         ),
         auth=key.describe(),
     )
@@ -403,6 +404,7 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
         ("--allow-context-above-pool", args.allow_context_above_pool),
         ("--strict-kv", args.strict_kv),
         ("--first-token-after-verify", args.first_token_after_verify),
+        ("--no-prefix-affinity", args.no_prefix_affinity),
         ("--insecure-no-auth", args.insecure_no_auth),
     ):
         if on:

@@ -239,6 +239,7 @@ def engine_pool_stats(engine: WorkerEngine) -> dict[str, Any]:
         "page_size": engine.resolved.page_size,
         "num_running": s.num_running,
         "num_waiting": s.num_waiting,
+        "prefix_caching": getattr(engine, "prefix_cache", None) is not None,  # the router's prefix affinity
         # the prefix cache's numbers (prefill workers; zeros without one): the router sums them for /metrics
         "prefix_cache": {
             "queries": s.prefix_cache_queries,

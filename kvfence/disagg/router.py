@@ -309,14 +309,20 @@ class Router:
         return flight
 
     def _pick(self, flight: Flight, need: int, exclude: tuple[str, ...]) -> tuple[str, str] | None:
-        """(prefill, decode) for `flight` by load, the order costs accounted (called under the lock)."""
+        """(prefill, decode) for `flight` by load and the prefill workers' cached prefixes, the order costs accounted
+        (called under the lock)."""
         now = self._clock()
+        prompt, params = flight.prompt_token_ids, flight.params
+        affine = self.config.prefix_affinity and params.prompt_logprobs is None  # those never read a prefix cache
+        keys = self.workers.prefix_keys(params.cache_salt, prompt) if affine else []
         decode = self.workers.pick_decode(need, now, exclude=exclude)
-        prefill = self.workers.pick_prefill(len(flight.prompt_token_ids), now, exclude=exclude)
+        prefill = self.workers.pick_prefill(len(prompt), now, exclude=exclude, keys=keys)
         if decode is None or prefill is None:
             return None
+        cached = self.workers.cached_tokens(prefill, keys)  # what its cache should spare it
+        self.workers.remember_prefix(keys, prefill.worker_id)
         self.workers.order(decode, now, pages=self.workers.pages_for(need))
-        self.workers.order(prefill, now, tokens=len(flight.prompt_token_ids))
+        self.workers.order(prefill, now, tokens=len(prompt) - cached)
         return prefill.worker_id, decode.worker_id
 
     def _send_orders(self, flight: Flight) -> None:

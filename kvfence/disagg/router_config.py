@@ -31,6 +31,7 @@ class RouterConfig:
     allow_context_above_pool: bool = False
     model_name: str | None = None  # name served to clients; default: the workers' model name
     first_token_before_verdict: bool = True  # stream prefill's first token before decode's verdict (flag)
+    prefix_affinity: bool = True  # a prompt goes back to the prefill worker that cached its prefix (workers.py)
 
     def __post_init__(self) -> None:
         for name in ("handoff_deadline_s", "request_timeout_s", "register_timeout_s", "suspect_after_s"):

@@ -15,7 +15,10 @@ nothing is estimated that the worker can tell.
 
 The routing policy (docs/multihost.md, "Routing"):
 
-* a **prefill** worker whose pool holds the prompt, with the fewest queued prompt tokens;
+* a **prefill** worker whose pool holds the prompt, with the fewest queued prompt tokens; except that a prompt
+  whose leading full pages (same tokens, same `cache_salt`) last went to a worker that keeps a prefix cache goes
+  there again while that worker's extra queue (over the least loaded's) is less than the prompt tokens its cache
+  would save (`prefix_keys`, `remember_prefix`; the router's `--no-prefix-affinity` turns this off);
 * a **decode** worker whose pool holds prompt + max_tokens, preferring one whose free pages
   hold it now, then the fewest requests (running + waiting + handing off), then the most
   free pages;
@@ -29,7 +32,8 @@ time (callers pass `now`). Not thread-safe on its own: the router calls it under
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,6 +41,7 @@ from kvfence.disagg import messages as P
 from kvfence.engine.admission import role_capacity
 from kvfence.engine.engine_client import Capacity
 from kvfence.errors import CapacityConfigError, KvfenceError
+from kvfence.kv.prefix_cache import chain_keys
 from kvfence.math_utils import cdiv
 from kvfence.roles import WORKER_ROLES
 
@@ -110,6 +115,10 @@ class Order(NamedTuple):
     pages: int  # decode: pages it will reserve
 
 
+AFFINITY_PAGES = 64  # leading pages of a prompt the router keys (a longer shared prefix counts as 64 pages)
+AFFINITY_KEYS = 1 << 17  # prefix keys it remembers (~20 MB at most)
+
+
 class Load(NamedTuple):
     """A worker's load as the router routes by it: its last report plus the orders sent since."""
 
@@ -163,6 +172,9 @@ class WorkerTable:
         self.identity: P.Register | None = None  # the first accepted worker: what every other must match
         self.entries: dict[str, WorkerEntry] = {}
         self._max_pool: dict[str, int] = {}  # role -> largest pool of its up workers (kept while none is up)
+        # prefix key (kv.prefix_cache.chain_keys of a prompt's leading pages) -> the prefill worker that last
+        # computed it; least recently routed first, at most AFFINITY_KEYS
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
 
     # -- membership -------------------------------------------------------------------------------------------
     def check(self, reg: P.Register, allow_context_above_pool: bool = False) -> None:
@@ -229,15 +241,55 @@ class WorkerTable:
         assert self.identity is not None
         return cdiv(num_tokens, self.identity.page_size)
 
-    def pick_prefill(self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
+    def pick_prefill(
+        self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = (), keys: Sequence[bytes] = ()
+    ) -> WorkerEntry | None:
         """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it); never one
-        of `exclude`."""
+        of `exclude`. `keys`: the prompt's `prefix_keys`; the worker that last computed the longest of them is
+        taken while its extra queue over the least loaded worker's is below the tokens its prefix cache saves."""
         fits = [e for e in self.up("prefill") if e.reg.pool_tokens >= prompt_tokens and e.worker_id not in exclude]
-        return min(
+        best = min(
             fits,
             key=lambda e: (self._suspect(e, now), e.load().queued_prompt_tokens, e.routed, e.worker_id),
             default=None,
         )
+        home = next((f for f in fits if self.cached_tokens(f, keys)), None)
+        if best is None or home is None or home is best or self._suspect(home, now):
+            return best
+        extra = home.load().queued_prompt_tokens - best.load().queued_prompt_tokens
+        return home if extra < self.cached_tokens(home, keys) else best
+
+    def cached_tokens(self, e: WorkerEntry, keys: Sequence[bytes]) -> int:
+        """The prompt tokens `e`'s prefix cache should serve (the pages of `keys` last routed to it), or 0."""
+        home, pages = self._home_of(keys)
+        if home != e.worker_id or not e.stats.get("prefix_caching"):
+            return 0
+        assert self.identity is not None
+        return pages * self.identity.page_size
+
+    def prefix_keys(self, cache_salt: str | None, token_ids: Sequence[int]) -> list[bytes]:
+        """The keys of a prompt's full pages that a prefix cache could serve (all but its last token's), at most
+        AFFINITY_PAGES: the same keys the workers' caches use."""
+        assert self.identity is not None
+        page = self.identity.page_size
+        n = min((len(token_ids) - 1) // page, AFFINITY_PAGES)
+        return chain_keys(cache_salt, token_ids, page, n) if n > 0 else []
+
+    def remember_prefix(self, keys: Sequence[bytes], worker_id: str) -> None:
+        """`worker_id` computes (and caches) the pages these keys name."""
+        for key in keys:
+            self._homes[key] = worker_id
+            self._homes.move_to_end(key)
+        while len(self._homes) > AFFINITY_KEYS:
+            self._homes.popitem(last=False)
+
+    def _home_of(self, keys: Sequence[bytes]) -> tuple[str | None, int]:
+        """(the worker that last computed the longest of `keys`, how many pages that is), or (None, 0)."""
+        for i in range(len(keys) - 1, -1, -1):
+            home = self._homes.get(keys[i])
+            if home is not None:
+                return home, i + 1
+        return None, 0
 
     def pick_decode(self, need_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
         """The decode worker a request of `need_tokens` (prompt + max_tokens) goes to (None: no pool holds it); never

@@ -19,11 +19,11 @@ stops reading), the model, or how a digest is computed (`digest` is given: integ
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import numpy as np
 import xxhash
 
 from kvfence.kv.allocator import PageAllocator
@@ -42,10 +42,12 @@ def chain_keys(cache_salt: str | None, token_ids: Sequence[int], page_size: int,
     assert num_pages * page_size <= len(token_ids), (num_pages, page_size, len(token_ids))
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
     key = xxhash.xxh3_128_digest(_KEY_DOMAIN + len(salt).to_bytes(8, "little") + salt)
-    ids = np.asarray(token_ids[: num_pages * page_size], dtype="<i8")  # [num_pages * page_size]
+    n = num_pages * page_size
+    ids = struct.pack(f"<{n}q", *token_ids[:n])  # little-endian int64; no numpy: the router keys prompts too
+    stride = page_size * 8
     keys = []
     for i in range(num_pages):
-        key = xxhash.xxh3_128_digest(key + ids[i * page_size : (i + 1) * page_size].tobytes())
+        key = xxhash.xxh3_128_digest(key + ids[i * stride : (i + 1) * stride])
         keys.append(key)
     return keys
 
