@@ -77,17 +77,21 @@ def security_events(server: LaunchedServer) -> dict[tuple[str, str], float]:
     return out
 
 
-def post_completion(server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8) -> httpx.Response:
+def post_completion(
+    server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8, prompt: list[int] = PROMPT
+) -> httpx.Response:
     return httpx.post(
         f"{server.url}/v1/completions",
-        json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0},
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0},
         headers={"X-Request-Id": request_id},
         timeout=120,
     )
 
 
-def complete(server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8) -> dict[str, Any]:
-    r = post_completion(server, model, request_id, max_tokens)
+def complete(
+    server: LaunchedServer, model: str, request_id: str, max_tokens: int = 8, prompt: list[int] = PROMPT
+) -> dict[str, Any]:
+    r = post_completion(server, model, request_id, max_tokens, prompt)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -218,8 +222,8 @@ def test_rogue_workers_without_the_key_get_no_traffic_and_evict_no_one_and_one_w
         while not info(server)["workers"].get("prefill-extra", {}).get("up"):
             assert time.monotonic() < deadline and member.poll() is None, (tmp_path / "m").read_text()
             time.sleep(1)
-        for i in range(8):
-            complete(server, MODEL, f"with-member-{i}", max_tokens=2)
+        for i in range(8):  # prompts that start differently: the same one would go back to the worker that cached it
+            complete(server, MODEL, f"with-member-{i}", max_tokens=2, prompt=[1000 + i, *PROMPT[1:]])
         assert _routed(server).get("prefill-extra", 0) > 0  # it joined and takes traffic
     finally:
         member.kill()

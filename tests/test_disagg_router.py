@@ -411,6 +411,13 @@ def test_a_prompt_goes_back_to_the_prefill_worker_that_cached_its_prefix_while_t
     fleet.workers[home].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=10)  # d made `other` home...
     fleet.submit("e", prompt=[*shared, 6], max_tokens=2)
     assert fleet.prefill_of("e") == home  # ...but 490 more queued tokens there are worth more than 64
+    fleet.workers[home].report(fleet.router, **idle(32), **caching)  # e made `home` the home again
+    fleet.workers[other].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=30)
+    fleet.workers[home].close()
+    fleet.workers[home] = FakeWorker(fleet.hub, reg("prefill", worker_id=home, instance="restarted"))
+    fleet.workers[home].report(fleet.router, **idle(32), **caching, queued_prompt_tokens=40)
+    fleet.submit("f", prompt=[*shared, 7], max_tokens=2)
+    assert fleet.prefill_of("f") == other  # restarted in its slot: its cache is empty, so load decides
 
 
 def test_without_prefix_affinity_or_a_cache_on_the_worker_prompts_go_by_load(fleet_of: Callable[..., Fleet]) -> None:

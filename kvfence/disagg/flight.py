@@ -107,6 +107,7 @@ class Flight:
     retried_after: str = ""  # why the first attempt was given up, when it was
     decode_id: str = ""  # the pair serving this attempt
     prefill_id: str = ""
+    expected_cached_tokens: int = 0  # of the prompt, what the router expects prefill's prefix cache to serve
     delivered: int = 0  # output tokens that reached the client (changed under the router's lock)
     num_output_tokens: int = 0
     first: P.Tokens | None = None  # prefill's first token, once it came (set by the receiver thread)

@@ -106,6 +106,7 @@ class Order(Message, frozen=True, tag="order"):
     decode_address: str = ""  # prefill: where the chosen decode's data plane listens (from its registration)
     tokens_expected: int = 0  # decode: the prompt's length as the router admitted it, never prefill's word
     token_hash: str = ""  # decode: likewise, the hash of the admitted ids
+    expected_cached_tokens: int = 0  # prefill: what the router counted its cache to serve (its queue reports the rest)
 
 
 class Tokens(Message, frozen=True, tag="tokens"):

@@ -312,7 +312,10 @@ class PrefillWorker:
         return {
             **P.engine_pool_stats(self.engine),
             # not handed off yet (its grammar compiling, or its prompt computing)
-            "queued_prompt_tokens": sum(len(req.order.prompt_token_ids) for req in self._in(_S.COMPUTING)),
+            # the router's measure: each prompt less what the router expected its prefix cache to serve
+            "queued_prompt_tokens": sum(
+                len(req.order.prompt_token_ids) - req.order.expected_cached_tokens for req in self._in(_S.COMPUTING)
+            ),
             "handoffs_in_flight": len(self._in(_S.SENDING, _S.AWAITING_VERDICT)),
             **{f"handoffs_{k}": v for k, v in self.counts.items()},
             "security_events": self.auth.events.counts(),

@@ -319,10 +319,10 @@ class Router:
         prefill = self.workers.pick_prefill(len(prompt), now, exclude=exclude, keys=keys)
         if decode is None or prefill is None:
             return None
-        cached = self.workers.cached_tokens(prefill, keys)  # what its cache should spare it
-        self.workers.remember_prefix(keys, prefill.worker_id)
+        flight.expected_cached_tokens = self.workers.cached_tokens(prefill, keys)  # what its cache should spare
+        self.workers.remember_prefix(keys, prefill)
         self.workers.order(decode, now, pages=self.workers.pages_for(need))
-        self.workers.order(prefill, now, tokens=len(prompt) - cached)
+        self.workers.order(prefill, now, tokens=len(prompt) - flight.expected_cached_tokens)
         return prefill.worker_id, decode.worker_id
 
     def _send_orders(self, flight: Flight) -> None:
@@ -334,7 +334,10 @@ class Router:
             wire, xid, prefill_id, decode_id = flight.wire_id, flight.transfer_id, flight.prefill_id, flight.decode_id
         params = P.params_to_wire(flight.params)
         prompt = flight.prompt_token_ids
-        self.hub.send(prefill_id, P.Order(wire, prompt, xid, params, decode_address=address))
+        cached = flight.expected_cached_tokens
+        self.hub.send(
+            prefill_id, P.Order(wire, prompt, xid, params, decode_address=address, expected_cached_tokens=cached)
+        )
         self.hub.send(
             decode_id,
             P.Order(wire, prompt, xid, params, tokens_expected=flight.tokens_expected, token_hash=flight.token_hash),

@@ -32,6 +32,7 @@ time (callers pass `now`). Not thread-safe on its own: the router calls it under
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -172,9 +173,10 @@ class WorkerTable:
         self.identity: P.Register | None = None  # the first accepted worker: what every other must match
         self.entries: dict[str, WorkerEntry] = {}
         self._max_pool: dict[str, int] = {}  # role -> largest pool of its up workers (kept while none is up)
-        # prefix key (kv.prefix_cache.chain_keys of a prompt's leading pages) -> the prefill worker that last
-        # computed it; least recently routed first, at most AFFINITY_KEYS
-        self._homes: OrderedDict[bytes, str] = OrderedDict()
+        # prefix key (kv.prefix_cache.chain_keys of a prompt's leading pages) -> the prefill worker (id and process
+        # instance: one restarted in its slot has an empty cache) that last computed it; least recently routed
+        # first, at most AFFINITY_KEYS
+        self._homes: OrderedDict[bytes, tuple[str, str]] = OrderedDict()
 
     # -- membership -------------------------------------------------------------------------------------------
     def check(self, reg: P.Register, allow_context_above_pool: bool = False) -> None:
@@ -253,7 +255,7 @@ class WorkerTable:
             key=lambda e: (self._suspect(e, now), e.load().queued_prompt_tokens, e.routed, e.worker_id),
             default=None,
         )
-        home = next((f for f in fits if self.cached_tokens(f, keys)), None)
+        home = next((f for f in fits if self.cached_tokens(f, keys)), None)  # the longest key's worker only
         if best is None or home is None or home is best or self._suspect(home, now):
             return best
         extra = home.load().queued_prompt_tokens - best.load().queued_prompt_tokens
@@ -262,7 +264,7 @@ class WorkerTable:
     def cached_tokens(self, e: WorkerEntry, keys: Sequence[bytes]) -> int:
         """The prompt tokens `e`'s prefix cache should serve (the pages of `keys` last routed to it), or 0."""
         home, pages = self._home_of(keys)
-        if home != e.worker_id or not e.stats.get("prefix_caching"):
+        if home != (e.worker_id, e.reg.instance) or not e.stats.get("prefix_caching"):
             return 0
         assert self.identity is not None
         return pages * self.identity.page_size
@@ -273,17 +275,22 @@ class WorkerTable:
         assert self.identity is not None
         page = self.identity.page_size
         n = min((len(token_ids) - 1) // page, AFFINITY_PAGES)
-        return chain_keys(cache_salt, token_ids, page, n) if n > 0 else []
+        try:
+            return chain_keys(cache_salt, token_ids, page, n) if n > 0 else []
+        except struct.error:  # an id outside int64 (no vocabulary to check it against): no worker caches it
+            return []
 
-    def remember_prefix(self, keys: Sequence[bytes], worker_id: str) -> None:
-        """`worker_id` computes (and caches) the pages these keys name."""
+    def remember_prefix(self, keys: Sequence[bytes], e: WorkerEntry) -> None:
+        """`e` computes the pages these keys name, and caches them if it keeps a prefix cache."""
+        if not e.stats.get("prefix_caching"):
+            return
         for key in keys:
-            self._homes[key] = worker_id
+            self._homes[key] = (e.worker_id, e.reg.instance)
             self._homes.move_to_end(key)
         while len(self._homes) > AFFINITY_KEYS:
             self._homes.popitem(last=False)
 
-    def _home_of(self, keys: Sequence[bytes]) -> tuple[str | None, int]:
+    def _home_of(self, keys: Sequence[bytes]) -> tuple[tuple[str, str] | None, int]:
         """(the worker that last computed the longest of `keys`, how many pages that is), or (None, 0)."""
         for i in range(len(keys) - 1, -1, -1):
             home = self._homes.get(keys[i])
