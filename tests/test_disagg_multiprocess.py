@@ -328,7 +328,7 @@ def test_kvfence_serve_disagg_gives_each_role_its_own_pool_and_decode_the_verify
     assert ("--model", "m") == common[common.index("--model") : common.index("--model") + 2]
     assert "32" in common and "--no-verify" not in common
     assert prefill == ("--max-total-tokens", "512", "--enable-prefix-caching")
-    assert decode == ("--max-total-tokens", "1024", "--no-enable-prefix-caching", "--no-verify")
+    assert decode == ("--max-total-tokens", "1024", "--no-verify")
     off = launch_command_args(build_parser().parse_args([*argv, "--no-enable-prefix-caching"]))
     assert "--no-enable-prefix-caching" in off[1] and "--enable-prefix-caching" not in off[1]  # reaches prefill
     load_only = launch_command_args(build_parser().parse_args([*argv, "--no-prefix-affinity"]))

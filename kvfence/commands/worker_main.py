@@ -415,8 +415,8 @@ def launch_command_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tupl
     if (n := args.decode_max_total_tokens or args.max_total_tokens) is not None:
         decode += ["--max-total-tokens", str(n)]
     caching = getattr(args, "enable_prefix_caching", CacheConfig.enable_prefix_caching)
+    # prefill only: a decode worker never builds a cache (server.role_engine), its prompts' KV arrives by handoff
     prefill.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
-    decode.append("--no-enable-prefix-caching")  # decode never matches: its prompts' KV arrives by handoff
     if args.no_verify:
         decode.append("--no-verify")
     if args.throttle_kv_send:

@@ -255,15 +255,20 @@ class WorkerTable:
             key=lambda e: (self._suspect(e, now), e.load().queued_prompt_tokens, e.routed, e.worker_id),
             default=None,
         )
-        home = next((f for f in fits if self.cached_tokens(f, keys)), None)  # the longest key's worker only
+        found = self._home_of(keys)
+        home = next((f for f in fits if self._cached(f, found)), None)  # the longest key's worker only
         if best is None or home is None or home is best or self._suspect(home, now):
             return best
         extra = home.load().queued_prompt_tokens - best.load().queued_prompt_tokens
-        return home if extra < self.cached_tokens(home, keys) else best
+        return home if extra < self._cached(home, found) else best
 
     def cached_tokens(self, e: WorkerEntry, keys: Sequence[bytes]) -> int:
         """The prompt tokens `e`'s prefix cache should serve (the pages of `keys` last routed to it), or 0."""
-        home, pages = self._home_of(keys)
+        return self._cached(e, self._home_of(keys))
+
+    def _cached(self, e: WorkerEntry, found: tuple[tuple[str, str] | None, int]) -> int:
+        """cached_tokens, given `_home_of(keys)` (looked up once per pick, not once per worker)."""
+        home, pages = found
         if home != (e.worker_id, e.reg.instance) or not e.stats.get("prefix_caching"):
             return 0
         assert self.identity is not None
