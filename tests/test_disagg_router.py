@@ -420,6 +420,31 @@ def test_a_prompt_goes_back_to_the_prefill_worker_that_cached_its_prefix_while_t
     assert fleet.prefill_of("f") == other  # restarted in its slot: its cache is empty, so load decides
 
 
+def test_each_prefill_worker_is_credited_with_the_leading_pages_up_to_its_own_longest_key() -> None:
+    from kvfence.disagg.workers import WorkerTable
+
+    table = WorkerTable(suspect_after_s=1.0)
+    for w in ("prefill-a", "prefill-b", "prefill-c"):
+        table.add(reg("prefill", worker_id=w), now=0.0)
+    queued = {"prefill-a": 100, "prefill-b": 40, "prefill-c": 0}
+    for w, q in queued.items():
+        table.report(w, {"prefix_caching": True, "queued_prompt_tokens": q}, now=0.0)
+    a, b, c = (table.entries[w] for w in queued)
+    keys = table.prefix_keys(None, list(range(100, 229)))  # 8 full pages of 16
+    assert len(keys) == 8
+    table.remember_prefix(keys, a)  # a computed all 8 pages...
+    table.remember_prefix(keys[:4], b)  # ...then a prompt sharing the first 4 went to b
+    assert [table.cached_tokens(e, keys) for e in (a, b, c)] == [128, 64, 0]
+    assert table.pick_prefill(129, 0.5, keys=keys) is a  # 100 - 128 < 40 - 64 < 0
+    assert table.pick_prefill(129, 0.5, exclude=("prefill-a",), keys=keys) is b  # a retry away from a: b's 4 pages
+    table.heard("prefill-b", 2.0)
+    table.heard("prefill-c", 2.0)
+    assert table.pick_prefill(129, 2.0, keys=keys) is b  # a is suspect: its cache counts for nothing
+    table.report("prefill-b", {"prefix_caching": True, "queued_prompt_tokens": 70}, now=2.0)
+    assert table.pick_prefill(129, 2.0, keys=keys) is c  # 70 - 64 > 0: load decides
+    assert table.pick_prefill(129, 2.0) is c  # no keys: load alone
+
+
 def test_without_prefix_affinity_or_a_cache_on_the_worker_prompts_go_by_load(fleet_of: Callable[..., Fleet]) -> None:
     for affinity, caching in ((False, True), (True, False)):
         fleet = fleet_of(two_by_two(), prefix_affinity=affinity)

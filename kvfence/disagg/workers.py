@@ -15,10 +15,11 @@ nothing is estimated that the worker can tell.
 
 The routing policy (docs/multihost.md, "Routing"):
 
-* a **prefill** worker whose pool holds the prompt, with the fewest queued prompt tokens; except that a prompt
-  whose leading full pages (same tokens, same `cache_salt`) last went to a worker that keeps a prefix cache goes
-  there again while that worker's extra queue (over the least loaded's) is less than the prompt tokens its cache
-  would save (`prefix_keys`, `remember_prefix`; the router's `--no-prefix-affinity` turns this off);
+* a **prefill** worker whose pool holds the prompt, with the fewest queued prompt tokens less the prompt tokens
+  its prefix cache would save: a prompt whose leading full pages (same tokens, same `cache_salt`) last went to a
+  worker that keeps a prefix cache goes there again while that worker's extra queue (over the least loaded's) is
+  less than what its cache saves; each worker counts the leading pages up to the longest it computed
+  (`prefix_keys`, `remember_prefix`; the router's `--no-prefix-affinity` turns this off);
 * a **decode** worker whose pool holds prompt + max_tokens, preferring one whose free pages
   hold it now, then the fewest requests (running + waiting + handing off), then the most
   free pages;
@@ -247,32 +248,31 @@ class WorkerTable:
         self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = (), keys: Sequence[bytes] = ()
     ) -> WorkerEntry | None:
         """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it); never one
-        of `exclude`. `keys`: the prompt's `prefix_keys`; the worker that last computed the longest of them is
-        taken while its extra queue over the least loaded worker's is below the tokens its prefix cache saves."""
+        of `exclude`. `keys`: the prompt's `prefix_keys`. The fewest queued prompt tokens less those the worker's
+        prefix cache should serve (`cached_tokens`), so a worker that computed the prompt's leading pages is taken
+        while its extra queue over the least loaded worker's is below what its cache saves; where several workers
+        hold some of the pages (one computed more of them than another), each counts its own."""
         fits = [e for e in self.up("prefill") if e.reg.pool_tokens >= prompt_tokens and e.worker_id not in exclude]
-        best = min(
-            fits,
-            key=lambda e: (self._suspect(e, now), e.load().queued_prompt_tokens, e.routed, e.worker_id),
-            default=None,
-        )
-        found = self._home_of(keys)
-        home = next((f for f in fits if self._cached(f, found)), None)  # the longest key's worker only
-        if best is None or home is None or home is best or self._suspect(home, now):
-            return best
-        extra = home.load().queued_prompt_tokens - best.load().queued_prompt_tokens
-        return home if extra < self._cached(home, found) else best
+        homes = self._homes_of(keys)
+
+        def key(e: WorkerEntry) -> tuple[Any, ...]:
+            suspect, queued = self._suspect(e, now), e.load().queued_prompt_tokens
+            saved = 0 if suspect else self._cached(e, homes)
+            return (suspect, queued - saved, queued, e.routed, e.worker_id)  # a tie goes to the shorter queue
+
+        return min(fits, key=key, default=None)
 
     def cached_tokens(self, e: WorkerEntry, keys: Sequence[bytes]) -> int:
-        """The prompt tokens `e`'s prefix cache should serve (the pages of `keys` last routed to it), or 0."""
-        return self._cached(e, self._home_of(keys))
+        """The prompt tokens `e`'s prefix cache should serve (the leading pages of `keys` up to the longest one last
+        routed to it), or 0."""
+        return self._cached(e, self._homes_of(keys))
 
-    def _cached(self, e: WorkerEntry, found: tuple[tuple[str, str] | None, int]) -> int:
-        """cached_tokens, given `_home_of(keys)` (looked up once per pick, not once per worker)."""
-        home, pages = found
-        if home != (e.worker_id, e.reg.instance) or not e.stats.get("prefix_caching"):
+    def _cached(self, e: WorkerEntry, homes: dict[tuple[str, str], int]) -> int:
+        """cached_tokens, given `_homes_of(keys)` (looked up once per pick, not once per worker)."""
+        if not e.stats.get("prefix_caching"):
             return 0
         assert self.identity is not None
-        return pages * self.identity.page_size
+        return homes.get((e.worker_id, e.reg.instance), 0) * self.identity.page_size
 
     def prefix_keys(self, cache_salt: str | None, token_ids: Sequence[int]) -> list[bytes]:
         """The keys of a prompt's full pages that a prefix cache could serve (all but its last token's), at most
@@ -295,13 +295,15 @@ class WorkerTable:
         while len(self._homes) > AFFINITY_KEYS:
             self._homes.popitem(last=False)
 
-    def _home_of(self, keys: Sequence[bytes]) -> tuple[tuple[str, str] | None, int]:
-        """(the worker that last computed the longest of `keys`, how many pages that is), or (None, 0)."""
+    def _homes_of(self, keys: Sequence[bytes]) -> dict[tuple[str, str], int]:
+        """Each worker (id, instance) that last computed one of `keys` -> how many leading pages its longest such key
+        covers (a page's key names its whole prefix, so the worker computed those pages too)."""
+        homes: dict[tuple[str, str], int] = {}
         for i in range(len(keys) - 1, -1, -1):
             home = self._homes.get(keys[i])
-            if home is not None:
-                return home, i + 1
-        return None, 0
+            if home is not None and home not in homes:
+                homes[home] = i + 1
+        return homes
 
     def pick_decode(self, need_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
         """The decode worker a request of `need_tokens` (prompt + max_tokens) goes to (None: no pool holds it); never
