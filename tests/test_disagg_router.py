@@ -445,6 +445,26 @@ def test_each_prefill_worker_is_credited_with_the_leading_pages_up_to_its_own_lo
     assert table.pick_prefill(129, 2.0) is c  # no keys: load alone
 
 
+def test_a_long_shared_prefix_is_credited_past_the_first_64_pages() -> None:
+    from kvfence.disagg.workers import WorkerTable
+
+    table = WorkerTable()
+    for w in ("prefill-a", "prefill-b"):
+        table.add(reg("prefill", worker_id=w, context_length=4096, pool_tokens=4096), now=0.0)
+    table.report("prefill-a", {"prefix_caching": True, "queued_prompt_tokens": 1200}, now=0.0)
+    table.report("prefill-b", {"prefix_caching": True, "queued_prompt_tokens": 0}, now=0.0)
+    a = table.entries["prefill-a"]
+    shared = list(range(1000, 1000 + 100 * 16))  # a 1,600-token system prompt: 100 pages of 16
+    first = [*shared, *range(5000, 5000 + 25 * 16), 1]  # 125 full pages
+    keys = table.prefix_keys(None, first)
+    assert [k.pages for k in keys] == [*range(1, 65), 80, 96, 112, 125]  # each page to 64, then every 16th, the last
+    table.remember_prefix(keys, a)
+    assert table.cached_tokens(a, keys) == 125 * 16  # the same prompt again: all of it
+    second = table.prefix_keys(None, [*shared, *range(7000, 7000 + 10 * 16), 2])
+    assert table.cached_tokens(a, second) == 96 * 16  # the shared 100 pages, down to the 16-page stride
+    assert table.pick_prefill(1761, 0.0, keys=second) is a  # 1,200 more queued there saves 1,536 (64 pages: 1,024)
+
+
 def test_without_prefix_affinity_or_a_cache_on_the_worker_prompts_go_by_load(fleet_of: Callable[..., Fleet]) -> None:
     for affinity, caching in ((False, True), (True, False)):
         fleet = fleet_of(two_by_two(), prefix_affinity=affinity)

@@ -117,8 +117,19 @@ class Order(NamedTuple):
     pages: int  # decode: pages it will reserve
 
 
-AFFINITY_PAGES = 64  # leading pages of a prompt the router keys (a longer shared prefix counts as 64 pages)
+# The leading pages of a prompt the router keys: every one of the first AFFINITY_PAGES, then every
+# AFFINITY_STRIDE-th and the last full page, so a long shared prefix (a system prompt of many thousand tokens) is
+# credited to within AFFINITY_STRIDE pages while a 64k-token prompt stores ~320 keys, not 4,000
+AFFINITY_PAGES = 64
+AFFINITY_STRIDE = 16
 AFFINITY_KEYS = 1 << 17  # prefix keys it remembers (~20 MB at most)
+
+
+class PrefixKey(NamedTuple):
+    """One of a prompt's prefix keys (kv.prefix_cache.chain_keys) and the leading pages it names."""
+
+    pages: int
+    key: bytes
 
 
 class Load(NamedTuple):
@@ -245,7 +256,7 @@ class WorkerTable:
         return cdiv(num_tokens, self.identity.page_size)
 
     def pick_prefill(
-        self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = (), keys: Sequence[bytes] = ()
+        self, prompt_tokens: int, now: float, exclude: tuple[str, ...] = (), keys: Sequence[PrefixKey] = ()
     ) -> WorkerEntry | None:
         """The prefill worker a prompt of `prompt_tokens` goes to (None when no up worker's pool holds it); never one
         of `exclude`. `keys`: the prompt's `prefix_keys`. The fewest queued prompt tokens less those the worker's
@@ -262,7 +273,7 @@ class WorkerTable:
 
         return min(fits, key=key, default=None)
 
-    def cached_tokens(self, e: WorkerEntry, keys: Sequence[bytes]) -> int:
+    def cached_tokens(self, e: WorkerEntry, keys: Sequence[PrefixKey]) -> int:
         """The prompt tokens `e`'s prefix cache should serve (the leading pages of `keys` up to the longest one last
         routed to it), or 0."""
         return self._cached(e, self._homes_of(keys))
@@ -274,35 +285,41 @@ class WorkerTable:
         assert self.identity is not None
         return homes.get((e.worker_id, e.reg.instance), 0) * self.identity.page_size
 
-    def prefix_keys(self, cache_salt: str | None, token_ids: Sequence[int]) -> list[bytes]:
-        """The keys of a prompt's full pages that a prefix cache could serve (all but its last token's), at most
-        AFFINITY_PAGES: the same keys the workers' caches use."""
+    def prefix_keys(self, cache_salt: str | None, token_ids: Sequence[int]) -> list[PrefixKey]:
+        """The keys of a prompt's full pages that a prefix cache could serve (all but its last token's): the same
+        keys the workers' caches use, each with the leading pages it names; every page up to AFFINITY_PAGES, then
+        every AFFINITY_STRIDE-th and the last."""
         assert self.identity is not None
         page = self.identity.page_size
-        n = min((len(token_ids) - 1) // page, AFFINITY_PAGES)
+        n = (len(token_ids) - 1) // page
         try:
-            return chain_keys(cache_salt, token_ids, page, n) if n > 0 else []
+            keys = chain_keys(cache_salt, token_ids, page, n) if n > 0 else []
         except struct.error:  # an id outside int64 (no vocabulary to check it against): no worker caches it
             return []
+        return [
+            PrefixKey(i + 1, key)
+            for i, key in enumerate(keys)
+            if i < AFFINITY_PAGES or (i + 1) % AFFINITY_STRIDE == 0 or i == n - 1
+        ]
 
-    def remember_prefix(self, keys: Sequence[bytes], e: WorkerEntry) -> None:
+    def remember_prefix(self, keys: Sequence[PrefixKey], e: WorkerEntry) -> None:
         """`e` computes the pages these keys name, and caches them if it keeps a prefix cache."""
         if not e.stats.get("prefix_caching"):
             return
-        for key in keys:
+        for _, key in keys:
             self._homes[key] = (e.worker_id, e.reg.instance)
             self._homes.move_to_end(key)
         while len(self._homes) > AFFINITY_KEYS:
             self._homes.popitem(last=False)
 
-    def _homes_of(self, keys: Sequence[bytes]) -> dict[tuple[str, str], int]:
+    def _homes_of(self, keys: Sequence[PrefixKey]) -> dict[tuple[str, str], int]:
         """Each worker (id, instance) that last computed one of `keys` -> how many leading pages its longest such key
         covers (a page's key names its whole prefix, so the worker computed those pages too)."""
         homes: dict[tuple[str, str], int] = {}
-        for i in range(len(keys) - 1, -1, -1):
-            home = self._homes.get(keys[i])
+        for pages, key in reversed(keys):
+            home = self._homes.get(key)
             if home is not None and home not in homes:
-                homes[home] = i + 1
+                homes[home] = pages
         return homes
 
     def pick_decode(self, need_tokens: int, now: float, exclude: tuple[str, ...] = ()) -> WorkerEntry | None:
