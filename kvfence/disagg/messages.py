@@ -149,7 +149,8 @@ class WorkerStats(Message, frozen=True, tag="worker_stats"):
     """Worker -> router, every few hundred ms: its load (the router routes by it) and live numbers for /metrics.
 
     Keys the router reads: pages_total/used/free/quarantined, num_running, num_waiting, prefix_cache,
-    handoffs_in_flight; prefill: queued_prompt_tokens; decode: pages_wanted (pages its
+    handoffs_in_flight; prefill: queued_prompt_tokens, prefix_caching (whether prefix affinity may send it
+    prompts for its cache); decode: pages_wanted (pages its
     queued requests wait for); and orders_seen, the orders the worker had handled since it
     registered when it made the report.
     """
