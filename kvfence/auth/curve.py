@@ -18,7 +18,6 @@ What it does not know: messages (`disagg.messages`) or what a worker may do once
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +84,7 @@ class CurveServer:
         mask = 0
         for name in _FAILED_EVENTS:
             mask |= getattr(zmq, name)
-        self.monitor = sock.get_monitor_socket(mask)
+        self.monitor = open_monitor(sock, mask)
         self._zmq = zmq
 
     def drain_monitor(self) -> None:
@@ -110,30 +109,38 @@ class CurveServer:
             self._auth.stop()
 
 
-def stop_monitor(sock: Any, monitor: Any, drain: Callable[[], None] | None = None) -> None:
-    """Stop `sock`'s event monitor without deadlocking. libzmq's I/O thread, when the monitor's queue is full (a
-    peer failing handshakes fast), blocks sending the next event while holding the lock `disable_monitor` needs,
-    so a helper thread empties the queue (through `drain`, which may count the events, else discarding them) until
-    the monitor has stopped. The monitor socket itself stays open: its owner closes it."""
+def open_monitor(sock: Any, events: int) -> Any:
+    """A PAIR socket that receives `sock`'s `events` (libzmq's socket monitor) and never makes libzmq wait.
+
+    libzmq's I/O thread sends each event while holding the lock that `disable_monitor` and closing the socket
+    take, and it blocks there when the monitor's queue is full (a peer failing handshakes fast fills the default
+    1,000 + 1,000 messages in seconds). pyzmq calls `zmq_socket_monitor` with the GIL held, so no Python thread
+    can empty the queue meanwhile: the process freezes. A receive high-water mark of 0 on our end makes the
+    inproc pipe unbounded, so the I/O thread never waits; whoever owns the socket drains it as it polls."""
+    import uuid
+
     import zmq
 
-    stopped = threading.Event()
+    addr = f"inproc://kvfence-monitor-{uuid.uuid4().hex}"
+    sock.monitor(addr, events)
+    monitor = sock.context.socket(zmq.PAIR)
+    monitor.setsockopt(zmq.RCVHWM, 0)  # unbounded: the sender (libzmq's I/O thread) must never block
+    monitor.setsockopt(zmq.LINGER, 0)
+    monitor.connect(addr)
+    return monitor
 
-    def empty() -> None:
-        while not stopped.is_set():
-            if monitor.poll(20, zmq.POLLIN):
-                if drain is not None:
-                    drain()
-                else:
-                    monitor.recv_multipart()
 
-    t = threading.Thread(target=empty, name="kvfence-zmq-monitor-stop", daemon=True)
-    t.start()
-    try:
-        sock.disable_monitor()
-    finally:
-        stopped.set()
-        t.join()
+def stop_monitor(sock: Any, monitor: Any, drain: Callable[[], object] | None = None) -> None:
+    """Stop `sock`'s event monitor opened by `open_monitor`, first handing what it queued to `drain` (which may
+    count the events; without one they are discarded). The monitor socket stays open: its owner closes it."""
+    import zmq
+
+    if drain is not None:
+        drain()
+    else:
+        while monitor.poll(0, zmq.POLLIN):
+            monitor.recv_multipart(zmq.NOBLOCK)
+    sock.monitor(None, 0)
 
 
 def make_client(sock: Any, keys: CurveKeys) -> None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
-from kvfence.auth.curve import CurveKeys, CurveServer, stop_monitor
+from kvfence.auth.curve import CurveKeys, CurveServer, open_monitor, stop_monitor
 from kvfence.auth.curve import make_client as make_curve_client
 from kvfence.auth.events import SecurityEvent, SecurityEvents
 from kvfence.engine.sampling_params import SamplingParams
@@ -54,6 +54,13 @@ if TYPE_CHECKING:  # the router imports this module and never loads torch
     from kvfence.disagg.worker_engine import WorkerEngine
 
 MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped
+CONTROL_SEND_TIMEOUT_S = 60.0  # a worker's send that the link takes no message for this long raises
+
+
+class ControlLinkDown(KvfenceError):
+    """A worker's control-plane link accepted no message within its send timeout: no router answered the
+    connection (its queue is full), or the router refused the link for good (it speaks another security
+    mechanism, e.g. a worker under --insecure-no-auth against a router with a cluster key)."""
 
 
 class WireError(KvfenceError, ValueError):
@@ -372,23 +379,31 @@ class ZmqChannel:
     With `curve` (every deployment but --insecure-no-auth) the link is a CURVE client of the router: encrypted,
     and admitted only because the worker holds the cluster key (`kvfence.auth.curve`)."""
 
-    def __init__(self, address: str, identity: str, curve: CurveKeys | None) -> None:
+    def __init__(
+        self, address: str, identity: str, curve: CurveKeys | None, send_timeout_s: float = CONTROL_SEND_TIMEOUT_S
+    ) -> None:
         import zmq
 
         self.identity = identity
+        self.address = address
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A DEALER send waits while the link has no room: its queue is full, or libzmq dropped the link after a
+        # refused handshake and will not reconnect. Unbounded, that wait froze a worker (and CI) for good.
+        self._send_timeout_s = send_timeout_s
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self._monitor = None
         self.handshakes_refused = 0  # CURVE handshakes the router refused (another cluster key)
         if curve is not None:
             make_curve_client(self._sock, curve)
-            self._monitor = self._sock.get_monitor_socket(
+            self._monitor = open_monitor(
+                self._sock,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH,
             )  # fmt: skip
         self._sock.connect(address)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -397,15 +412,24 @@ class ZmqChannel:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        if self._monitor is not None:  # drained as we poll, so a router that keeps refusing us costs no memory
+            self._poller.register(self._monitor, zmq.POLLIN)
         self.closed = False
 
     def send(self, msg: Message) -> None:
-        self._sock.send(encode(msg))
+        try:
+            self._sock.send(encode(msg))
+        except self._zmq.Again:
+            raise ControlLinkDown(
+                f"{self.identity}: the control-plane link to the router at {self.address} took no message for "
+                f"{self._send_timeout_s:g}s: no router answers there, or it refused this link for good (another "
+                "cluster key, or a router with a key against a worker under --insecure-no-auth)"
+            ) from None
 
     def refused_handshakes(self) -> int:
         """How many times the router refused this link's CURVE handshake so far (it holds another key)."""
         while self._monitor is not None and self._monitor.poll(0, self._zmq.POLLIN):
-            self._monitor.recv_multipart()
+            self._monitor.recv_multipart(self._zmq.NOBLOCK)
             self.handshakes_refused += 1
         return self.handshakes_refused
 
@@ -419,6 +443,8 @@ class ZmqChannel:
                     pass
             except BlockingIOError:
                 pass
+        if self._monitor is not None and self._monitor in ready:
+            self.refused_handshakes()
         if self._sock not in ready:
             return None
         return decode(self._sock.recv())
@@ -434,7 +460,7 @@ class ZmqChannel:
         if not self.closed:
             self.closed = True
             if self._monitor is not None:
-                stop_monitor(self._sock, self._monitor)
+                stop_monitor(self._sock, self._monitor, self.refused_handshakes)
                 self._monitor.close(0)
             self._sock.close(0)
             self._ctx.term()
