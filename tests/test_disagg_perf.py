@@ -70,6 +70,32 @@ def test_zmq_hub_unpacks_a_batch_sent_as_one_frame() -> None:
         hub.close()
 
 
+def test_a_worker_that_stops_reading_costs_its_own_messages_not_the_hubs_receiving_thread() -> None:
+    keys = CurveKeys.from_cluster_key(ClusterKey.generate())
+    hub = P.ZmqHub("127.0.0.1", 0, curve=keys)
+    stuck = P.ZmqChannel(hub.address, "decode-0", keys)  # registers its id, then never reads again
+    other = P.ZmqChannel(hub.address, "prefill-0", keys)
+    try:
+        stuck.send(P.Abort("hello", "x"))
+        assert hub.recv(timeout=5) == ("decode-0", P.Abort("hello", "x"))
+        for i in range(20_000):  # far past both ends' 1,000-message queues and the kernel's socket buffers
+            hub.send("decode-0", P.Abort(f"r{i}", "x" * 1024))
+            if i % 100 == 0:
+                hub.recv(timeout=0)  # the receiving thread flushes what `send` queued
+        hub.recv(timeout=0)
+        assert hub.dropped_sends > 0
+        other.send(P.Abort("still", "routing"))
+        got = None
+        for _ in range(50):
+            if (got := hub.recv(timeout=0.1)) is not None:
+                break
+        assert got == ("prefill-0", P.Abort("still", "routing"))
+    finally:
+        stuck.close()
+        other.close()
+        hub.close()
+
+
 @pytest.mark.parametrize(("cpus", "worker", "router"), [(1, 1, 1), (2, 1, 1), (4, 1, 1), (5, 2, 1), (16, 7, 1)])
 def test_default_torch_threads_share_the_cores_between_roles(cpus: int, worker: int, router: int) -> None:
     assert torch_threads_for("prefill", cpus) == worker

@@ -34,6 +34,7 @@ what a worker does with an order, or how the router schedules.
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -52,6 +53,8 @@ from kvfence.errors import KvfenceError
 
 if TYPE_CHECKING:  # the router imports this module and never loads torch
     from kvfence.disagg.worker_engine import WorkerEngine
+
+logger = logging.getLogger(__name__)
 
 MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped
 CONTROL_SEND_TIMEOUT_S = 60.0  # a worker's send that the link takes no message for this long raises
@@ -475,7 +478,9 @@ class ZmqHub:
     queues the message and wakes that thread through a socket pair, so sends never wait
     for a poll timeout. With `curve` the socket is a CURVE server that admits only holders
     of the cluster key (`kvfence.auth.curve`); refused handshakes are counted in `events`.
-    A message that does not decode is dropped and counted (`WireError`), never raised.
+    A message that does not decode is dropped and counted (`WireError`), never raised. A message to a
+    worker whose queue is full (it stopped reading) is dropped and counted in `dropped_sends`, never waited
+    on: one stuck worker must not stop the router's only receiving thread.
     """
 
     def __init__(
@@ -512,6 +517,7 @@ class ZmqHub:
             self._poller.register(self._curve.monitor, zmq.POLLIN)
         self._lock = threading.Lock()
         self._unbatch = _Unbatcher()
+        self.dropped_sends = 0
         self.closed = False
 
     def send(self, worker_id: str, msg: Message) -> None:
@@ -528,7 +534,11 @@ class ZmqHub:
             except queue.Empty:
                 return
             try:
-                self._sock.send_multipart([wid.encode(), data])
+                self._sock.send_multipart([wid.encode(), data], self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                self.dropped_sends += 1  # its queue is full: the worker stopped reading; its requests time out
+                logger.warning("control message to %s dropped: its link's queue is full (%d so far)", wid,
+                               self.dropped_sends)  # fmt: skip
             except self._zmq.ZMQError:
                 pass  # the worker is gone; its requests time out on the router
 
