@@ -24,6 +24,8 @@ ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mi
 # or for a GIL that a thread in native code holds. faulthandler's watchdog is a C thread that needs neither: this
 # long after a test's own timeout it prints every thread's stack to the stderr the run started with and ends the
 # process, so a hung test becomes a crashed worker (xdist reports it and goes on) instead of a run that never ends.
+# xdist requeues the crashed test with the rest of its file (--dist loadfile), so a hang that repeats would crash
+# worker after worker, 11 minutes each: pyproject's --max-worker-restart=1 stops that after the second crash.
 # (pytest's own faulthandler_timeout takes one limit for every test; this one follows each test's timeout marker.)
 WATCHDOG_GRACE_ENV = "KVFENCE_TEST_WATCHDOG_GRACE_S"  # seconds past the timeout (default 60; its own test sets 1)
 _STDERR_COPY = pytest.StashKey[int]()  # fd 2 as it was before any test's capture replaced it
