@@ -70,6 +70,28 @@ def test_zmq_hub_unpacks_a_batch_sent_as_one_frame() -> None:
         hub.close()
 
 
+def test_the_hubs_receiving_thread_can_send_any_number_of_messages_between_two_receives() -> None:
+    # The router's receiving thread itself sends a burst when a worker with many requests dies (two or three
+    # messages per request); the wake pipe it would then write to has no reader but itself.
+    import threading
+
+    hub = P.ZmqHub("127.0.0.1", 0)
+    sent = []
+
+    def burst() -> None:
+        for i in range(5_000):
+            hub.send("decode-0", P.Abort(f"r{i}", "worker lost"))
+            sent.append(i)
+
+    try:
+        t = threading.Thread(target=burst, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive() and len(sent) == 5_000, f"send blocked after {len(sent)} messages"
+    finally:
+        hub.close()
+
+
 def test_a_worker_that_stops_reading_costs_its_own_messages_not_the_hubs_receiving_thread() -> None:
     keys = CurveKeys.from_cluster_key(ClusterKey.generate())
     hub = P.ZmqHub("127.0.0.1", 0, curve=keys)

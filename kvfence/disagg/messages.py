@@ -510,6 +510,7 @@ class ZmqHub:
         self._outgoing: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # one pending byte wakes the receiver; a full pipe must never block `send`
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
