@@ -308,6 +308,21 @@ class AsyncLLMEngine:
             self._deliver(stream, chunk)
 
     def _run(self) -> None:
+        """The engine thread. A step that raises fails its requests and the loop goes on; anything else that
+        raises (applying commands, a snapshot, building a chunk) ends the thread, and then every request in
+        flight gets the error instead of waiting forever for a token."""
+        try:
+            self._loop()
+        except BaseException as e:
+            logger.exception("the engine thread failed; failing every request in flight")
+            with self._cond:
+                self._stopping = True  # `generate` now refuses new requests instead of queueing them for nobody
+                self._last_error = f"{type(e).__name__}: {e}"
+                streams = list(self._streams.values())
+            for stream in streams:
+                self._deliver(stream, KvfenceError(f"the engine thread stopped: {self._last_error}"))
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
