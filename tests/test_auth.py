@@ -370,6 +370,31 @@ def test_stopping_a_monitor_flooded_with_refused_handshakes_does_not_freeze_the_
     assert drained > 2_000, f"only {drained} events queued: the flood did not exceed the old pipe's 2,000"
 
 
+def test_a_worker_told_to_stop_while_no_router_answers_stops_instead_of_waiting_out_the_timeout() -> None:
+    from kvfence.disagg.worker import register
+
+    class Stub:
+        role = "prefill"
+
+        def attach(self, send: object) -> None:
+            pass
+
+        def registration(self) -> P.Message:
+            return P.Shutdown()
+
+    hub = P.ZmqHub("127.0.0.1", 0)  # never pumped: the registration is never answered
+    channel = P.ZmqChannel(hub.address, "prefill-0", None)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()  # SIGTERM's handler sets this event
+    try:
+        t0 = time.monotonic()
+        assert register(Stub(), channel, timeout=120, stop=stop) is False  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 5
+    finally:
+        channel.close()
+        hub.close()
+
+
 def test_a_worker_with_another_key_is_told_so_at_registration_not_left_waiting() -> None:
     from kvfence.disagg.worker import register
     from kvfence.errors import CapacityConfigError

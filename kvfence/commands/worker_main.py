@@ -342,7 +342,9 @@ def run_worker_role(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        register(worker, channel)
+        if not register(worker, channel, stop=stop):
+            logger.info("%s: stopped before a router at %s accepted it", args.role, args.router_address)
+            return 0
         logger.info("%s: registered with %s", args.role, args.router_address)
         run_worker(
             worker,

@@ -79,8 +79,9 @@ def model_fingerprint(model_dir: str | Path) -> str:
 # -- the loop ---------------------------------------------------------------------------------------------
 
 
-def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
-    """Send the registration and wait for the router's answer; a refusal raises with its reason."""
+def register(worker: Worker, channel: Channel, timeout: float = 300.0, stop: threading.Event | None = None) -> bool:
+    """Send the registration and wait for the router's answer: True once accepted, False if `stop` was set first
+    (SIGTERM while no router answers); a refusal raises with its reason, and so does `timeout`."""
     from kvfence.disagg.registration import HEARTBEAT, REREGISTER
 
     worker.attach(channel.send)
@@ -88,6 +89,8 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     refused = getattr(channel, "refused_handshakes", None)
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            return False
         msg = channel.recv(timeout=0.5)
         if msg is None:
             if refused is not None and refused() >= 3:  # the router is there and says no: a key mismatch
@@ -104,7 +107,7 @@ def register(worker: Worker, channel: Channel, timeout: float = 300.0) -> None:
                 raise CapacityConfigError(f"router refused this {worker.role} worker: {msg.reason}")
             if msg.reason == HEARTBEAT:  # a keepalive of a router that still knows us from before
                 continue
-            return
+            return True
         if isinstance(msg, P.Shutdown):
             raise KvfenceError(f"router shut down before accepting this {worker.role} worker")
         logger.warning("%s: ignoring %s before registration", worker.role, msg.kind)
@@ -169,7 +172,8 @@ def run_worker(
                 dropped = drop_requests(worker, f"router lost: {lost}")
                 logger.error("%s: %s; dropped %d request(s), registering again", worker.role, lost, dropped)
                 try:
-                    register(worker, channel, timeout=reconnect_s)
+                    if not register(worker, channel, timeout=reconnect_s, stop=stop):
+                        return  # told to stop while waiting for a router
                 except KvfenceError as e:
                     raise KvfenceError(f"{worker.role}: router lost ({lost}) and none answered: {e}") from None
                 logger.info("%s: registered again", worker.role)
