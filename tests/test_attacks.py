@@ -150,6 +150,26 @@ def test_a_malformed_manifest_from_outside_cannot_fail_the_victim(server: Launch
     assert tokens_of(victim) == solo and victim["choices"][0]["kvfence"]["integrity"]["status"] == "verified"
 
 
+def test_a_handshake_answered_a_byte_a_second_is_dropped_at_the_handshake_timeout(server: LaunchedServer) -> None:
+    decode = next(w for w in info(server)["workers"].values() if w["role"] == "decode" and w["up"])
+
+    def failed() -> float:
+        return sum(v for (_, kind), v in security_events(server).items() if kind == "handshake_failed")
+
+    failed_before = failed()
+    attackers = [run_attacker("dribble", "--decode", decode["handoff_address"], "--seconds", "20") for _ in range(4)]
+    assert complete(server, MODEL, "during-dribble", max_tokens=4)["choices"][0]["kvfence"]["integrity"]["status"] == (
+        "verified"
+    )
+    results = [result_of(a) for a in attackers]
+    # decode's handshake timeout (5 s) bounds the whole answer, not each read: every byte came within a second
+    assert all(r["hello_bytes"] == 40 and r["held_s"] is not None and r["held_s"] < 9 for r in results), results
+    end = time.monotonic() + 10  # decode's counts reach the router's /metrics with its next load report
+    while failed() < failed_before + 4 and time.monotonic() < end:
+        time.sleep(0.25)
+    assert failed() >= failed_before + 4
+
+
 def test_a_4gib_frame_header_costs_decode_nothing_and_it_stays_healthy(server: LaunchedServer) -> None:
     decode = next(w for w in info(server)["workers"].values() if w["role"] == "decode" and w["up"])
     rss_before = rss_bytes([decode["pid"]])

@@ -137,6 +137,33 @@ def test_a_peer_with_another_key_fails_the_handshake_on_both_sides() -> None:
     assert isinstance(s, handshake.HandshakeError)
 
 
+def test_a_peer_that_dribbles_its_answer_is_dropped_when_the_whole_handshake_overruns() -> None:
+    a, b = socket.socketpair()
+    out: dict[str, object] = {}
+
+    def receiver() -> None:
+        t0 = time.monotonic()
+        try:
+            handshake.accept(a, ClusterKey.generate().derive("data-plane"), 1.0)
+        except handshake.HandshakeError as e:
+            out["error"] = e
+        out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    try:
+        end = time.monotonic() + 6
+        while t.is_alive() and time.monotonic() < end:  # one byte every 0.2 s: each read alone is quick
+            b.send(b"\x00")
+            time.sleep(0.2)
+        t.join(10)
+    finally:
+        a.close()
+        b.close()
+    assert "no handshake answer within 1s" in str(out["error"])
+    assert float(out["seconds"]) < 2.0  # type: ignore[arg-type]
+
+
 # -- the data-plane receiver ---------------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 
 from kvfence.errors import KvfenceError
 
@@ -49,9 +50,15 @@ def _tag(key: bytes, label: bytes, nonce_r: bytes, nonce_s: bytes) -> bytes:
     return hmac.new(key, label + MAGIC + nonce_r + nonce_s, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes by `deadline` (time.monotonic()) for all of them, not per read: a peer dribbling a byte at a
+    time would otherwise hold one of the receiver's few pending-handshake places for minutes."""
     buf = bytearray()
     while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
         got = sock.recv(n - len(buf))
         if not got:
             raise HandshakeError(f"peer closed the connection during the handshake ({len(buf)}/{n} bytes)")
@@ -102,11 +109,12 @@ def accept(sock: socket.socket, key: bytes, timeout_s: float) -> FrameMac:
     Raises HandshakeError (wrong key, not a kvfence sender, too slow) or OSError; reads at most
     NONCE_BYTES + TAG_BYTES bytes from the peer whatever it sends."""
     old = sock.gettimeout()
+    deadline = time.monotonic() + timeout_s  # for the whole handshake
     sock.settimeout(timeout_s)
     try:
         nonce_r = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(MAGIC + nonce_r)
-        answer = _recv_exact(sock, NONCE_BYTES + TAG_BYTES)
+        answer = _recv_exact(sock, NONCE_BYTES + TAG_BYTES, deadline)
         nonce_s, tag_s = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not hmac.compare_digest(tag_s, _tag(key, b"sender", nonce_r, nonce_s)):
             raise HandshakeError("the peer's handshake tag is wrong: it does not hold this deployment's cluster key")
@@ -121,15 +129,16 @@ def accept(sock: socket.socket, key: bytes, timeout_s: float) -> FrameMac:
 def connect(sock: socket.socket, key: bytes, timeout_s: float) -> FrameMac:
     """Sender side, on a freshly connected socket: answer the receiver's challenge and check its proof."""
     old = sock.gettimeout()
+    deadline = time.monotonic() + timeout_s  # for the whole handshake
     sock.settimeout(timeout_s)
     try:
-        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES, deadline)
         if hello[: len(MAGIC)] != MAGIC:
             raise HandshakeError("the receiver does not speak kvfence's data-plane protocol 1")
         nonce_r, nonce_s = hello[len(MAGIC) :], secrets.token_bytes(NONCE_BYTES)
         sock.sendall(nonce_s + _tag(key, b"sender", nonce_r, nonce_s))
         try:
-            proof = _recv_exact(sock, TAG_BYTES)
+            proof = _recv_exact(sock, TAG_BYTES, deadline)
         except HandshakeError:
             raise HandshakeError(
                 "the receiver hung up on our proof: it holds another cluster key (is every process of the deployment "

