@@ -145,6 +145,39 @@ def test_tcp_sender_to_a_dead_address_fails_the_handle() -> None:
     assert handle.status.value == "error" and "cannot connect" in handle.reason and handle.sender_done
 
 
+def test_a_decode_that_never_answers_the_handshake_holds_up_only_the_sends_to_itself() -> None:
+    import threading
+    import time
+
+    silent = socket.socket()  # takes the TCP connection, never says hello: the sender waits out its handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    receiver = TcpReceiver(KVPool(LAYOUT, N), auth=AUTH)
+    src = seeded_pool(5)
+    sender = TcpSender(src, auth=AUTH)
+    stuck: dict[str, object] = {}
+
+    def to_silent() -> None:
+        h = sender.send(f"tcp://127.0.0.1:{silent.getsockname()[1]}", build_manifest("a", cap("a"), [1], src, [0]), [0])
+        stuck["reason"] = h.reason
+
+    t = threading.Thread(target=to_silent)
+    try:
+        t.start()
+        time.sleep(0.3)  # the first send is now waiting for the silent decode's hello
+        t0 = time.monotonic()
+        sender.send(receiver.address, build_manifest("b", cap("b"), [1], src, [0]), [0])
+        took = time.monotonic() - t0
+        assert took < 1.0, f"a send to a healthy decode waited {took:.1f}s behind the silent one"
+        assert t.is_alive(), "the silent decode's send ended too early for this test to show anything"
+        t.join(30)
+        assert "handshake" in str(stuck["reason"])
+    finally:
+        sender.close()
+        receiver.close()
+        silent.close()
+
+
 def test_a_malformed_pages_frame_closes_the_connection_and_fails_the_request() -> None:
     src, d_pool, d_alloc = seeded_pool(4), KVPool(LAYOUT, N), PageAllocator(N)
     receiver = TcpReceiver(d_pool, auth=AUTH)

@@ -443,15 +443,28 @@ class TcpSender(SenderBase):
         self.staging = sender_staging(pool, self.config)  # host buffers for a device pool, reused across transfers
         self._conns: dict[str, _Conn] = {}
         self._readers: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables above; never held across the network
+        self._connecting: dict[str, threading.Lock] = {}  # one connect at a time per address
+        self._shut = False  # close() ran: a connect that finishes later is dropped
 
     def _new_conn(self, sock: socket.socket, mac: FrameMac) -> _Conn:
         return _Conn(sock, mac)
 
-    def _connect(self, address: str) -> _Conn:
+    def _live(self, address: str) -> _Conn | None:
         with self._lock:
             conn = self._conns.get(address)
-            if conn is not None and not conn.closed and not conn.severed:
+            return conn if conn is not None and not conn.closed and not conn.severed else None
+
+    def _connect(self, address: str) -> _Conn:
+        """The live connection to `address`, made (and authenticated) if there is none. Connecting waits for the
+        network only under `address`'s own lock, so a decode host that does not answer (up to connect_timeout_s
+        plus handshake_timeout_s) holds up the sends to it, never those to other decodes."""
+        if (conn := self._live(address)) is not None:
+            return conn
+        with self._lock:
+            connecting = self._connecting.setdefault(address, threading.Lock())
+        with connecting:
+            if (conn := self._live(address)) is not None:  # another thread connected while we waited
                 return conn
             sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
             try:
@@ -466,9 +479,15 @@ class TcpSender(SenderBase):
             sock.settimeout(self.config.io_timeout_s)  # a decode that stops reading fails the send, never hangs it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self._new_conn(sock, mac)
-            self._conns[address] = conn
             t = threading.Thread(target=self._reader, args=(conn,), name=self._reader_name, daemon=True)
-            self._readers.append(t)
+            with self._lock:
+                shut = self._shut
+                if not shut:
+                    self._conns[address] = conn
+                    self._readers.append(t)
+            if shut:
+                conn.close()
+                raise ConnectionError("this sender closed while connecting")
             t.start()
             return conn
 
@@ -502,6 +521,7 @@ class TcpSender(SenderBase):
 
     def close(self) -> None:
         with self._lock:
+            self._shut = True
             conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             conn.close()
