@@ -323,6 +323,7 @@ def test_a_sender_refuses_a_receiver_that_cannot_prove_the_key() -> None:
     auth = plane_auth()
     sender = TcpSender(src, auth=auth)
     handle = sender.send(impostor.address, build_manifest("r", xid(), [1, 2], src, [0]), [0])
+    assert handle.wait_sender_done(10)  # the connect runs on the transfer's thread
     assert (
         handle.status.value == "error" and "cannot connect" in handle.reason and "another cluster key" in handle.reason
     )

@@ -447,4 +447,5 @@ def test_sending_to_a_dead_address_fails_the_handle(pair: Pair) -> None:
         port = s.getsockname()[1]
     m = build_manifest("dead", cap("dead"), [1], pair.p_pool, [0])
     handle = pair.sender.send(f"mooncake://127.0.0.1:{port}", m, [0])
-    assert handle.status == SendStatus.ERROR and "cannot connect" in handle.reason and handle.sender_done
+    assert handle.wait_sender_done(10)  # the connect runs on the transfer's thread
+    assert handle.status == SendStatus.ERROR and "cannot connect" in handle.reason

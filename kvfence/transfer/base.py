@@ -64,6 +64,7 @@ the landed pages are right (`integrity.verify`), or what to do with an ending
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -98,6 +99,7 @@ from kvfence.transfer.frames import (
 from kvfence.transfer.staging import HostStaging, PageLanding, StagedPages, landing_rows
 
 Payload = Sequence[bytes | bytearray | memoryview]
+logger = logging.getLogger(__name__)
 
 
 # Transfer ids and the transfer config live in torch-free modules (the router and the flag tables import them).
@@ -695,6 +697,12 @@ class SenderCore:
         with self._lock:
             self._handles.pop((handle.request_id, handle.transfer_id), None)
 
+    def attach(self, link: SenderLink, handle: SendHandle) -> None:
+        """`handle`'s transfer goes over `link` (transfer threads attach concurrently: one at a time here)."""
+        with self._lock:
+            link.handles = [h for h in link.handles if not (h.finished and h.sender_done)] + [handle]
+            handle.link = link
+
     def link_closed(self, handles: Sequence[SendHandle] | None = None, cause: str = "") -> None:
         """The connection is gone; `cause` says why when a send on it failed (else: closed by the peer)."""
         for h in list(handles if handles is not None else self._handles.values()):
@@ -972,7 +980,9 @@ class SenderLink(Link, Protocol):
 
 
 class SenderBase:
-    """`Sender.send` for every transport: register the handle, connect, run the transfer on its own thread.
+    """`Sender.send` for every transport: register the handle, then connect and run the transfer on the transfer's
+    own thread, so a decode that does not answer (up to the connect and handshake timeouts) never stalls the
+    caller (prefill's loop, which must keep reporting to the router); a failed connect fails the handle.
 
     A transport supplies `_connect(address)` (raises OSError or ValueError when no receiver is there) and
     `_transfer(link, handle, src_pages)` (the blocking send, usually `run_send`)."""
@@ -996,21 +1006,25 @@ class SenderBase:
         handle = self._new_handle(manifest)
         handle.address = address
         self.core.add(handle)
+        threading.Thread(
+            target=self._connect_and_transfer,
+            args=(address, handle, list(src_pages)),
+            name=f"{self._thread_name}-{manifest.request_id}",
+            daemon=True,
+        ).start()
+        return handle
+
+    def _connect_and_transfer(self, address: str, handle: SendHandle, src_pages: list[int]) -> None:
         try:
             link = self._connect(address)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # OSError/ValueError: no receiver there; anything else is still this send's end
+            if not isinstance(e, (OSError, ValueError)):
+                logger.exception("connecting to decode at %s failed", address)
             handle.peer_lost = True
             handle._set(SendStatus.ERROR, self._connect_failed(address, e))
             with handle._cond:  # no thread will read the source pages
                 handle.sender_done = True
                 handle._cond.notify_all()
-            return handle
-        link.handles = [h for h in link.handles if not (h.finished and h.sender_done)] + [handle]
-        handle.link = link
-        threading.Thread(
-            target=self._transfer,
-            args=(link, handle, list(src_pages)),
-            name=f"{self._thread_name}-{manifest.request_id}",
-            daemon=True,
-        ).start()
-        return handle
+            return
+        self.core.attach(link, handle)
+        self._transfer(link, handle, src_pages)
