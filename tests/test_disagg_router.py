@@ -687,4 +687,5 @@ def test_metrics_show_each_workers_load_and_health(fleet_of: Callable[..., Fleet
     text = Metrics(fleet.router.stats).render().decode()
     assert 'kvfence_worker_up{role="decode",worker="decode-0"} 0.0' in text
     assert 'kvfence_worker_deaths_total{role="decode"} 1.0' in text
+    assert "kvfence_control_messages_dropped_total 0.0" in text  # every message reached its worker's link
     assert 'worker="decode-0"} 32.0' not in text  # a dead worker's last load is not shown as current

@@ -564,6 +564,7 @@ class Router:
             "healthy": self.healthy(),
             "worker_deaths": dict(self.worker_deaths),
             "retries": dict(self.retries),
+            "control_messages_dropped": int(getattr(self.hub, "dropped_sends", 0)),
         }
 
     # -- receiver thread ------------------------------------------------------------------------------------

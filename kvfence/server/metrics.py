@@ -152,6 +152,12 @@ def _worker_families(stats: dict[str, Any]) -> Iterator[Metric]:
     for role, count in (stats.get("worker_deaths") or {}).items():
         deaths.add_metric([str(role)], float(count))
     yield deaths
+    if "control_messages_dropped" in stats:
+        dropped = CounterMetricFamily(
+            "kvfence_control_messages_dropped", "Router messages dropped: the worker's link queue was full"
+        )
+        dropped.add_metric([], float(stats["control_messages_dropped"]))
+        yield dropped
 
 
 class _WithoutCreated(Collector):
