@@ -398,17 +398,20 @@ def test_stopping_a_monitor_flooded_with_refused_handshakes_does_not_freeze_the_
     assert drained > 2_000, f"only {drained} events queued: the flood did not exceed the old pipe's 2,000"
 
 
+class _UnansweredWorker:
+    """What `register` needs of a worker; its registration is never answered in these tests."""
+
+    role = "prefill"
+
+    def attach(self, send: object) -> None:
+        pass
+
+    def registration(self) -> P.Message:
+        return P.Shutdown()
+
+
 def test_a_worker_told_to_stop_while_no_router_answers_stops_instead_of_waiting_out_the_timeout() -> None:
     from kvfence.disagg.worker import register
-
-    class Stub:
-        role = "prefill"
-
-        def attach(self, send: object) -> None:
-            pass
-
-        def registration(self) -> P.Message:
-            return P.Shutdown()
 
     hub = P.ZmqHub("127.0.0.1", 0)  # never pumped: the registration is never answered
     channel = P.ZmqChannel(hub.address, "prefill-0", None)
@@ -416,7 +419,7 @@ def test_a_worker_told_to_stop_while_no_router_answers_stops_instead_of_waiting_
     threading.Timer(0.3, stop.set).start()  # SIGTERM's handler sets this event
     try:
         t0 = time.monotonic()
-        assert register(Stub(), channel, timeout=120, stop=stop) is False  # type: ignore[arg-type]
+        assert register(_UnansweredWorker(), channel, timeout=120, stop=stop) is False  # type: ignore[arg-type]
         assert time.monotonic() - t0 < 5
     finally:
         channel.close()
@@ -427,15 +430,6 @@ def test_a_worker_with_another_key_is_told_so_at_registration_not_left_waiting()
     from kvfence.disagg.worker import register
     from kvfence.errors import CapacityConfigError
 
-    class Stub:
-        role = "prefill"
-
-        def attach(self, send: object) -> None:
-            pass
-
-        def registration(self) -> P.Message:
-            return P.Shutdown()  # never answered anyway: the router does not admit the link
-
     hub = P.ZmqHub("127.0.0.1", 0, curve=CurveKeys.from_cluster_key(ClusterKey.generate()))
     channel = P.ZmqChannel(hub.address, "prefill-0", CurveKeys.from_cluster_key(ClusterKey.generate()))
     stop = threading.Event()
@@ -444,7 +438,7 @@ def test_a_worker_with_another_key_is_told_so_at_registration_not_left_waiting()
     try:
         t0 = time.monotonic()
         with pytest.raises(CapacityConfigError, match="another cluster key"):
-            register(Stub(), channel, timeout=60)  # type: ignore[arg-type]
+            register(_UnansweredWorker(), channel, timeout=60)  # type: ignore[arg-type]
         assert time.monotonic() - t0 < 30
     finally:
         stop.set()
