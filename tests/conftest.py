@@ -25,7 +25,8 @@ ARCHITECTURES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Mi
 # long after a test's own timeout it prints every thread's stack to the stderr the run started with and ends the
 # process, so a hung test becomes a crashed worker (xdist reports it and goes on) instead of a run that never ends.
 # xdist requeues the crashed test with the rest of its file (--dist loadfile), so a hang that repeats would crash
-# worker after worker, 11 minutes each: pyproject's --max-worker-restart=1 stops that after the second crash.
+# worker after worker, 11 minutes each: `pytest_configure` bounds the restarts to one unless the command line sets
+# --max-worker-restart (not in pyproject's addopts: .ci/vllm.sh runs pytest without xdist, which would refuse it).
 # (pytest's own faulthandler_timeout takes one limit for every test; this one follows each test's timeout marker.)
 WATCHDOG_GRACE_ENV = "KVFENCE_TEST_WATCHDOG_GRACE_S"  # seconds past the timeout (default 60; its own test sets 1)
 _STDERR_COPY = pytest.StashKey[int]()  # fd 2 as it was before any test's capture replaced it
@@ -33,6 +34,8 @@ _STDERR_COPY = pytest.StashKey[int]()  # fd 2 as it was before any test's captur
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STDERR_COPY] = os.dup(sys.__stderr__.fileno() if sys.__stderr__ is not None else 2)
+    if getattr(config.option, "maxworkerrestart", "unset") is None:  # xdist is here and the command set no bound
+        config.option.maxworkerrestart = "1"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
