@@ -162,7 +162,7 @@ def test_a_decode_that_never_answers_the_handshake_holds_up_neither_the_caller_n
         )
         healthy = sender.send(receiver.address, build_manifest("b", cap("b"), [1], src, [0]), [0])
         returned = time.monotonic() - t0
-        wait_for(lambda: healthy.link is not None, timeout=1.0)  # connected while the other still waits
+        wait_for(lambda: healthy.link is not None, timeout=3.0)  # connected while the other still waits
         assert returned < 0.5, f"send waited {returned:.1f}s for the network (prefill's loop would stall)"
         assert not stuck.finished, "the silent decode's send ended too early for this test to show anything"
         assert stuck.wait_sender_done(30)
@@ -170,6 +170,29 @@ def test_a_decode_that_never_answers_the_handshake_holds_up_neither_the_caller_n
     finally:
         sender.close()
         receiver.close()
+        silent.close()
+
+
+def test_sends_queued_behind_a_failed_connect_fail_with_it_instead_of_each_waiting_again() -> None:
+    import time
+
+    from kvfence.auth.plane import PlaneAuth
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    src = seeded_pool(6)
+    sender = TcpSender(src, auth=PlaneAuth(AUTH.key, handshake_timeout_s=1.0))
+    address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        handles = [sender.send(address, build_manifest(r, cap(r), [1], src, [0]), [0]) for r in "abcde"]
+        assert all(h.wait_sender_done(20) for h in handles)
+        took = time.monotonic() - t0
+        assert all(h.status.value == "error" and "handshake" in h.reason for h in handles), [h.reason for h in handles]
+        assert took < 3.0, f"5 sends to a silent decode took {took:.1f}s: each waited out its own handshake"
+    finally:
+        sender.close()
         silent.close()
 
 

@@ -1016,6 +1016,8 @@ class SenderBase:
 
     def _connect_and_transfer(self, address: str, handle: SendHandle, src_pages: list[int]) -> None:
         try:
+            if handle.local_abort is not None:  # aborted before its turn to connect: no connect, no pages read
+                raise ConnectionError(f"aborted before connecting ({handle.local_abort})")
             link = self._connect(address)
         except Exception as e:  # OSError/ValueError: no receiver there; anything else is still this send's end
             if not isinstance(e, (OSError, ValueError)):

@@ -445,6 +445,7 @@ class TcpSender(SenderBase):
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()  # the tables above; never held across the network
         self._connecting: dict[str, threading.Lock] = {}  # one connect at a time per address
+        self._failures: dict[str, tuple[int, str]] = {}  # address -> (connects to it that failed, the last one's why)
         self._shut = False  # close() ran: a connect that finishes later is dropped
 
     def _new_conn(self, sock: socket.socket, mac: FrameMac) -> _Conn:
@@ -463,33 +464,49 @@ class TcpSender(SenderBase):
             return conn
         with self._lock:
             connecting = self._connecting.setdefault(address, threading.Lock())
+            failures_seen = self._failures.get(address, (0, ""))[0]
         with connecting:
             if (conn := self._live(address)) is not None:  # another thread connected while we waited
                 return conn
-            sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
+            with self._lock:
+                if self._shut:
+                    raise ConnectionError("this sender is closed")
+                failures, why = self._failures.get(address, (0, ""))
+                if failures > failures_seen:  # a connect failed while we waited for it: do not wait again
+                    raise ConnectionError(f"{why} (the connect just before this one)")
             try:
-                mac = handshake.connect(sock, self.auth.data_key, self.auth.handshake_timeout_s)
-            except HandshakeError as e:  # not our deployment's decode (or none at all): send it nothing
-                sock.close()
-                self.auth.events.record(SecurityEvent.HANDSHAKE_FAILED, f"receiver at {address}: {e}")
+                conn = self._dial(address)
+            except OSError as e:
+                with self._lock:
+                    self._failures[address] = (self._failures.get(address, (0, ""))[0] + 1, str(e))
                 raise
-            except OSError:
-                sock.close()
-                raise
-            sock.settimeout(self.config.io_timeout_s)  # a decode that stops reading fails the send, never hangs it
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = self._new_conn(sock, mac)
             t = threading.Thread(target=self._reader, args=(conn,), name=self._reader_name, daemon=True)
             with self._lock:
                 shut = self._shut
                 if not shut:
                     self._conns[address] = conn
                     self._readers.append(t)
+                    t.start()  # under the lock: close() never joins a thread not yet started
             if shut:
                 conn.close()
                 raise ConnectionError("this sender closed while connecting")
-            t.start()
             return conn
+
+    def _dial(self, address: str) -> _Conn:
+        """A new authenticated connection to `address` (OSError, HandshakeError among them, when there is none)."""
+        sock = socket.create_connection(parse_address(address, self._scheme), timeout=self.config.connect_timeout_s)
+        try:
+            mac = handshake.connect(sock, self.auth.data_key, self.auth.handshake_timeout_s)
+        except HandshakeError as e:  # not our deployment's decode (or none at all): send it nothing
+            sock.close()
+            self.auth.events.record(SecurityEvent.HANDSHAKE_FAILED, f"receiver at {address}: {e}")
+            raise
+        except OSError:
+            sock.close()
+            raise
+        sock.settimeout(self.config.io_timeout_s)  # a decode that stops reading fails the send, never hangs it
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._new_conn(sock, mac)
 
     def _reader(self, conn: _Conn) -> None:
         try:
