@@ -130,16 +130,10 @@ def open_monitor(sock: Any, events: int) -> Any:
     return monitor
 
 
-def stop_monitor(sock: Any, monitor: Any, drain: Callable[[], object] | None = None) -> None:
-    """Stop `sock`'s event monitor opened by `open_monitor`, first handing what it queued to `drain` (which may
-    count the events; without one they are discarded). The monitor socket stays open: its owner closes it."""
-    import zmq
-
-    if drain is not None:
-        drain()
-    else:
-        while monitor.poll(0, zmq.POLLIN):
-            monitor.recv_multipart(zmq.NOBLOCK)
+def stop_monitor(sock: Any, drain: Callable[[], object]) -> None:
+    """Stop `sock`'s event monitor opened by `open_monitor`, first handing what it queued to `drain` (its owner's
+    own drain, which counts the events). The monitor socket stays open: its owner closes it."""
+    drain()
     sock.monitor(None, 0)
 
 

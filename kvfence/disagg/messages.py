@@ -463,7 +463,7 @@ class ZmqChannel:
         if not self.closed:
             self.closed = True
             if self._monitor is not None:
-                stop_monitor(self._sock, self._monitor, self.refused_handshakes)
+                stop_monitor(self._sock, self.refused_handshakes)
                 self._monitor.close(0)
             self._sock.close(0)
             self._ctx.term()
@@ -579,7 +579,7 @@ class ZmqHub:
         with self._lock:
             self._flush()
             if self._curve is not None:
-                stop_monitor(self._sock, self._curve.monitor, self._curve.drain_monitor)
+                stop_monitor(self._sock, self._curve.drain_monitor)
                 self._curve.close()
             self._sock.close(linger=1000)  # let queued messages (Shutdown) reach the workers
             self._ctx.term()

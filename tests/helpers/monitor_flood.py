@@ -61,7 +61,7 @@ def main(routers: int) -> None:
             monitor.recv_multipart(zmq.NOBLOCK)
             drained += 1
 
-    stop_monitor(cli, monitor, drain)
+    stop_monitor(cli, drain)
     monitor.close(0)
     cli.close(0)
     for srv, _ in servers:
