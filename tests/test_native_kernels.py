@@ -62,12 +62,13 @@ def test_kernel_row_does_not_depend_on_batch_mates(D: int) -> None:
         (12, 4, 128, torch.bfloat16),  # the 0.5B's heads
         (16, 4, 128, torch.bfloat16),
         (4, 2, 128, torch.float32),
+        (24, 4, 32, torch.bfloat16),  # G = 6, D = 32: AVX2 takes these too
     ],
 )
 def test_whole_sequence_units_give_the_per_head_bits(H: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
     """With at least two sequences per thread a unit is one whole sequence (every KV head, whole pool rows, the
-    scores of 16 tokens summed together); a batch of one takes one unit per KV head. Both must give the same
-    bits, tails of 16 tokens and of pages included."""
+    scores of 16 tokens summed together, 8 on AVX2); a batch of one takes one unit per KV head. Both must give
+    the same bits, tails of 8 or 16 tokens and of pages included."""
     from kvfence.models.native_kernels import paged_decode_attention
 
     q, k, v, pages, lens = attention_case([1, 7, 16, 17, 40, 33], H=H, Hkv=Hkv, D=D, seed=5)

@@ -50,11 +50,12 @@
 #include <immintrin.h>
 #define KVF_AVX2 1
 #endif
-#if defined(KVF_AVX512) && !defined(__AVX512BF16__)
-// AVX-512 without AVX512_BF16 (e.g. Intel Ice Lake and Cascade Lake): a bfloat16 product's x rows are widened
-// to floats once per call, so that the panel kernel's broadcasts of x are loads folded into its FMAs instead of
-// a bfloat16 -> float conversion and a shuffle per row and k (two uops on the port the FMAs share); widening is
-// exact, so the sums are the same bits
+#if (defined(KVF_AVX512) && !defined(__AVX512BF16__)) || defined(KVF_AVX2)
+// AVX-512 without AVX512_BF16 (e.g. Intel Ice Lake and Cascade Lake), and AVX2: a bfloat16 product's x rows are
+// widened to floats once per call, so that the panel kernel's broadcasts of x are loads (folded into its FMAs on
+// AVX-512) instead of a bfloat16 -> float conversion per row and k on the ports the FMAs share; on AVX2 this
+// also frees the registers that held each row's widened pair, so a pass takes 4 rows instead of 2 and widens
+// each weight for twice the rows. Widening is exact, so the sums are the same bits.
 #define KVF_WIDEN_X 1
 #endif
 
@@ -419,7 +420,7 @@ inline int64_t prefetch_steps(const void* panel, int64_t steps, const void* pf_e
 }
 
 #if defined(KVF_AVX512) || defined(KVF_AVX2)
-inline void prefetch_step(const char* ahead, int64_t step) {
+[[gnu::always_inline]] inline void prefetch_step(const char* ahead, int64_t step) {
   _mm_prefetch(ahead + step * 128, _MM_HINT_T0);
   _mm_prefetch(ahead + step * 128 + 64, _MM_HINT_T0);
 }
@@ -430,12 +431,15 @@ inline void prefetch_step(const char* ahead, int64_t step) {
 // groups of RS and the panel's columns in groups of 8 * NC, and k in blocks of kPanelBlock steps (16 KiB of
 // panel at most) so that each pass after the first over a block reads it from L1; a pass keeps its accumulators
 // in registers over the block and in `acc` ([R, kPanel] floats) between blocks. Every output element is still
-// one FMA chain over k in order.
+// one FMA chain over k in order. The passes are always inlined into panel_passes (a lambda, not a function
+// pointer, carries them there): reached through a pointer, GCC inlined them or not depending on the size of
+// unrelated code (an out-of-line float32 pass ran
+// at 46-50 GFLOP/s against 67-79 inlined, 32 rows of the 100M preset's gate_up).
 constexpr int64_t kPanelBlock = 64;
 
 // float32 panels: rows [RS] x columns c0..c0 + 8 * NC of acc, over k in [k0, k1)
 template <int RS, int NC>
-inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, int64_t c0,
+[[gnu::always_inline]] inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, int64_t c0,
                             float* acc, int64_t kp) {
   __m256 a[RS][NC];
   for (int r = 0; r < RS; ++r)
@@ -455,9 +459,10 @@ inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64
 }
 
 // bfloat16 panels, k pairs j in [k0, k1): a 32-byte load is 8 columns' (even k, odd k) weights, widened exactly
-// by a shift (even) and a mask (odd); the odd k's product is added first, as VDPBF16PS does
+// by a shift (even) and a mask (odd); x's rows are already floats (KVF_WIDEN_X), broadcast by loads; the odd k's
+// product is added first, as VDPBF16PS does
 template <int RS, int NC>
-inline void panel_pass_bf16_avx2(const bf16_t* x, int64_t Kp, const bf16_t* panel, int64_t k0, int64_t k1,
+[[gnu::always_inline]] inline void panel_pass_bf16_avx2(const float* x, int64_t Kp, const bf16_t* panel, int64_t k0, int64_t k1,
                                  int64_t c0, float* acc, int64_t kp) {
   __m256 a[RS][NC];
   for (int r = 0; r < RS; ++r)
@@ -466,18 +471,30 @@ inline void panel_pass_bf16_avx2(const bf16_t* x, int64_t Kp, const bf16_t* pane
   const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchAhead;
   for (int64_t j = k0; j < k1; ++j) {
     if (j < kp) prefetch_step(ahead, j);
-    __m256 xe[RS], xo[RS];
-    for (int r = 0; r < RS; ++r) {  // the row's (even, odd) pair broadcast, then widened as the weights are
-      int32_t pair;
-      std::memcpy(&pair, x + r * Kp + 2 * j, sizeof pair);
-      const __m256i xp = _mm256_set1_epi32(pair);
-      xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
-      xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xp, hi));
-    }
-    for (int c = 0; c < NC; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j * kPanel + c0 + 8 * c) * 2));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
-      for (int r = 0; r < RS; ++r) a[r][c] = _mm256_fmadd_ps(xe[r], we, _mm256_fmadd_ps(xo[r], wo, a[r][c]));
+    if constexpr (RS <= 2) {  // each row's pair broadcast once, then column group by column group
+      __m256 xe[RS], xo[RS];
+      for (int r = 0; r < RS; ++r) {
+        xo[r] = _mm256_broadcast_ss(x + r * Kp + 2 * j + 1);
+        xe[r] = _mm256_broadcast_ss(x + r * Kp + 2 * j);
+      }
+      for (int c = 0; c < NC; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j * kPanel + c0 + 8 * c) * 2));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+        for (int r = 0; r < RS; ++r) a[r][c] = _mm256_fmadd_ps(xe[r], we, _mm256_fmadd_ps(xo[r], wo, a[r][c]));
+      }
+    } else {  // every column group's weights widened once, then row by row
+      __m256 we[NC], wo[NC];
+      for (int c = 0; c < NC; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + (j * kPanel + c0 + 8 * c) * 2));
+        we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        wo[c] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+      }
+      for (int r = 0; r < RS; ++r) {
+        const __m256 xo = _mm256_broadcast_ss(x + r * Kp + 2 * j + 1);
+        for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(xo, wo[c], a[r][c]);
+        const __m256 xe = _mm256_broadcast_ss(x + r * Kp + 2 * j);
+        for (int c = 0; c < NC; ++c) a[r][c] = _mm256_fmadd_ps(xe, we[c], a[r][c]);
+      }
     }
   }
   for (int r = 0; r < RS; ++r)
@@ -487,8 +504,8 @@ inline void panel_pass_bf16_avx2(const bf16_t* x, int64_t Kp, const bf16_t* pane
 // R rows (a panel kernel's row count) over `steps` k steps (float32 k, or bfloat16 k pairs; x's rows `ldx`
 // elements apart) as passes of RS rows x 8 * NC columns per block of k; only the first pass over a block
 // prefetches, up to pf_end
-template <int R, int RS, int NC, typename T, typename Pass>
-inline void panel_passes(const T* x, int64_t ldx, int64_t steps, const T* panel, int64_t cols, float* y, int64_t ldy,
+template <int R, int RS, int NC, typename X, typename T, typename Pass>
+inline void panel_passes(const X* x, int64_t ldx, int64_t steps, const T* panel, int64_t cols, float* y, int64_t ldy,
                          const T* pf_end, Pass pass) {
   static_assert(R % RS == 0, "whole row groups");
   alignas(32) float acc[R * kPanel];
@@ -528,7 +545,7 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, int64_t co
   }
 #elif defined(KVF_AVX2)
   constexpr int RS = R < 4 ? R : 4;  // 4 rows x 16 columns: 8 accumulators, 4 broadcasts, a weight
-  panel_passes<R, RS, 2>(x, K, K, panel, cols, y, ldy, pf_end, panel_pass_avx2<RS, 2>);
+  panel_passes<R, RS, 2>(x, K, K, panel, cols, y, ldy, pf_end, [](auto... a) { panel_pass_avx2<RS, 2>(a...); });
 #else
   (void)pf_end;
   float acc[R][kPanel] = {};
@@ -580,8 +597,11 @@ inline void panel_rows_bf16(const panel_x_t* x, int64_t Kp, const bf16_t* panel,
     if (cols > 16) _mm512_mask_storeu_ps(y + r * ldy + 16, tail_mask(cols - 16), acc[r][1]);
   }
 #elif defined(KVF_AVX2)
-  constexpr int RS = R < 2 ? R : 2;  // 2 rows x 32 columns: 8 accumulators, 4 broadcasts, a weight pair
-  panel_passes<R, RS, 4>(x, Kp, Kp / 2, panel, cols, y, ldy, pf_end, panel_pass_bf16_avx2<RS, 4>);
+  // 1-2 rows x 32 columns (8 accumulators at most, 4 broadcasts, a weight pair), or 4 rows x 16 columns (8
+  // accumulators, 4 widened weights, a broadcast)
+  constexpr int RS = R < 4 ? R : 4, NC = RS < 4 ? 4 : 2;
+  panel_passes<R, RS, NC>(x, Kp, Kp / 2, panel, cols, y, ldy, pf_end,
+                          [](auto... a) { panel_pass_bf16_avx2<RS, NC>(a...); });
 #else
   (void)pf_end;
   float acc[R][kPanel] = {};
@@ -1260,6 +1280,95 @@ void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
   std::copy(acc, acc + G * D, u.out);
 }
 
+// All Hkv KV heads of one sequence at once (u.hk unused; u.q, u.out: the sequence's [H, D]), with the same
+// float operations per output as attend_avx2<T, G> for each head, so the bits are the same: a slot's row holds
+// every head's key (Hkv * D contiguous elements), so a token's keys are read as one stretch of the page in
+// address order, where a (sequence, KV head) unit reads a 2-line slice of each row and comes back for the next
+// head later (attend_seq_avx512's reason, on 8 lanes). s [H, L]; acc [H, D] then the output; vf [4, D];
+// part [H, 8] vectors: 8 tokens' partial products per query head, summed as attend_avx2 sums them.
+template <typename T, int G>
+void attend_seq_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf, __m256* part) {
+  const int64_t NV = D / 8, L = u.L, Hkv = u.Hkv, H = G * Hkv;
+  const __m256 scale = _mm256_set1_ps(u.scale);
+  auto flush = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1's partial products -> their scores
+    for (int64_t h = 0; h < H; ++h) {
+      __m256* ph = part + h * 8;
+      for (int64_t i = n; i < 8; ++i) ph[i] = _mm256_setzero_ps();
+      _mm256_maskstore_ps(s + h * L + t0, tail_mask8(n), _mm256_mul_ps(hsum8x8(ph), scale));
+    }
+  };
+  for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      const T* krow = u.k + (first + i) * Hkv * D;
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        const T* kr = krow + hk * D;
+        const float* q = u.q + hk * G * D;
+        __m256 a[G];
+        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < NV; ++j) {
+          const __m256 kj = load8(kr + 8 * j);
+          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * j), kj, a[g]);
+        }
+        for (int g = 0; g < G; ++g) part[(hk * G + g) * 8 + t % 8] = a[g];
+      }
+      if (t % 8 == 7) flush(t - 7, 8);
+    }
+  }
+  if (L % 8 != 0) flush(L - L % 8, L % 8);
+  softmax_rows(s, H, L);
+  std::fill(acc, acc + H * D, 0.f);
+  const T* vrows[4];
+  int64_t nt = 0, t_first = 0;
+  auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (whole slot rows in vrows), head by head
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      for (int64_t tt = 0; tt < n; ++tt)
+        for (int64_t j = 0; j < NV; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + hk * D + 8 * j));
+      for (int g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        __m256 w[4];
+        for (int64_t tt = 0; tt < n; ++tt) w[tt] = _mm256_broadcast_ss(s + h * L + t0 + tt);
+        float* a = acc + h * D;
+        for (int64_t j = 0; j < NV; ++j) {
+          __m256 x = _mm256_loadu_ps(a + 8 * j);
+          for (int64_t tt = 0; tt < n; ++tt) x = _mm256_fmadd_ps(w[tt], _mm256_loadu_ps(vf + tt * D + 8 * j), x);
+          _mm256_storeu_ps(a + 8 * j, x);
+        }
+      }
+    }
+  };
+  for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
+    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (nt == 0) t_first = t0 + i;
+      vrows[nt++] = u.v + (first + i) * Hkv * D;
+      if (nt == 4) values(t_first, 4), nt = 0;
+    }
+  }
+  if (nt > 0) values(t_first, nt);
+  std::copy(acc, acc + H * D, u.out);
+}
+
+template <typename T>
+using AttendSeqAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*, __m256*);
+
+template <typename T>
+AttendSeqAvx2Fn<T> attend_seq_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
+  if (D != Dv || D % 8 != 0) return nullptr;
+  switch (G) {
+    case 1: return attend_seq_avx2<T, 1>;
+    case 2: return attend_seq_avx2<T, 2>;
+    case 3: return attend_seq_avx2<T, 3>;
+    case 4: return attend_seq_avx2<T, 4>;
+    case 5: return attend_seq_avx2<T, 5>;
+    case 6: return attend_seq_avx2<T, 6>;
+    case 7: return attend_seq_avx2<T, 7>;
+    case 8: return attend_seq_avx2<T, 8>;
+  }
+  return nullptr;
+}
+
 template <typename T>
 using AttendAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*);
 
@@ -1305,6 +1414,22 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #endif
 #ifdef KVF_AVX2
   const AttendAvx2Fn<T> fast = attend_avx2_kernel<T>(D, Dv, G);
+  // with a sequence or more for every thread, a unit is a whole sequence (every KV head: see attend_seq_avx2)
+  const AttendSeqAvx2Fn<T> seq = B >= 2 * at::get_num_threads() ? attend_seq_avx2_kernel<T>(D, Dv, G) : nullptr;
+  if (seq != nullptr) {
+    run_chunks(B, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scores, acc, vf, parts;
+      acc.resize(H * Dv), vf.resize(4 * D), parts.resize(H * 64 + 8);
+      const auto at = reinterpret_cast<std::uintptr_t>(parts.data());
+      __m256* part = reinterpret_cast<__m256*>((at + 31) & ~std::uintptr_t{31});  // H x 8 vectors, 32-byte aligned
+      for (int64_t b = begin; b < end; ++b) {
+        const Unit<T> u{qp + b * H * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, 0, sc, op + b * H * Dv};
+        scores.resize(H * u.L);
+        seq(u, D, scores.data(), acc.data(), vf.data(), part);
+      }
+    });
+    return;
+  }
 #endif
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores, acc, vf;  // per thread, reused across chunks and calls
