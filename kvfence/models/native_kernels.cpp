@@ -435,14 +435,14 @@ inline int64_t prefetch_steps(const void* panel, int64_t steps, const void* pf_e
 // in registers over the block and in `acc` ([R, kPanel] floats) between blocks. Every output element is still
 // one FMA chain over k in order. The passes are always inlined into panel_passes (a lambda, not a function
 // pointer, carries them there): reached through a pointer, GCC inlined them or not depending on the size of
-// unrelated code (an out-of-line float32 pass ran
-// at 46-50 GFLOP/s against 67-79 inlined, 32 rows of the 100M preset's gate_up).
+// unrelated code (an out-of-line float32 pass ran at 46-50 GFLOP/s against 67-79 inlined, 32 rows of the 100M
+// preset's gate_up).
 constexpr int64_t kPanelBlock = 64;
 
 // float32 panels: rows [RS] x columns c0..c0 + 8 * NC of acc, over k in [k0, k1)
 template <int RS, int NC>
-[[gnu::always_inline]] inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, int64_t c0,
-                            float* acc, int64_t kp) {
+[[gnu::always_inline]] inline void panel_pass_avx2(const float* x, int64_t K, const float* panel, int64_t k0,
+                                                   int64_t k1, int64_t c0, float* acc, int64_t kp) {
   __m256 a[RS][NC];
   for (int r = 0; r < RS; ++r)
     for (int c = 0; c < NC; ++c) a[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + c0 + 8 * c);
@@ -464,8 +464,8 @@ template <int RS, int NC>
 // by a shift (even) and a mask (odd); x's rows are already floats (KVF_WIDEN_X), broadcast by loads; the odd k's
 // product is added first, as VDPBF16PS does
 template <int RS, int NC>
-[[gnu::always_inline]] inline void panel_pass_bf16_avx2(const float* x, int64_t Kp, const bf16_t* panel, int64_t k0, int64_t k1,
-                                 int64_t c0, float* acc, int64_t kp) {
+[[gnu::always_inline]] inline void panel_pass_bf16_avx2(const float* x, int64_t Kp, const bf16_t* panel, int64_t k0,
+                                                        int64_t k1, int64_t c0, float* acc, int64_t kp) {
   __m256 a[RS][NC];
   for (int r = 0; r < RS; ++r)
     for (int c = 0; c < NC; ++c) a[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + c0 + 8 * c);
@@ -1355,20 +1355,28 @@ void attend_seq_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* v
 template <typename T>
 using AttendSeqAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*, __m256*);
 
+// make(std::integral_constant<int, G>) for G = 1..8 query heads per KV head, else nullptr: the AVX2 attention
+// kernels' one table of instantiations
+template <typename Fn, typename Make>
+Fn for_heads_per_kv(int64_t G, Make make) {
+  switch (G) {
+    case 1: return make(std::integral_constant<int, 1>{});
+    case 2: return make(std::integral_constant<int, 2>{});
+    case 3: return make(std::integral_constant<int, 3>{});
+    case 4: return make(std::integral_constant<int, 4>{});
+    case 5: return make(std::integral_constant<int, 5>{});
+    case 6: return make(std::integral_constant<int, 6>{});
+    case 7: return make(std::integral_constant<int, 7>{});
+    case 8: return make(std::integral_constant<int, 8>{});
+  }
+  return nullptr;
+}
+
 template <typename T>
 AttendSeqAvx2Fn<T> attend_seq_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
   if (D != Dv || D % 8 != 0) return nullptr;
-  switch (G) {
-    case 1: return attend_seq_avx2<T, 1>;
-    case 2: return attend_seq_avx2<T, 2>;
-    case 3: return attend_seq_avx2<T, 3>;
-    case 4: return attend_seq_avx2<T, 4>;
-    case 5: return attend_seq_avx2<T, 5>;
-    case 6: return attend_seq_avx2<T, 6>;
-    case 7: return attend_seq_avx2<T, 7>;
-    case 8: return attend_seq_avx2<T, 8>;
-  }
-  return nullptr;
+  return for_heads_per_kv<AttendSeqAvx2Fn<T>>(
+      G, [](auto g) -> AttendSeqAvx2Fn<T> { return attend_seq_avx2<T, decltype(g)::value>; });
 }
 
 template <typename T>
@@ -1377,17 +1385,8 @@ using AttendAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*);
 template <typename T>
 AttendAvx2Fn<T> attend_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
   if (D != Dv || D % 8 != 0) return nullptr;
-  switch (G) {
-    case 1: return attend_avx2<T, 1>;
-    case 2: return attend_avx2<T, 2>;
-    case 3: return attend_avx2<T, 3>;
-    case 4: return attend_avx2<T, 4>;
-    case 5: return attend_avx2<T, 5>;
-    case 6: return attend_avx2<T, 6>;
-    case 7: return attend_avx2<T, 7>;
-    case 8: return attend_avx2<T, 8>;
-  }
-  return nullptr;
+  return for_heads_per_kv<AttendAvx2Fn<T>>(
+      G, [](auto g) -> AttendAvx2Fn<T> { return attend_avx2<T, decltype(g)::value>; });
 }
 #endif
 
