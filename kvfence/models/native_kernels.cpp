@@ -1227,6 +1227,43 @@ inline __m256 hsum8x8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The AVX2 attention kernels' float operations, shared so that a unit and a whole sequence compute the same bits:
+// a[g] = query g's (rows D apart from q) 8-lane partial products with key row kr, 8 columns at a time in order
+template <typename T, int G>
+inline void key_partials8(const float* q, const T* kr, int64_t D, __m256* a) {
+  for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < D / 8; ++j) {
+    const __m256 kj = load8(kr + 8 * j);
+    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * j), kj, a[g]);
+  }
+}
+
+// tokens t0..t0+n-1 (n <= 8) of `rows` query heads: each head's 8 partial-product vectors (part, 8 a head; lanes
+// past n zeroed) summed (hsum8x8) and scaled into its row of s (rows L apart)
+inline void flush_scores8(__m256* part, int64_t rows, int64_t t0, int64_t n, __m256 scale, float* s, int64_t L) {
+  for (int64_t h = 0; h < rows; ++h) {
+    __m256* ph = part + h * 8;
+    for (int64_t i = n; i < 8; ++i) ph[i] = _mm256_setzero_ps();
+    _mm256_maskstore_ps(s + h * L + t0, tail_mask8(n), _mm256_mul_ps(hsum8x8(ph), scale));
+  }
+}
+
+// acc's G rows (D apart) += tokens t0..t0+n-1's values (vf [n, D], n <= 4) weighted by s's G rows (L apart): one
+// load and store of an output row per n tokens, each output one FMA chain in token order
+template <int G>
+inline void add_values8(const float* s, int64_t L, int64_t t0, int64_t n, const float* vf, int64_t D, float* acc) {
+  for (int g = 0; g < G; ++g) {
+    __m256 w[4];
+    for (int64_t tt = 0; tt < n; ++tt) w[tt] = _mm256_broadcast_ss(s + g * L + t0 + tt);
+    float* a = acc + g * D;
+    for (int64_t j = 0; j < D / 8; ++j) {
+      __m256 x = _mm256_loadu_ps(a + 8 * j);
+      for (int64_t tt = 0; tt < n; ++tt) x = _mm256_fmadd_ps(w[tt], _mm256_loadu_ps(vf + tt * D + 8 * j), x);
+      _mm256_storeu_ps(a + 8 * j, x);
+    }
+  }
+}
+
 // One (sequence, KV head) unit in 8-lane registers, D = Dv a multiple of 8, G query heads: a key row is
 // loaded once per 8 columns for all G heads (G accumulators), the partial products of 8 tokens are summed
 // together (hsum8x8); the values' pass takes 4 tokens (widened once into `vf`) per load and store of an output
@@ -1234,44 +1271,24 @@ inline __m256 hsum8x8(const __m256* v) {
 // operations of a unit depend only on its own q, keys and values, never on the batch.
 template <typename T, int G>
 void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
-  const int64_t NV = D / 8, L = u.L;
-  alignas(32) __m256 part[G][8];
+  const int64_t L = u.L;
+  alignas(32) __m256 part[G * 8];
   const __m256 scale = _mm256_set1_ps(u.scale);
-  auto flush = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1's partial products -> their scores
-    for (int g = 0; g < G; ++g) {
-      for (int64_t i = n; i < 8; ++i) part[g][i] = _mm256_setzero_ps();
-      _mm256_maskstore_ps(s + g * L + t0, tail_mask8(n), _mm256_mul_ps(hsum8x8(part[g]), scale));
-    }
-  };
   for_each_token(u, [&](int64_t t, int64_t row) {
-    const T* kr = u.k + row * D;
     __m256 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < NV; ++j) {
-      const __m256 kj = load8(kr + 8 * j);
-      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(u.q + g * D + 8 * j), kj, a[g]);
-    }
-    for (int g = 0; g < G; ++g) part[g][t % 8] = a[g];
-    if (t % 8 == 7) flush(t - 7, 8);
+    key_partials8<T, G>(u.q, u.k + row * D, D, a);
+    for (int g = 0; g < G; ++g) part[g * 8 + t % 8] = a[g];
+    if (t % 8 == 7) flush_scores8(part, G, t - 7, 8, scale, s, L);
   });
-  if (L % 8 != 0) flush(L - L % 8, L % 8);
+  if (L % 8 != 0) flush_scores8(part, G, L - L % 8, L % 8, scale, s, L);
   softmax_rows(s, G, L);
   std::fill(acc, acc + G * D, 0.f);
   const T* vrows[4];
   int64_t nt = 0, t_first = 0;
   auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (rows in vrows)
     for (int64_t tt = 0; tt < n; ++tt)
-      for (int64_t j = 0; j < NV; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + 8 * j));
-    for (int g = 0; g < G; ++g) {
-      __m256 w[4];
-      for (int64_t tt = 0; tt < n; ++tt) w[tt] = _mm256_broadcast_ss(s + g * L + t0 + tt);
-      float* a = acc + g * D;
-      for (int64_t j = 0; j < NV; ++j) {
-        __m256 x = _mm256_loadu_ps(a + 8 * j);
-        for (int64_t tt = 0; tt < n; ++tt) x = _mm256_fmadd_ps(w[tt], _mm256_loadu_ps(vf + tt * D + 8 * j), x);
-        _mm256_storeu_ps(a + 8 * j, x);
-      }
-    }
+      for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + 8 * j));
+    add_values8<G>(s, L, t0, n, vf, D, acc);
   };
   for_each_token(u, [&](int64_t t, int64_t row) {
     if (nt == 0) t_first = t;
@@ -1283,42 +1300,29 @@ void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
 }
 
 // All Hkv KV heads of one sequence at once (u.hk unused; u.q, u.out: the sequence's [H, D]), with the same
-// float operations per output as attend_avx2<T, G> for each head, so the bits are the same: a slot's row holds
-// every head's key (Hkv * D contiguous elements), so a token's keys are read as one stretch of the page in
-// address order, where a (sequence, KV head) unit reads a 2-line slice of each row and comes back for the next
-// head later (attend_seq_avx512's reason, on 8 lanes). s [H, L]; acc [H, D] then the output; vf [4, D];
-// part [H, 8] vectors: 8 tokens' partial products per query head, summed as attend_avx2 sums them.
+// float operations per output as attend_avx2<T, G> for each head (the helpers above), so the bits are the same:
+// a slot's row holds every head's key (Hkv * D contiguous elements), so a token's keys are read as one stretch
+// of the page in address order, where a (sequence, KV head) unit reads a 2-line slice of each row and comes back
+// for the next head later (attend_seq_avx512's reason, on 8 lanes). s [H, L]; acc [H, D] then the output;
+// vf [4, D]; part [H, 8] vectors: 8 tokens' partial products per query head.
 template <typename T, int G>
 void attend_seq_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf, __m256* part) {
-  const int64_t NV = D / 8, L = u.L, Hkv = u.Hkv, H = G * Hkv;
+  const int64_t L = u.L, Hkv = u.Hkv, H = G * Hkv;
   const __m256 scale = _mm256_set1_ps(u.scale);
-  auto flush = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1's partial products -> their scores
-    for (int64_t h = 0; h < H; ++h) {
-      __m256* ph = part + h * 8;
-      for (int64_t i = n; i < 8; ++i) ph[i] = _mm256_setzero_ps();
-      _mm256_maskstore_ps(s + h * L + t0, tail_mask8(n), _mm256_mul_ps(hsum8x8(ph), scale));
-    }
-  };
   for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
     const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = t0 + i;
       const T* krow = u.k + (first + i) * Hkv * D;
       for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const T* kr = krow + hk * D;
-        const float* q = u.q + hk * G * D;
         __m256 a[G];
-        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < NV; ++j) {
-          const __m256 kj = load8(kr + 8 * j);
-          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * j), kj, a[g]);
-        }
+        key_partials8<T, G>(u.q + hk * G * D, krow + hk * D, D, a);
         for (int g = 0; g < G; ++g) part[(hk * G + g) * 8 + t % 8] = a[g];
       }
-      if (t % 8 == 7) flush(t - 7, 8);
+      if (t % 8 == 7) flush_scores8(part, H, t - 7, 8, scale, s, L);
     }
   }
-  if (L % 8 != 0) flush(L - L % 8, L % 8);
+  if (L % 8 != 0) flush_scores8(part, H, L - L % 8, L % 8, scale, s, L);
   softmax_rows(s, H, L);
   std::fill(acc, acc + H * D, 0.f);
   const T* vrows[4];
@@ -1326,18 +1330,8 @@ void attend_seq_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* v
   auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (whole slot rows in vrows), head by head
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       for (int64_t tt = 0; tt < n; ++tt)
-        for (int64_t j = 0; j < NV; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + hk * D + 8 * j));
-      for (int g = 0; g < G; ++g) {
-        const int64_t h = hk * G + g;
-        __m256 w[4];
-        for (int64_t tt = 0; tt < n; ++tt) w[tt] = _mm256_broadcast_ss(s + h * L + t0 + tt);
-        float* a = acc + h * D;
-        for (int64_t j = 0; j < NV; ++j) {
-          __m256 x = _mm256_loadu_ps(a + 8 * j);
-          for (int64_t tt = 0; tt < n; ++tt) x = _mm256_fmadd_ps(w[tt], _mm256_loadu_ps(vf + tt * D + 8 * j), x);
-          _mm256_storeu_ps(a + 8 * j, x);
-        }
-      }
+        for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + hk * D + 8 * j));
+      add_values8<G>(s + hk * G * L, L, t0, n, vf, D, acc + hk * G * D);
     }
   };
   for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
