@@ -1264,31 +1264,38 @@ inline void add_values8(const float* s, int64_t L, int64_t t0, int64_t n, const 
   }
 }
 
-// One (sequence, KV head) unit in 8-lane registers, D = Dv a multiple of 8, G query heads: a key row is
-// loaded once per 8 columns for all G heads (G accumulators), the partial products of 8 tokens are summed
-// together (hsum8x8); the values' pass takes 4 tokens (widened once into `vf`) per load and store of an output
-// row, each output one FMA chain in token order. s [G, L]; acc [G, D] then the output; vf [4, D]. The float
-// operations of a unit depend only on its own q, keys and values, never on the batch.
+// `heads` consecutive KV heads of one sequence from u.hk on (u.q, u.out: their [heads * G, D] query and output
+// rows) in 8-lane registers, D = Dv a multiple of 8, G query heads per KV head. One head (heads = 1) is the
+// (sequence, KV head) unit; all Hkv heads (u.hk = 0) make a sequence one unit, whose slot rows (every head's key,
+// Hkv * D contiguous elements) are then read once in address order instead of a 2-line slice of each row per
+// head (attend_seq_avx512's reason, on 8 lanes). A key row is loaded once per 8 columns for a head's G queries,
+// the partial products of 8 tokens are summed together (hsum8x8); the values' pass takes 4 tokens (widened once
+// into `vf`) per load and store of an output row, each output one FMA chain in token order. So every output's
+// float operations depend only on its own q, keys and values: the same bits whatever `heads` or the batch.
+// s [heads * G, L]; acc [heads * G, D] then the output; vf [4, D]; part [heads * G, 8] vectors (32-byte aligned).
 template <typename T, int G>
-void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
-  const int64_t L = u.L;
-  alignas(32) __m256 part[G * 8];
+void attend_avx2(const Unit<T>& u, int64_t D, int64_t heads, float* s, float* acc, float* vf, __m256* part) {
+  const int64_t L = u.L, H = G * heads;
   const __m256 scale = _mm256_set1_ps(u.scale);
-  for_each_token(u, [&](int64_t t, int64_t row) {
-    __m256 a[G];
-    key_partials8<T, G>(u.q, u.k + row * D, D, a);
-    for (int g = 0; g < G; ++g) part[g * 8 + t % 8] = a[g];
-    if (t % 8 == 7) flush_scores8(part, G, t - 7, 8, scale, s, L);
+  for_each_token(u, [&](int64_t t, int64_t row) {  // row: (slot, u.hk); the next heads follow it
+    for (int64_t i = 0; i < heads; ++i) {
+      __m256 a[G];
+      key_partials8<T, G>(u.q + i * G * D, u.k + (row + i) * D, D, a);
+      for (int g = 0; g < G; ++g) part[(i * G + g) * 8 + t % 8] = a[g];
+    }
+    if (t % 8 == 7) flush_scores8(part, H, t - 7, 8, scale, s, L);
   });
-  if (L % 8 != 0) flush_scores8(part, G, L - L % 8, L % 8, scale, s, L);
-  softmax_rows(s, G, L);
-  std::fill(acc, acc + G * D, 0.f);
+  if (L % 8 != 0) flush_scores8(part, H, L - L % 8, L % 8, scale, s, L);
+  softmax_rows(s, H, L);
+  std::fill(acc, acc + H * D, 0.f);
   const T* vrows[4];
   int64_t nt = 0, t_first = 0;
-  auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (rows in vrows)
-    for (int64_t tt = 0; tt < n; ++tt)
-      for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + 8 * j));
-    add_values8<G>(s, L, t0, n, vf, D, acc);
+  auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (their (slot, u.hk) rows in vrows), head by head
+    for (int64_t i = 0; i < heads; ++i) {
+      for (int64_t tt = 0; tt < n; ++tt)
+        for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + i * D + 8 * j));
+      add_values8<G>(s + i * G * L, L, t0, n, vf, D, acc + i * G * D);
+    }
   };
   for_each_token(u, [&](int64_t t, int64_t row) {
     if (nt == 0) t_first = t;
@@ -1296,91 +1303,33 @@ void attend_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf) {
     if (nt == 4) values(t_first, 4), nt = 0;
   });
   if (nt > 0) values(t_first, nt);
-  std::copy(acc, acc + G * D, u.out);
-}
-
-// All Hkv KV heads of one sequence at once (u.hk unused; u.q, u.out: the sequence's [H, D]), with the same
-// float operations per output as attend_avx2<T, G> for each head (the helpers above), so the bits are the same:
-// a slot's row holds every head's key (Hkv * D contiguous elements), so a token's keys are read as one stretch
-// of the page in address order, where a (sequence, KV head) unit reads a 2-line slice of each row and comes back
-// for the next head later (attend_seq_avx512's reason, on 8 lanes). s [H, L]; acc [H, D] then the output;
-// vf [4, D]; part [H, 8] vectors: 8 tokens' partial products per query head.
-template <typename T, int G>
-void attend_seq_avx2(const Unit<T>& u, int64_t D, float* s, float* acc, float* vf, __m256* part) {
-  const int64_t L = u.L, Hkv = u.Hkv, H = G * Hkv;
-  const __m256 scale = _mm256_set1_ps(u.scale);
-  for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
-    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      const T* krow = u.k + (first + i) * Hkv * D;
-      for (int64_t hk = 0; hk < Hkv; ++hk) {
-        __m256 a[G];
-        key_partials8<T, G>(u.q + hk * G * D, krow + hk * D, D, a);
-        for (int g = 0; g < G; ++g) part[(hk * G + g) * 8 + t % 8] = a[g];
-      }
-      if (t % 8 == 7) flush_scores8(part, H, t - 7, 8, scale, s, L);
-    }
-  }
-  if (L % 8 != 0) flush_scores8(part, H, L - L % 8, L % 8, scale, s, L);
-  softmax_rows(s, H, L);
-  std::fill(acc, acc + H * D, 0.f);
-  const T* vrows[4];
-  int64_t nt = 0, t_first = 0;
-  auto values = [&](int64_t t0, int64_t n) {  // tokens t0..t0+n-1 (whole slot rows in vrows), head by head
-    for (int64_t hk = 0; hk < Hkv; ++hk) {
-      for (int64_t tt = 0; tt < n; ++tt)
-        for (int64_t j = 0; j < D / 8; ++j) _mm256_storeu_ps(vf + tt * D + 8 * j, load8(vrows[tt] + hk * D + 8 * j));
-      add_values8<G>(s + hk * G * L, L, t0, n, vf, D, acc + hk * G * D);
-    }
-  };
-  for (int64_t t0 = 0; t0 < L; t0 += u.page_size) {
-    const int64_t first = u.pages[t0 / u.page_size] * u.page_size, n = std::min(u.page_size, L - t0);
-    for (int64_t i = 0; i < n; ++i) {
-      if (nt == 0) t_first = t0 + i;
-      vrows[nt++] = u.v + (first + i) * Hkv * D;
-      if (nt == 4) values(t_first, 4), nt = 0;
-    }
-  }
-  if (nt > 0) values(t_first, nt);
   std::copy(acc, acc + H * D, u.out);
 }
 
-template <typename T>
-using AttendSeqAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*, __m256*);
-
-// make(std::integral_constant<int, G>) for G = 1..8 query heads per KV head, else nullptr: the AVX2 attention
-// kernels' one table of instantiations
-template <typename Fn, typename Make>
-Fn for_heads_per_kv(int64_t G, Make make) {
-  switch (G) {
-    case 1: return make(std::integral_constant<int, 1>{});
-    case 2: return make(std::integral_constant<int, 2>{});
-    case 3: return make(std::integral_constant<int, 3>{});
-    case 4: return make(std::integral_constant<int, 4>{});
-    case 5: return make(std::integral_constant<int, 5>{});
-    case 6: return make(std::integral_constant<int, 6>{});
-    case 7: return make(std::integral_constant<int, 7>{});
-    case 8: return make(std::integral_constant<int, 8>{});
-  }
-  return nullptr;
+// `vectors` __m256 in `buf`, 32-byte aligned
+inline __m256* aligned_vectors(std::vector<float>& buf, int64_t vectors) {
+  buf.resize(vectors * 8 + 8);
+  const auto at = reinterpret_cast<std::uintptr_t>(buf.data());
+  return reinterpret_cast<__m256*>((at + 31) & ~std::uintptr_t{31});
 }
 
 template <typename T>
-AttendSeqAvx2Fn<T> attend_seq_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
-  if (D != Dv || D % 8 != 0) return nullptr;
-  return for_heads_per_kv<AttendSeqAvx2Fn<T>>(
-      G, [](auto g) -> AttendSeqAvx2Fn<T> { return attend_seq_avx2<T, decltype(g)::value>; });
-}
-
-template <typename T>
-using AttendAvx2Fn = void (*)(const Unit<T>&, int64_t, float*, float*, float*);
+using AttendAvx2Fn = void (*)(const Unit<T>&, int64_t, int64_t, float*, float*, float*, __m256*);
 
 template <typename T>
 AttendAvx2Fn<T> attend_avx2_kernel(int64_t D, int64_t Dv, int64_t G) {
   if (D != Dv || D % 8 != 0) return nullptr;
-  return for_heads_per_kv<AttendAvx2Fn<T>>(
-      G, [](auto g) -> AttendAvx2Fn<T> { return attend_avx2<T, decltype(g)::value>; });
+  switch (G) {
+    case 1: return attend_avx2<T, 1>;
+    case 2: return attend_avx2<T, 2>;
+    case 3: return attend_avx2<T, 3>;
+    case 4: return attend_avx2<T, 4>;
+    case 5: return attend_avx2<T, 5>;
+    case 6: return attend_avx2<T, 6>;
+    case 7: return attend_avx2<T, 7>;
+    case 8: return attend_avx2<T, 8>;
+  }
+  return nullptr;
 }
 #endif
 
@@ -1409,25 +1358,23 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #endif
 #ifdef KVF_AVX2
   const AttendAvx2Fn<T> fast = attend_avx2_kernel<T>(D, Dv, G);
-  // with a sequence or more for every thread, a unit is a whole sequence (every KV head: see attend_seq_avx2)
-  const AttendSeqAvx2Fn<T> seq = B >= 2 * at::get_num_threads() ? attend_seq_avx2_kernel<T>(D, Dv, G) : nullptr;
-  if (seq != nullptr) {
+  // with a sequence or more for every thread, a unit is a whole sequence (every KV head: see attend_avx2)
+  if (fast != nullptr && B >= 2 * at::get_num_threads()) {
     run_chunks(B, 1, [&](int64_t begin, int64_t end) {
       thread_local std::vector<float> scores, acc, vf, parts;
-      acc.resize(H * Dv), vf.resize(4 * D), parts.resize(H * 64 + 8);
-      const auto at = reinterpret_cast<std::uintptr_t>(parts.data());
-      __m256* part = reinterpret_cast<__m256*>((at + 31) & ~std::uintptr_t{31});  // H x 8 vectors, 32-byte aligned
+      acc.resize(H * Dv), vf.resize(4 * D);
+      __m256* part = aligned_vectors(parts, H * 8);
       for (int64_t b = begin; b < end; ++b) {
         const Unit<T> u{qp + b * H * D, kp, vp, pg + b * P, ln[b], page_size, Hkv, 0, sc, op + b * H * Dv};
         scores.resize(H * u.L);
-        seq(u, D, scores.data(), acc.data(), vf.data(), part);
+        fast(u, D, Hkv, scores.data(), acc.data(), vf.data(), part);
       }
     });
     return;
   }
 #endif
   run_chunks(B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, acc, vf;  // per thread, reused across chunks and calls
+    thread_local std::vector<float> scores, acc, vf, parts;  // per thread, reused across chunks and calls
     acc.resize(G * Dv);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / Hkv, hk = unit % Hkv;
@@ -1442,7 +1389,7 @@ void paged_attention_into(const float* qp, int64_t B, int64_t H, int64_t D, cons
 #elif defined(KVF_AVX2)
       if (fast != nullptr) {
         vf.resize(4 * D);
-        fast(u, D, scores.data(), acc.data(), vf.data());
+        fast(u, D, 1, scores.data(), acc.data(), vf.data(), aligned_vectors(parts, G * 8));
         continue;
       }
 #endif
