@@ -230,7 +230,8 @@ class LLMEngine:
         # a prefill's large activations are mapped on their own and returned when freed (models.heap)
         self.heap_bounds: HeapBounds | None = bound_step_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
-        self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the server at start, or on first use
+        self._grammar_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._outputs: dict[str, _OutputState] = {}
         self._pending: list[Request] = []  # requests to report at the next step without a forward
@@ -309,14 +310,15 @@ class LLMEngine:
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler of `response_format` grammars for this engine's tokenizer (made on first use)."""
-        if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
-            from kvfence.engine.structured_output import GrammarCompiler
+        with self._grammar_lock:  # the server's front end and the step loop may both ask first: one compiler
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("response_format needs the model's tokenizer", param="response_format")
+                from kvfence.engine.structured_output import GrammarCompiler
 
-            eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
-        return self._grammar_compiler
+                eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+            return self._grammar_compiler
 
     def _decoder(self, params: SamplingParams) -> StreamDecoder | None:
         return StreamDecoder(self.tokenizer) if params.detokenize and self.tokenizer is not None else None

@@ -4,12 +4,17 @@ What it knows: that a `response_format` (or a forced tool call) is compiled here
 under the server's `GrammarBudget`, so a schema the grammar engine refuses or that is over budget is a 400 in
 every mode before any engine or worker sees it, and a compile slot that never came free is a 503. Which compiler:
 the engine's own when the server runs in the same process as its engine (aggregated: the step loop then finds
-the compiled grammar in that compiler's cache), else one of its own for the tokenizer (the disaggregated router),
-made on first use. What it does not know: grammars themselves (engine/structured_output.py), HTTP routes.
+the compiled grammar in that compiler's cache), else one of its own for the tokenizer (the disaggregated router).
+Making a compiler imports xgrammar and reads the vocabulary (~1 s of one core, several under load): a server calls
+`prepare` at start so that this happens beside the model load, not inside its first grammar request; without
+it the first grammar makes it. Either way it is made once. What it does not know: grammars themselves
+(engine/structured_output.py), HTTP routes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,21 +36,46 @@ class GrammarGate:
         """`compiler`: the engine's (shared cache); None makes one for `tokenizer` on the first grammar."""
         self.tokenizer, self.vocab_size, self.budget = tokenizer, vocab_size, budget
         self._factory = compiler
-        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._compiler: concurrent.futures.Future[GrammarCompiler] | None = None  # set once making it starts
 
-    def _make(self) -> GrammarCompiler:
-        if self._factory is not None:
-            return self._factory()
-        vocab = self.vocab_size or int(getattr(self.tokenizer, "vocab_size", 0))
-        return GrammarCompiler(self.tokenizer, vocab, getattr(self.tokenizer, "eos_token_ids", frozenset()))
+    @property
+    def usable(self) -> bool:
+        """False for a test's fake tokenizer, which xgrammar cannot read (its grammars are not checked here)."""
+        return self._factory is not None or hasattr(self.tokenizer, "backend")
+
+    def prepare(self) -> None:
+        """Start making the compiler on a thread of its own, if it is not made or being made."""
+        if self.usable:
+            self._compiler_future()
+
+    def _compiler_future(self) -> concurrent.futures.Future[GrammarCompiler]:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = concurrent.futures.Future()
+                threading.Thread(target=self._make, args=(self._compiler,), name="kvfence-grammar-setup").start()
+            return self._compiler
+
+    def _make(self, made: concurrent.futures.Future[GrammarCompiler]) -> None:
+        try:
+            if self._factory is not None:
+                compiler = self._factory()
+            else:
+                vocab = self.vocab_size or int(getattr(self.tokenizer, "vocab_size", 0))
+                eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
+                compiler = GrammarCompiler(self.tokenizer, vocab, eos)
+        except BaseException as e:
+            with self._lock:
+                self._compiler = None  # the next grammar tries again
+            made.set_exception(e)
+        else:
+            made.set_result(compiler)
 
     async def check(self, spec: StructuredOutputs | None, param: str = "response_format") -> None:
         """Compile `spec` within the budget; raises the request's HTTP error when it cannot be."""
-        if spec is None or (self._factory is None and not hasattr(self.tokenizer, "backend")):
-            return  # no grammar; or a test's fake tokenizer, which xgrammar cannot read
-        if self._compiler is None:
-            self._compiler = await anyio.to_thread.run_sync(self._make)
-        compiler = self._compiler
+        if spec is None or not self.usable:
+            return
+        compiler = await anyio.to_thread.run_sync(self._compiler_future().result)
         try:
             await anyio.to_thread.run_sync(compiler.compile_within, spec, self.budget, param)
         except GrammarCompilerBusyError as e:
