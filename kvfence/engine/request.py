@@ -59,6 +59,7 @@ class Request:
         "logprobs",
         "prompt_logprobs",
         "num_cached_pages",
+        "prefix_key",
         "prefix_cacheable",
     )
 
@@ -85,6 +86,7 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token or string that finished it
         self.num_preemptions = 0
         self.num_cached_pages = 0  # leading pages of page_table already offered to the prefix cache
+        self.prefix_key: bytes | None = None  # the prefix cache's chain key of those pages (None while there are none)
         self.prefix_cacheable = sampling_params.prompt_logprobs is None  # prompt logprobs need every row computed
         self.grammar = grammar  # where the output stands in its response_format grammar
         self.logprobs: list[TokenLogprobs] = []  # one per output token, when sampling_params.logprobs is set

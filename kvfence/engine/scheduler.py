@@ -174,7 +174,7 @@ class Scheduler:
             self.prefix_cache.release(request.page_table)
         self.allocator.free(request.request_id)
         request.page_table = []
-        request.num_cached_pages = 0
+        request.num_cached_pages, request.prefix_key = 0, None
 
     def _uses_cache(self, request: Request) -> bool:
         return self.prefix_cache is not None and request.prefix_cacheable
@@ -187,7 +187,7 @@ class Scheduler:
         limit = (request.num_tokens - 1) // self.page_size  # the last token runs: its logits give the next one
         m = self.prefix_cache.match(request.sampling_params.cache_salt, request.token_ids, limit)
         request.page_table = list(m.pages)
-        request.num_cached_pages = len(m.pages)
+        request.num_cached_pages, request.prefix_key = len(m.pages), m.key
         request.num_computed_tokens = len(m.pages) * self.page_size
         return request.num_computed_tokens
 
@@ -196,6 +196,7 @@ class Scheduler:
         assert self.prefix_cache is not None and not self.allocator.pages_of(request.request_id)
         self.prefix_cache.release(request.page_table)
         request.page_table, request.num_cached_pages, request.num_computed_tokens = [], 0, 0
+        request.prefix_key = None
 
     def _cache_pages(self, request: Request) -> None:
         """Offer the request's full, computed pages to the prefix cache."""
@@ -204,13 +205,14 @@ class Scheduler:
         assert self.prefix_cache is not None
         num_full = request.num_computed_tokens // self.page_size
         if num_full > request.num_cached_pages:
-            self.prefix_cache.insert(
+            request.prefix_key = self.prefix_cache.insert(
                 request.request_id,
                 request.sampling_params.cache_salt,
                 request.token_ids,
                 request.page_table,
                 request.num_cached_pages,
                 num_full,
+                request.prefix_key,
             )
             request.num_cached_pages = num_full
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -35,21 +35,30 @@ _KEY_DOMAIN = b"kvfence-prefix-cache-v1"
 class PrefixMatch(NamedTuple):
     pages: list[int]  # cached pages of the prefix, in order; the caller now holds one reference to each
     num_corrupt: int  # pages whose digest no longer matched (dropped; the match stopped at the first)
+    key: bytes | None  # the chain key of the last page in `pages` (None when there is none), for `insert`
+
+
+def iter_chain_keys(
+    cache_salt: str | None, token_ids: Sequence[int], page_size: int, num_pages: int, first: int = 0,
+    prev: bytes | None = None,
+) -> Iterator[bytes]:  # fmt: skip
+    """Keys of full pages `first .. num_pages - 1` of `token_ids` under `cache_salt` (xxh3-128 hash chain), made
+    as they are read. `prev`: the key of page `first - 1` (given exactly when first > 0), so that a request whose
+    pages are cached a chunk at a time hashes each page once, not its whole prefix again at every chunk."""
+    assert num_pages * page_size <= len(token_ids), (num_pages, page_size, len(token_ids))
+    assert (prev is None) == (first == 0), (first, prev)
+    if prev is None:
+        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+        prev = xxhash.xxh3_128_digest(_KEY_DOMAIN + len(salt).to_bytes(8, "little") + salt)
+    key, page = prev, struct.Struct(f"<{page_size}q")  # little-endian int64 ids; no numpy: the router keys too
+    for i in range(first, num_pages):
+        key = xxhash.xxh3_128_digest(key + page.pack(*token_ids[i * page_size : (i + 1) * page_size]))
+        yield key
 
 
 def chain_keys(cache_salt: str | None, token_ids: Sequence[int], page_size: int, num_pages: int) -> list[bytes]:
-    """Keys of the first `num_pages` full pages of `token_ids` under `cache_salt` (xxh3-128 hash chain)."""
-    assert num_pages * page_size <= len(token_ids), (num_pages, page_size, len(token_ids))
-    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
-    key = xxhash.xxh3_128_digest(_KEY_DOMAIN + len(salt).to_bytes(8, "little") + salt)
-    n = num_pages * page_size
-    ids = struct.pack(f"<{n}q", *token_ids[:n])  # little-endian int64; no numpy: the router keys prompts too
-    stride = page_size * 8
-    keys = []
-    for i in range(num_pages):
-        key = xxhash.xxh3_128_digest(key + ids[i * stride : (i + 1) * stride])
-        keys.append(key)
-    return keys
+    """Keys of the first `num_pages` full pages of `token_ids` under `cache_salt`."""
+    return list(iter_chain_keys(cache_salt, token_ids, page_size, num_pages))
 
 
 class PrefixCache:
@@ -95,15 +104,17 @@ class PrefixCache:
         """The longest cached prefix of `token_ids` (at most `max_pages` pages) whose digests still match;
         takes a reference to each page returned (give them back with `release`)."""
         if max_pages <= 0 or not self._index:
-            return PrefixMatch([], 0)
+            return PrefixMatch([], 0, None)
         candidates: list[int] = []
-        for key in chain_keys(cache_salt, token_ids, self.page_size, max_pages):
+        keys: list[bytes] = []
+        for key in iter_chain_keys(cache_salt, token_ids, self.page_size, max_pages):  # up to the first miss
             page = self._index.get(key)
             if page is None:
                 break
             candidates.append(page)
+            keys.append(key)
         if not candidates:
-            return PrefixMatch([], 0)
+            return PrefixMatch([], 0, None)
         now = self.digest(candidates)
         pages: list[int] = []
         num_corrupt = 0
@@ -116,25 +127,27 @@ class PrefixCache:
         for page in pages:
             self._acquire(page)
         self.num_corrupt += num_corrupt
-        return PrefixMatch(pages, num_corrupt)
+        return PrefixMatch(pages, num_corrupt, keys[len(pages) - 1] if pages else None)
 
     def insert(self, request_id: str, cache_salt: str | None, token_ids: Sequence[int], page_table: Sequence[int],
-               first: int, num_full: int) -> None:  # fmt: skip
-        """Cache pages `first .. num_full - 1` of a request: full pages whose tokens are all computed.
+               first: int, num_full: int, prev: bytes | None) -> bytes | None:  # fmt: skip
+        """Cache pages `first .. num_full - 1` of a request: full pages whose tokens are all computed. `prev`: the
+        chain key of page `first - 1` (this call's return value the time before, or the match's key; None when
+        first is 0). Returns the key of page `num_full - 1`, for the next call.
 
         A page the request owns moves to `CACHE_OWNER` and the request keeps one reference to it; a page already
         cached (the request matched it) or whose key another page holds stays as it is."""
         if num_full <= first:
-            return
-        keys = chain_keys(cache_salt, token_ids, self.page_size, num_full)
-        owned = set(self.allocator.pages_of(request_id))
+            return prev
+        keys = list(iter_chain_keys(cache_salt, token_ids, self.page_size, num_full, first, prev))
+        owner = self.allocator.owner
         new = [
-            (keys[i], page_table[i])
-            for i in range(first, num_full)
-            if keys[i] not in self._index and page_table[i] in owned
+            (key, page_table[i])
+            for i, key in enumerate(keys, start=first)
+            if key not in self._index and owner[page_table[i]] == request_id
         ]
         if not new:
-            return
+            return keys[-1]
         pages = [p for _, p in new]
         self.allocator.transfer(request_id, pages, CACHE_OWNER)
         for (key, page), d in zip(new, self.digest(pages), strict=True):
@@ -142,6 +155,7 @@ class PrefixCache:
             self._key_of[page] = key
             self._digest_of[page] = d
             self._refs[page] = 1
+        return keys[-1]
 
     def release(self, pages: Sequence[int]) -> None:
         """A request stops reading `pages` (its page table; pages that are not cached are skipped)."""
