@@ -304,7 +304,7 @@ class Scheduler:
         return min(req.sampling_params.max_tokens - req.num_output_tokens, self.context_length - req.num_tokens)
 
     def stop_tokens(self, req: Request) -> tuple[int, ...]:
-        """The sampled tokens that finish the request (`_check_stop`'s eos and stop_token_ids)."""
+        """The sampled tokens that finish the request: eos (unless ignore_eos) and its stop_token_ids."""
         eos = () if req.sampling_params.ignore_eos else tuple(sorted(self.eos_token_ids))
         return eos + tuple(req.sampling_params.stop_token_ids)
 
@@ -332,9 +332,7 @@ class Scheduler:
         params = req.sampling_params
         if req.prefill_only:
             req.status = RequestStatus.FINISHED_PREFILL_DONE
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif token in params.stop_token_ids:
+        elif token in self.stop_tokens(req):  # the same list the multi-step decode stops on
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.context_length:
             req.status = RequestStatus.FINISHED_LENGTH
