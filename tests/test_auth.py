@@ -445,3 +445,30 @@ def test_a_worker_with_another_key_is_told_so_at_registration_not_left_waiting()
         pump.join()
         channel.close()
         hub.close()
+
+
+def test_a_worker_send_that_the_link_cannot_take_gives_up_when_the_worker_stops() -> None:
+    """SIGTERM (the stop event) during a send the link has no room for: the message is dropped within a poll
+    slice, not after the whole send timeout, so the worker's loop sees the stop and exits."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    stop = threading.Event()
+    ch = P.ZmqChannel(f"tcp://127.0.0.1:{silent.getsockname()[1]}", "prefill-0", None, send_timeout_s=30, stop=stop)
+    try:
+        sent = 0
+        t0 = time.monotonic()
+        timer = threading.Timer(0.5, stop.set)
+        timer.start()
+        while not stop.is_set():  # the queue fills, then a send waits until the stop
+            ch.send(P.Abort("r", "x"))
+            sent += 1
+        waited = time.monotonic() - t0
+        timer.join()
+        assert sent > 100 and waited < 2.0, (sent, waited)
+        t0 = time.monotonic()
+        ch.send(P.Abort("r", "after the stop"))  # still no room: dropped at once
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        ch.close()
+        silent.close()

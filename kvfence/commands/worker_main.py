@@ -339,8 +339,8 @@ def run_worker_role(args: argparse.Namespace) -> int:
         cores = CoreBoard(args.core_board, args.core_board_slot, share=torch.get_num_threads(), borrow=borrow)
         logger.info("%s: slot %d of this host's core board (%d threads shared, borrowing: %s)", args.role, cores.slot,
                     cores.budget, borrow)  # fmt: skip
-    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id, curve_keys(key))
     stop = threading.Event()
+    channel = P.ZmqChannel(args.router_address, worker.registration().worker_id, curve_keys(key), stop=stop)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:

@@ -38,6 +38,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -383,8 +384,14 @@ class ZmqChannel:
     and admitted only because the worker holds the cluster key (`kvfence.auth.curve`)."""
 
     def __init__(
-        self, address: str, identity: str, curve: CurveKeys | None, send_timeout_s: float = CONTROL_SEND_TIMEOUT_S
+        self,
+        address: str,
+        identity: str,
+        curve: CurveKeys | None,
+        send_timeout_s: float = CONTROL_SEND_TIMEOUT_S,
+        stop: threading.Event | None = None,
     ) -> None:
+        """`stop`: the worker's stop event (SIGTERM); a send the link cannot take gives up when it is set."""
         import zmq
 
         self.identity = identity
@@ -395,9 +402,10 @@ class ZmqChannel:
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         # A DEALER send waits while the link has no room: its queue is full, or libzmq dropped the link after a
-        # refused handshake and will not reconnect. Unbounded, that wait froze a worker (and CI) for good.
+        # refused handshake and will not reconnect. Unbounded, that wait froze a worker (and CI) for good; in one
+        # blocking call it also kept a SIGTERM waiting for the whole timeout. `send` waits in short polls instead.
         self._send_timeout_s = send_timeout_s
-        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout_s * 1000)))
+        self._stop = stop
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         self._monitor = None
         self.handshakes_refused = 0  # CURVE handshakes the router refused (another cluster key)
@@ -420,14 +428,28 @@ class ZmqChannel:
         self.closed = False
 
     def send(self, msg: Message) -> None:
-        try:
-            self._sock.send(encode(msg))
-        except self._zmq.Again:
-            raise ControlLinkDown(
-                f"{self.identity}: the control-plane link to the router at {self.address} took no message for "
-                f"{self._send_timeout_s:g}s: no router answers there, or it refused this link for good (another "
-                "cluster key, or a router with a key against a worker under --insecure-no-auth)"
-            ) from None
+        """Queue `msg` for the router. A link with no room for `send_timeout_s` raises ControlLinkDown; while the
+        worker is stopping, the message is dropped instead (nothing would read it), at most ~0.25 s later."""
+        data = encode(msg)
+        deadline = time.monotonic() + self._send_timeout_s
+        while True:
+            try:
+                self._sock.send(data, self._zmq.NOBLOCK)
+                return
+            except self._zmq.Again:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ControlLinkDown(
+                    f"{self.identity}: the control-plane link to the router at {self.address} took no message for "
+                    f"{self._send_timeout_s:g}s: no router answers there, or it refused this link for good (another "
+                    "cluster key, or a router with a key against a worker under --insecure-no-auth)"
+                )
+            if self._stop is not None and self._stop.is_set():
+                logger.warning("%s: stopping; dropped a %s the router's link had no room for", self.identity,
+                               type(msg).__name__)  # fmt: skip
+                return
+            self._sock.poll(max(1, int(min(left, 0.25) * 1000)), self._zmq.POLLOUT)
 
     def refused_handshakes(self) -> int:
         """How many times the router refused this link's CURVE handshake so far (it holds another key)."""
