@@ -26,7 +26,8 @@ from kvfence.disagg.router import RouterConfig
 from kvfence.engine.engine_client import GenerationChunk
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.errors import CapacityConfigError
+from kvfence.engine.token_logprobs import TokenLogprobs
+from kvfence.errors import CapacityConfigError, InvalidRequestError
 from kvfence.faults import FAULT_NAMES, FaultInjector
 from tests.helpers.faults import EXPECTED
 from tests.helpers.inprocess import InProcessDeployment
@@ -503,7 +504,6 @@ def test_prefill_failure_frees_decodes_reservation(loaded: Any) -> None:
 
 
 def test_router_refuses_token_ids_outside_the_vocabulary_before_sending_anything(loaded: Any) -> None:
-    from kvfence.errors import InvalidRequestError
 
     with deploy(loaded) as dep:
         vocab = dep.prefill_engine.vocab_size
@@ -554,6 +554,45 @@ def test_router_refuses_prompt_that_does_not_fit_before_sending_anything(loaded:
             asyncio.run(main())
         assert dep.decode.counts == {"verified": 0, "unverified": 0, "rejected": 0, "failed": 0, "aborted": 0}
         assert dep.router.stats()["in_flight"] == 0
+
+
+def test_prompt_logprobs_bound_covers_the_message_prefill_sends() -> None:
+    """The router's estimate of prefill's first-token message is an upper bound of the real encoding, and a close
+    one (within 10% per prompt token), so it refuses little that would have fit."""
+    rng = random.Random(5)
+    for n, k in ((1, 0), (40, 0), (40, 1), (40, 20), (300, 20)):
+        entries = [None] + [
+            TokenLogprobs(2**32 - 1, -rng.random() * 30, tuple((2**32 - 1 - j, -rng.random()) for j in range(k)))
+            for _ in range(n - 1)
+        ]
+        msg = P.Tokens("r" * 64, [2**32 - 1], text="x" * 200, num_output_tokens=1, logprobs=P.logprobs_to_wire(
+            entries[1:2]), prompt_logprobs=P.logprobs_to_wire(entries))  # fmt: skip
+        size, bound = len(P.encode(msg)), P.prompt_logprobs_wire_bytes(n, k)
+        assert size <= bound, (n, k, size, bound)
+        per_token = (bound - P.prompt_logprobs_wire_bytes(0, k)) / n
+        assert n < 40 or per_token <= 1.1 * size / n, (n, k, per_token, size / n)
+
+
+def test_router_refuses_prompt_logprobs_the_control_link_cannot_carry(
+    loaded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any worker sees it (400, naming the parameter): a message over the link's limit would make the router
+    disconnect that prefill worker, losing other requests' messages too. What fits is served as before."""
+    monkeypatch.setattr(P, "MAX_CONTROL_MESSAGE_BYTES", P.prompt_logprobs_wire_bytes(30, 5))
+    prompt = prompt_of(random.Random(3), 31)
+    with deploy(loaded) as dep:
+
+        async def main(k: int) -> None:
+            async for _ in dep.router.generate(f"k{k}", prompt, dataclasses.replace(greedy(2), prompt_logprobs=k)):
+                pass
+
+        with pytest.raises(InvalidRequestError, match="prompt_logprobs=5 for a prompt of 31 tokens") as e:
+            asyncio.run(main(5))
+        assert (e.value.code, e.value.param) == ("prompt_logprobs_too_large", "prompt_logprobs")
+        assert dep.prefill.counts["prefilled"] == 0 and dep.router.stats()["in_flight"] == 0
+        chunks = run(dep, [("fits", prompt, dataclasses.replace(greedy(2), prompt_logprobs=1))])["fits"]
+        assert chunks[-1].integrity["status"] == "verified" and len(chunks[0].prompt_logprobs or []) == 31
+        assert_baseline(dep)
 
 
 def test_workers_with_different_page_sizes_are_never_paired(loaded: Any) -> None:

@@ -57,7 +57,16 @@ if TYPE_CHECKING:  # the router imports this module and never loads torch
 
 logger = logging.getLogger(__name__)
 
-MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; larger control messages are dropped
+MAX_CONTROL_MESSAGE_BYTES = 256 << 20  # a prompt of ~20M token ids; a peer sending more is disconnected
+_ENVELOPE_BYTES = 64 << 10  # what a first token's message holds besides its prompt logprobs (ids, text, record)
+
+
+def prompt_logprobs_wire_bytes(num_prompt_tokens: int, num_top: int) -> int:
+    """At most how many bytes prefill's first-token message takes with `num_top` prompt logprobs per prompt token
+    (MessagePack: per entry a 3-list, a token id < 2**32 in 5 bytes, a float64 in 9, a list of `num_top` pairs)."""
+    return _ENVELOPE_BYTES + num_prompt_tokens * (1 + 5 + 9 + 3 + num_top * (1 + 5 + 9))
+
+
 CONTROL_SEND_TIMEOUT_S = 60.0  # a worker's send that the link takes no message for this long raises
 
 

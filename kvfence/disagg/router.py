@@ -285,6 +285,7 @@ class Router:
         self.check_health()
         self.check_token_ids(prompt)
         max_tokens = admit(len(prompt), params.max_tokens, self.capacity())  # ContextLengthExceededError (400)
+        self._check_prompt_logprobs(len(prompt), params)
         flight = Flight(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -307,6 +308,22 @@ class Router:
             self._flights[request_id] = flight
             self._wire[flight.wire_id] = request_id
         return flight
+
+    @staticmethod
+    def _check_prompt_logprobs(num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse (400) prompt logprobs that prefill's first-token message could not carry: the router's link
+        would disconnect that prefill worker on receiving it, losing other requests' messages with it."""
+        if params.prompt_logprobs is None:
+            return
+        need = P.prompt_logprobs_wire_bytes(num_prompt_tokens, params.prompt_logprobs)
+        if need > P.MAX_CONTROL_MESSAGE_BYTES:
+            raise InvalidRequestError(
+                f"prompt_logprobs={params.prompt_logprobs} for a prompt of {num_prompt_tokens} tokens may need "
+                f"{need / 2**20:.0f} MiB on the control link from prefill, over its {P.MAX_CONTROL_MESSAGE_BYTES >> 20}"
+                " MiB limit; ask for fewer prompt_logprobs or send a shorter prompt",
+                code="prompt_logprobs_too_large",
+                param="prompt_logprobs",
+            )
 
     def _pick(self, flight: Flight, need: int, exclude: tuple[str, ...]) -> tuple[str, str] | None:
         """(prefill, decode) for `flight` by load and the prefill workers' cached prefixes, the order costs accounted
