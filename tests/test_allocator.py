@@ -143,6 +143,17 @@ def test_allocating_zero_pages_leaves_no_trace() -> None:
     a.check()
 
 
+def test_freeing_a_page_twice_or_one_owned_by_another_is_refused() -> None:
+    a = PageAllocator(4)
+    mine, theirs = a.allocate("r1", 2), a.allocate("r2", 1)
+    with pytest.raises(AssertionError):
+        a.free_pages("r1", [mine[0], mine[0]])
+    with pytest.raises(AssertionError):
+        a.transfer("r1", theirs, "cache")
+    assert a.pages_of("r1") == mine and a.pages_of("r2") == theirs  # refused before anything moved
+    a.check()
+
+
 def test_check_detects_a_page_owned_and_free() -> None:
     a = PageAllocator(4)
     pages = a.allocate("r1", 1)
@@ -155,6 +166,7 @@ def test_check_detects_a_page_owned_and_free() -> None:
 # --- property test: random operation sequences vs a plain model -------------------------------------------
 
 _IDS = ["a", "b", "c", "d"]
+_CACHE = "cache"  # an owner that only receives pages (as the prefix cache does) and frees some of them
 _op = st.one_of(
     st.tuples(st.just("allocate"), st.sampled_from(_IDS), st.integers(0, 6)),
     st.tuples(st.just("free"), st.sampled_from(_IDS), st.just(0)),
@@ -162,6 +174,8 @@ _op = st.one_of(
     st.tuples(st.just("quarantine"), st.sampled_from(_IDS), st.just(0)),
     st.tuples(st.just("release"), st.sampled_from(_IDS), st.just(0)),
     st.tuples(st.just("abort"), st.sampled_from(_IDS), st.just(0)),  # abort = free owned + release quarantine
+    st.tuples(st.just("transfer"), st.sampled_from(_IDS), st.integers(0, 6)),  # some pages to the cache owner
+    st.tuples(st.just("free_pages"), st.just(_CACHE), st.integers(0, 6)),  # some of the cache owner's freed
 )
 
 
@@ -202,6 +216,16 @@ def test_random_sequences_keep_conservation_and_match_model(num_pages: int, ops:
             got = a.release_quarantine(rid)
             assert set(got) == quarantined.pop(rid, set())
             free |= set(got)
+        elif op == "transfer":  # every other page, from the second, at most n: not a prefix or a suffix
+            moving = owned.get(rid, [])[1::2][:n]
+            a.transfer(rid, moving, _CACHE)
+            owned[rid] = [p for p in owned.get(rid, []) if p not in moving]
+            owned.setdefault(_CACHE, []).extend(moving)
+        elif op == "free_pages":
+            gone = owned.get(_CACHE, [])[::-2][:n]  # from the end, every other one
+            a.free_pages(_CACHE, gone)
+            owned[_CACHE] = [p for p in owned.get(_CACHE, []) if p not in gone]
+            free |= set(gone)
         else:  # abort
             got = a.free(rid) + a.release_quarantine(rid)
             expect = owned.pop(rid, []) + sorted(quarantined.pop(rid, set()))
@@ -212,8 +236,8 @@ def test_random_sequences_keep_conservation_and_match_model(num_pages: int, ops:
         assert a.num_free == len(free)
         assert a.num_used == sum(len(v) for v in owned.values())
         assert a.num_quarantined == sum(len(v) for v in quarantined.values())
-        for r in _IDS:
-            assert a.pages_of(r) == owned.get(r, [])
+        for r in [*_IDS, _CACHE]:
+            assert a.pages_of(r) == owned.get(r, [])  # in the order they came
         for p in range(num_pages):
             expect_owner = next((r for r, v in owned.items() if p in v), None)
             assert a.owner[p] == expect_owner

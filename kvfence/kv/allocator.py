@@ -32,7 +32,9 @@ class PageAllocator:
         self._free_set: set[int] = set(range(num_pages))
         self.owner: list[str | None] = [None] * num_pages
         self.epoch: list[int] = [0] * num_pages
-        self._owned: dict[str, list[int]] = {}
+        # owner -> its pages, in allocation order (a dict as an ordered set: the prefix cache owns most of a big
+        # pool and frees a few of them at a time, which must not cost a pass over all of them)
+        self._owned: dict[str, dict[int, None]] = {}
         self._quarantine: dict[int, str] = {}  # page -> request id it was quarantined for
 
     # -- counters -------------------------------------------------------------
@@ -76,12 +78,12 @@ class PageAllocator:
             self.owner[p] = request_id
             self.epoch[p] += 1
         if pages:  # no empty entry for a zero-page allocation (it would never be dropped)
-            self._owned.setdefault(request_id, []).extend(pages)
+            self._owned.setdefault(request_id, {}).update(dict.fromkeys(pages))
         return pages
 
     def free(self, request_id: str) -> list[int]:
         """Return all pages of `request_id` to the free list; returns them."""
-        pages = self._owned.pop(request_id, [])
+        pages = list(self._owned.pop(request_id, ()))
         for p in pages:
             assert self.owner[p] == request_id, (p, self.owner[p], request_id)
             self.owner[p] = None
@@ -91,51 +93,44 @@ class PageAllocator:
 
     def free_tail(self, request_id: str, keep: int) -> list[int]:
         """Keep the first `keep` pages of `request_id`, free the rest; returns the freed ones."""
-        pages = self._owned.get(request_id, [])
+        pages = self._owned.get(request_id, {})
         assert 0 <= keep <= len(pages), (keep, len(pages))
-        tail = pages[keep:]
-        del pages[keep:]
+        tail = list(pages)[keep:]
+        self._release(request_id, tail)
         for p in tail:
             self.owner[p] = None
             self._free.append(p)
             self._free_set.add(p)
-        if not pages:
-            self._owned.pop(request_id, None)
         return tail
 
     def transfer(self, request_id: str, pages: list[int], new_owner: str) -> None:
         """Hand some pages of `request_id` to `new_owner` (same epoch: the content stays valid)."""
-        owned = self._owned.get(request_id, [])
-        moving = set(pages)
-        assert moving <= set(owned), (pages, owned)
-        kept = [p for p in owned if p not in moving]
-        if kept:
-            self._owned[request_id] = kept
-        else:
-            self._owned.pop(request_id, None)
+        self._release(request_id, pages)
         for p in pages:
             self.owner[p] = new_owner
         if pages:
-            self._owned.setdefault(new_owner, []).extend(pages)
+            self._owned.setdefault(new_owner, {}).update(dict.fromkeys(pages))
 
     def free_pages(self, request_id: str, pages: list[int]) -> None:
         """Return some pages of `request_id` to the free list."""
-        owned = self._owned.get(request_id, [])
-        gone = set(pages)
-        assert gone <= set(owned), (pages, owned)
-        kept = [p for p in owned if p not in gone]
-        if kept:
-            self._owned[request_id] = kept
-        else:
-            self._owned.pop(request_id, None)
+        self._release(request_id, pages)
         for p in pages:
             self.owner[p] = None
             self._free.append(p)
             self._free_set.add(p)
 
+    def _release(self, request_id: str, pages: list[int]) -> None:
+        """Take `pages` (each owned by `request_id`, none twice) off its list: O(len(pages)), not O(its pages)."""
+        owned = self._owned.get(request_id, {})
+        assert len(set(pages)) == len(pages) and all(p in owned for p in pages), (pages, request_id)
+        for p in pages:
+            del owned[p]
+        if not owned:
+            self._owned.pop(request_id, None)
+
     def quarantine(self, request_id: str) -> list[int]:
         """Take all pages of `request_id` out of circulation until `release_quarantine`."""
-        pages = self._owned.pop(request_id, [])
+        pages = list(self._owned.pop(request_id, ()))
         for p in pages:
             assert self.owner[p] == request_id, (p, self.owner[p], request_id)
             self.owner[p] = None
