@@ -586,9 +586,11 @@ def test_router_refuses_prompt_logprobs_the_control_link_cannot_carry(
             async for _ in dep.router.generate(f"k{k}", prompt, dataclasses.replace(greedy(2), prompt_logprobs=k)):
                 pass
 
-        with pytest.raises(InvalidRequestError, match="prompt_logprobs=5 for a prompt of 31 tokens") as e:
+        with pytest.raises(
+            InvalidRequestError, match=r"prompt_logprobs=5: `echo` with `logprobs`\) for a prompt of 31"
+        ) as e:
             asyncio.run(main(5))
-        assert (e.value.code, e.value.param) == ("prompt_logprobs_too_large", "prompt_logprobs")
+        assert (e.value.code, e.value.param) == ("prompt_logprobs_too_large", "logprobs")
         assert dep.prefill.counts["prefilled"] == 0 and dep.router.stats()["in_flight"] == 0
         chunks = run(dep, [("fits", prompt, dataclasses.replace(greedy(2), prompt_logprobs=1))])["fits"]
         assert chunks[-1].integrity["status"] == "verified" and len(chunks[0].prompt_logprobs or []) == 31

@@ -317,12 +317,13 @@ class Router:
             return
         need = P.prompt_logprobs_wire_bytes(num_prompt_tokens, params.prompt_logprobs)
         if need > P.MAX_CONTROL_MESSAGE_BYTES:
-            raise InvalidRequestError(
-                f"prompt_logprobs={params.prompt_logprobs} for a prompt of {num_prompt_tokens} tokens may need "
-                f"{need / 2**20:.0f} MiB on the control link from prefill, over its {P.MAX_CONTROL_MESSAGE_BYTES >> 20}"
-                " MiB limit; ask for fewer prompt_logprobs or send a shorter prompt",
+            raise InvalidRequestError(  # over HTTP, prompt logprobs are /v1/completions' `echo` with `logprobs`
+                f"the prompt's log probabilities (prompt_logprobs={params.prompt_logprobs}: `echo` with `logprobs`) "
+                f"for a prompt of {num_prompt_tokens} tokens may need {need / 2**20:.0f} MiB on the control link "
+                f"from prefill, over its {P.MAX_CONTROL_MESSAGE_BYTES >> 20} MiB limit; ask for fewer logprobs, or "
+                "send a shorter prompt",
                 code="prompt_logprobs_too_large",
-                param="prompt_logprobs",
+                param="logprobs",
             )
 
     def _pick(self, flight: Flight, need: int, exclude: tuple[str, ...]) -> tuple[str, str] | None:
