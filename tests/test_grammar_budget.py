@@ -185,6 +185,8 @@ def test_a_heavy_schema_beside_normal_requests(
     and the requests beside it waited for that whole compile (~12 s here), then it returned 200 after ~37 s."""
     with kvfence_serve(tiny_llama_dir, tmp_path / "serve.log", "--role", "aggregated", *flags) as url:
         _timed_completion(url, -1)  # warm up
+        # the first grammar makes the server's compiler (~1.2 s idle, ~4 s on a loaded box): not the heavy one's cost
+        assert _heavy_chat(url, 3)[0] == 200
         with ThreadPoolExecutor(4) as pool:
             alone = max(pool.map(lambda i: _timed_completion(url, i), range(4)))
         done = threading.Event()

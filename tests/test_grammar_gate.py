@@ -1,9 +1,9 @@
-"""The front end's grammar compiler is made once, at start when the server asks (`prepare`), else on the first
-grammar; a failure to make it fails that request and the next one tries again.
+"""The front end's grammar compiler is made once, on the first grammar, however many requests ask at once; a
+failure to make it fails that request and the next one tries again.
 
-Before this, the compiler was made inside the first grammar request (~1.2 s of that request on an idle core,
-~4 s on a loaded one, counted against nothing), and the engine's own was made without a lock, so the front end
-and the step loop could each make one and the step loop would then compile the grammar a second time.
+Before this, concurrent first grammars each made a compiler (~1.2 s of a core each), and the engine's own was
+made without a lock, so the front end and the step loop could each make one and the step loop would then compile
+the grammar a second time.
 """
 
 from __future__ import annotations
@@ -58,20 +58,11 @@ def _check_all(gate: GrammarGate, n: int) -> None:
     anyio.run(main)
 
 
-def test_prepare_then_concurrent_grammars_make_one_compiler_and_use_it(tokenizer: Tokenizer) -> None:
-    factory = CountingFactory(tokenizer)
-    gate = GrammarGate(tokenizer, tokenizer.vocab_size, GrammarBudget(), factory)
-    gate.prepare()
-    gate.prepare()
-    _check_all(gate, 4)
-    assert len(factory.made) == 1
-    assert factory.made[0]._cached(_key(StructuredOutputs(json=SCHEMA))) is not None  # compiled into that one
-
-
-def test_concurrent_first_grammars_without_prepare_make_one_compiler(tokenizer: Tokenizer) -> None:
+def test_concurrent_first_grammars_make_one_compiler_and_use_it(tokenizer: Tokenizer) -> None:
     factory = CountingFactory(tokenizer)
     _check_all(GrammarGate(tokenizer, tokenizer.vocab_size, GrammarBudget(), factory), 4)
     assert len(factory.made) == 1
+    assert factory.made[0]._cached(_key(StructuredOutputs(json=SCHEMA))) is not None  # compiled into that one
 
 
 def test_a_failed_make_fails_its_request_and_the_next_tries_again(tokenizer: Tokenizer) -> None:
@@ -85,7 +76,7 @@ def test_a_failed_make_fails_its_request_and_the_next_tries_again(tokenizer: Tok
 
 def test_a_fake_tokenizer_has_no_grammar_check() -> None:
     gate = GrammarGate(object(), 32, GrammarBudget())
-    gate.prepare()  # nothing to make
+    anyio.run(gate.check, StructuredOutputs(json=SCHEMA))  # not checked here: nothing made
     assert not gate.usable and gate._compiler is None
 
 

@@ -113,9 +113,7 @@ def run(args: argparse.Namespace) -> int:
             server_args={k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
         )
         try:
-            app = build_app(client, tokenizer, settings)
-            app.state.context.grammar.prepare()
-            run_server(app, args.host, args.port, args.log_level)
+            run_server(build_app(client, tokenizer, settings), args.host, args.port, args.log_level)
         finally:
             client.close()
     finally:

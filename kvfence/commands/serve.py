@@ -114,7 +114,6 @@ def run_aggregated(args: argparse.Namespace) -> int:
     app, client = build_aggregated(args)
     required = app.state.context.settings.api_key is not None
     client.start()
-    app.state.context.grammar.prepare()  # beside the engine's start, not in the first grammar request
     try:
         run_server(
             app,

@@ -277,10 +277,8 @@ def run_router(args: argparse.Namespace) -> int:
             api_key=api_key_from(args.api_key),
         )
         ports = {"control": f"tcp://{args.host}:{args.control_port}"}
-        app = build_app(router, tokenizer, settings)
-        app.state.context.grammar.prepare()  # beside the workers' start, not in the first grammar request
         run_server(
-            app,
+            build_app(router, tokenizer, settings),
             args.host,
             args.port,
             args.log_level,

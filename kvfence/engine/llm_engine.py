@@ -230,7 +230,7 @@ class LLMEngine:
         # a prefill's large activations are mapped on their own and returned when freed (models.heap)
         self.heap_bounds: HeapBounds | None = bound_step_heap()
         self.vocab_size = int(getattr(loaded.hf_config, "vocab_size", 0) or 0)
-        self._grammar_compiler: GrammarCompiler | None = None  # built by the server at start, or on first use
+        self._grammar_compiler: GrammarCompiler | None = None  # built on the first response_format request
         self._grammar_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._outputs: dict[str, _OutputState] = {}

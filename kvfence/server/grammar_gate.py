@@ -5,10 +5,10 @@ under the server's `GrammarBudget`, so a schema the grammar engine refuses or th
 every mode before any engine or worker sees it, and a compile slot that never came free is a 503. Which compiler:
 the engine's own when the server runs in the same process as its engine (aggregated: the step loop then finds
 the compiled grammar in that compiler's cache), else one of its own for the tokenizer (the disaggregated router).
-Making a compiler imports xgrammar and reads the vocabulary (~1 s of one core, several under load): a server calls
-`prepare` at start so that this happens beside the model load, not inside its first grammar request; without
-it the first grammar makes it. Either way it is made once. What it does not know: grammars themselves
-(engine/structured_output.py), HTTP routes.
+Made on the first grammar, once, however many requests ask at the same time: making one imports xgrammar (and
+torch, in a router that has none) and reads the vocabulary, ~1.2 s of one core and ~70 MiB beside torch (~260 MiB
+in the router), which a server that never sees a grammar does not pay (as vLLM, which also makes its grammar
+backend on first use). What it does not know: grammars themselves (engine/structured_output.py), HTTP routes.
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ class GrammarGate:
     def usable(self) -> bool:
         """False for a test's fake tokenizer, which xgrammar cannot read (its grammars are not checked here)."""
         return self._factory is not None or hasattr(self.tokenizer, "backend")
-
-    def prepare(self) -> None:
-        """Start making the compiler on a thread of its own, if it is not made or being made."""
-        if self.usable:
-            self._compiler_future()
 
     def _compiler_future(self) -> concurrent.futures.Future[GrammarCompiler]:
         with self._lock:
