@@ -252,3 +252,24 @@ def test_a_worker_answers_after_its_chatter(tmp_path: Path) -> None:
     got = w.run([[1, 2]], 2)
     assert got == vllm_baseline.VllmRun(0.25, [[7, 8]])
     w.close()
+
+
+def test_an_answer_that_is_not_json_fails_at_once_with_it(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, f"echo '{vllm_baseline._MARK}{{not json'; exec sleep 600")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="answered .*not json"):
+        _worker(python, 30)
+    assert time.monotonic() - t0 < 10  # not after the 30 s timeout
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_the_vllm_timeout_must_be_a_positive_number(value: str) -> None:
+    import argparse
+
+    from kvfence.bench.offline import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["offline", "--vllm-timeout-s", "0.5"]).vllm_timeout_s == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["offline", "--vllm-timeout-s", value])

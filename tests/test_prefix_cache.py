@@ -234,5 +234,7 @@ def test_chain_keys_continue_from_a_given_key() -> None:
     whole = chain_keys("t", ids, 4, 10)
     assert list(iter_chain_keys("t", ids, 4, 10, 6, whole[5])) == whole[6:]
     assert list(iter_chain_keys("u", ids, 4, 10)) != whole  # another tenant, other keys
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="needs the key of page 5"):
         list(iter_chain_keys("t", ids, 4, 10, 6))  # a chain cannot start mid-prompt without its key
+    with pytest.raises(ValueError):
+        list(iter_chain_keys("t", ids, 4, 10, 0, whole[0]))

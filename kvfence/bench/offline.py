@@ -473,6 +473,16 @@ def _llama_cpp_setup(args: argparse.Namespace, model_dir: str, output_len: int, 
         return None
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `offline` to the `kvfence bench` subcommands."""
     p = subparsers.add_parser(
@@ -502,7 +512,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--vllm-timeout-s",
-        type=float,
+        type=_positive_seconds,
         default=3600.0,
         metavar="S",
         help="longest wait for vLLM's start or one of its runs before it is killed and the bench fails "

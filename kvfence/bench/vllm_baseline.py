@@ -155,17 +155,21 @@ class VllmWorker:
             env=env,
             start_new_session=True,
         )
-        self._answers: queue.Queue[dict | None] = queue.Queue()  # None: its stdout ended
+        self._answers: queue.Queue[dict | Exception | None] = queue.Queue()  # None: its stdout ended
         threading.Thread(target=self._answers_of, args=(self.proc.stdout,), name="vllm-answers", daemon=True).start()
         self._read()  # {"ready": true}, after vLLM's start (and first-run compile)
 
     def _answers_of(self, out: IO[str] | None) -> None:
         """The worker's marked lines, parsed, onto `_answers` (its other stdout is vLLM's chatter)."""
         assert out is not None
-        for line in out:
-            if line.startswith(_MARK):
-                self._answers.put(json.loads(line[len(_MARK) :]))
-        self._answers.put(None)
+        try:
+            for line in out:
+                if line.startswith(_MARK):
+                    self._answers.put(json.loads(line[len(_MARK) :]))
+        except Exception as e:  # a marked line that is not JSON: the run fails with it, not after the timeout
+            self._answers.put(RuntimeError(f"vLLM ({self.dtype}) answered {line[:200]!r}: {e}"))
+        finally:
+            self._answers.put(None)
 
     def _read(self) -> dict:
         try:
@@ -176,6 +180,9 @@ class VllmWorker:
                 f"vLLM ({self.dtype}) gave no answer in {self.timeout_s:g} s (--vllm-timeout-s); its processes "
                 "were killed (its log is above on stderr)"
             ) from None
+        if isinstance(got, Exception):
+            self._kill()
+            raise got
         if got is None:
             code = self.proc.wait()
             raise RuntimeError(f"vLLM ({self.dtype}) exited with code {code} (its log is above on stderr)")

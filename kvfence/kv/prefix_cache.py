@@ -46,7 +46,8 @@ def iter_chain_keys(
     as they are read. `prev`: the key of page `first - 1` (given exactly when first > 0), so that a request whose
     pages are cached a chunk at a time hashes each page once, not its whole prefix again at every chunk."""
     assert num_pages * page_size <= len(token_ids), (num_pages, page_size, len(token_ids))
-    assert (prev is None) == (first == 0), (first, prev)
+    if (prev is None) != (first == 0):  # not an assert: a chain restarted mid-prompt would key other prompts' pages
+        raise ValueError(f"a chain from page {first} needs the key of page {first - 1} (prev), and only then")
     if prev is None:
         salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
         prev = xxhash.xxh3_128_digest(_KEY_DOMAIN + len(salt).to_bytes(8, "little") + salt)

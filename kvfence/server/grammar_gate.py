@@ -13,7 +13,6 @@ backend on first use). What it does not know: grammars themselves (engine/struct
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,40 +36,31 @@ class GrammarGate:
         self.tokenizer, self.vocab_size, self.budget = tokenizer, vocab_size, budget
         self._factory = compiler
         self._lock = threading.Lock()
-        self._compiler: concurrent.futures.Future[GrammarCompiler] | None = None  # set once making it starts
+        self._compiler: GrammarCompiler | None = None
 
     @property
     def usable(self) -> bool:
         """False for a test's fake tokenizer, which xgrammar cannot read (its grammars are not checked here)."""
         return self._factory is not None or hasattr(self.tokenizer, "backend")
 
-    def _compiler_future(self) -> concurrent.futures.Future[GrammarCompiler]:
+    def _get(self) -> GrammarCompiler:
+        """The compiler, made now if it is not (one caller makes it; the others wait for it on the lock). A make
+        that raises leaves none, so the next grammar tries again."""
         with self._lock:
             if self._compiler is None:
-                self._compiler = concurrent.futures.Future()
-                threading.Thread(target=self._make, args=(self._compiler,), name="kvfence-grammar-setup").start()
+                if self._factory is not None:
+                    self._compiler = self._factory()
+                else:
+                    vocab = self.vocab_size or int(getattr(self.tokenizer, "vocab_size", 0))
+                    eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
+                    self._compiler = GrammarCompiler(self.tokenizer, vocab, eos)
             return self._compiler
-
-    def _make(self, made: concurrent.futures.Future[GrammarCompiler]) -> None:
-        try:
-            if self._factory is not None:
-                compiler = self._factory()
-            else:
-                vocab = self.vocab_size or int(getattr(self.tokenizer, "vocab_size", 0))
-                eos: frozenset[int] = frozenset(getattr(self.tokenizer, "eos_token_ids", frozenset()))
-                compiler = GrammarCompiler(self.tokenizer, vocab, eos)
-        except BaseException as e:
-            with self._lock:
-                self._compiler = None  # the next grammar tries again
-            made.set_exception(e)
-        else:
-            made.set_result(compiler)
 
     async def check(self, spec: StructuredOutputs | None, param: str = "response_format") -> None:
         """Compile `spec` within the budget; raises the request's HTTP error when it cannot be."""
         if spec is None or not self.usable:
             return
-        compiler = await anyio.to_thread.run_sync(self._compiler_future().result)
+        compiler = await anyio.to_thread.run_sync(self._get)
         try:
             await anyio.to_thread.run_sync(compiler.compile_within, spec, self.budget, param)
         except GrammarCompilerBusyError as e:
